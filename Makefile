@@ -1,0 +1,44 @@
+# Two commands on a fresh clone: `make run` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test lint install bench-memory bench-train bench-data bench-exact clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[train,test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/lorafit plan
+	$(BIN)/lorafit train --demo --output-dir runs/demo --overwrite
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+bench-memory: $(STAMP)
+	$(BIN)/python bench/memory_accuracy.py
+
+bench-train: $(STAMP)
+	$(BIN)/python bench/train_throughput.py
+
+bench-data: $(STAMP)
+	$(BIN)/python bench/data_stream.py
+
+bench-exact: $(STAMP)
+	$(BIN)/python bench/exact_speed.py
+
+clean:
+	rm -rf $(VENV) runs bench/out

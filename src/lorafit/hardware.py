@@ -1,0 +1,182 @@
+"""GPUs: the catalog (catalog/gpus.toml, every figure with a source and a date) and local detection."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import platform
+import re
+import tomllib
+from functools import cache
+from importlib import resources
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lorafit.errors import UnknownGpu
+
+GpuKind = Literal["consumer", "workstation", "datacenter", "apple"]
+
+
+class GpuSpec(BaseModel):
+    """One accelerator as the planner sees it: memory to fit into, throughput to divide by, prices to pay."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    aliases: list[str] = []
+    kind: GpuKind
+    architecture: str
+    memory_gib: float = Field(gt=0, description="total device memory as nvidia-smi reports it, in GiB")
+    bf16_tflops: float = Field(ge=0, description="dense bf16 tensor-core TFLOP/s (0 where bf16 is unsupported)")
+    fp16_tflops: float = Field(gt=0, description="dense fp16 tensor-core TFLOP/s, fp32 accumulate")
+    bandwidth_gbs: float = Field(gt=0, description="memory bandwidth, GB/s")
+    board_power_w: float = Field(gt=0)
+    price_usd: float | None = Field(default=None, description="typical street or launch price")
+    rent_usd_per_hour: float | None = Field(default=None, description="typical on-demand community-cloud price")
+    usable_fraction: float = Field(
+        default=1.0, gt=0, le=1, description="share of memory a training process can take (Apple: wired limit)"
+    )
+    source: str
+    as_of: str
+
+    @property
+    def supports_bf16(self) -> bool:
+        return self.bf16_tflops > 0
+
+    def tflops(self, precision: str) -> float:
+        """Dense tensor TFLOP/s for the compute dtype; fp32 training runs on TF32 at about half the fp16 rate."""
+        if precision == "bf16" and self.supports_bf16:
+            return self.bf16_tflops
+        if precision == "fp32":
+            return self.fp16_tflops / 2
+        return self.fp16_tflops
+
+
+def _key(name: str) -> str:
+    """Normalise 'NVIDIA GeForce RTX 4090', 'rtx4090' and 'RTX-4090' to one key."""
+    name = name.lower().replace("nvidia", "").replace("geforce", "")
+    return re.sub(r"[^a-z0-9]+", "", name)
+
+
+@cache
+def catalog() -> dict[str, GpuSpec]:
+    text = resources.files("lorafit").joinpath("catalog/gpus.toml").read_text()
+    return {entry["name"]: GpuSpec.model_validate(entry) for entry in tomllib.loads(text)["gpu"]}
+
+
+def resolve(name: str) -> GpuSpec:
+    """A catalog name or alias, case- and punctuation-insensitive."""
+    wanted = _key(name)
+    by_key: dict[str, GpuSpec] = {}
+    for spec in catalog().values():
+        for label in [spec.name, *spec.aliases]:
+            by_key.setdefault(_key(label), spec)
+    if wanted in by_key:
+        return by_key[wanted]
+    close = difflib.get_close_matches(wanted, list(by_key), n=3, cutoff=0.5)
+    names = sorted({by_key[key].name for key in close})
+    hint = f"did you mean {', '.join(names)}? " if names else ""
+    raise UnknownGpu(f"no GPU {name!r} in the catalog; {hint}see `lorafit gpus`, or pass --vram GB")
+
+
+def custom(vram_gb: float, like: GpuSpec | None = None) -> GpuSpec:
+    """A GPU known only by its memory (`--vram`); throughput borrowed from `like`, else from an RTX 4090."""
+    if vram_gb <= 0:
+        raise UnknownGpu(f"--vram must be positive, got {vram_gb}")
+    base = like or catalog()["RTX 4090"]
+    return base.model_copy(
+        update={
+            "name": f"{vram_gb:g} GB GPU",
+            "aliases": [],
+            "memory_gib": vram_gb * 1e9 / 2**30,
+            "price_usd": None,
+            "rent_usd_per_hour": None,
+            "source": f"--vram {vram_gb:g}; throughput of {base.name}",
+        }
+    )
+
+
+def gpus(min_vram_gib: float = 0, max_price_hour: float | None = None) -> list[GpuSpec]:
+    """The catalog filtered by memory and rental price, smallest memory first."""
+    rows = [gpu for gpu in catalog().values() if gpu.memory_gib * gpu.usable_fraction >= min_vram_gib]
+    if max_price_hour is not None:
+        rows = [g for g in rows if g.rent_usd_per_hour is not None and g.rent_usd_per_hour <= max_price_hour]
+    return sorted(rows, key=lambda gpu: (gpu.memory_gib, gpu.name))
+
+
+# --- local detection ----------------------------------------------------------------------------------------
+class DetectedGpu(BaseModel):
+    name: str
+    memory_gib: float
+    free_gib: float | None = None
+    catalog_name: str | None = None
+
+
+class LocalMachine(BaseModel):
+    gpus: list[DetectedGpu]
+    cpu: str
+    cpu_cores: int
+    ram_gib: float | None
+    how: str
+
+
+def _ram_gib() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _catalog_name(name: str) -> str | None:
+    try:
+        return resolve(name).name
+    except UnknownGpu:
+        return None
+
+
+def _nvml_gpus() -> list[DetectedGpu] | None:
+    try:
+        import pynvml  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver: NVML raises its own error types
+        return None
+    found = []
+    for index in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        name = pynvml.nvmlDeviceGetName(handle)
+        name = name.decode() if isinstance(name, bytes) else name
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        found.append(DetectedGpu(name=name, memory_gib=memory.total / 2**30, free_gib=memory.free / 2**30,
+                                 catalog_name=_catalog_name(name)))
+    return found
+
+
+def _torch_gpus() -> list[DetectedGpu] | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return []
+    found = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        free, total = torch.cuda.mem_get_info(index)
+        found.append(DetectedGpu(name=props.name, memory_gib=total / 2**30, free_gib=free / 2**30,
+                                 catalog_name=_catalog_name(props.name)))
+    return found
+
+
+def detect(use_torch: bool = True) -> LocalMachine:
+    """The local GPUs (NVML, else torch), CPU and RAM. Never fails: no GPU is an empty list."""
+    found, how = _nvml_gpus(), "nvml"
+    if found is None and use_torch:
+        found, how = _torch_gpus(), "torch"
+    if found is None:
+        found, how = [], "none (neither NVML nor torch is installed)"
+    return LocalMachine(gpus=found, cpu=platform.processor() or platform.machine(), cpu_cores=os.cpu_count() or 1,
+                        ram_gib=_ram_gib(), how=how)

@@ -1,0 +1,404 @@
+"""Analytic peak memory of one training step: one function per term, summed in `estimate()`.
+
+Every term counts the tensors that the real code path (transformers + peft + bitsandbytes, as `train/build.py`
+sets it up) keeps alive, derived op by op in docs/memory-model.md and checked against the live-tensor trace of
+real steps (`lorafit estimate --exact`, tests/test_trace.py). Pure Python: no torch import, so planning is instant.
+
+Notation (per micro-batch): N tokens (micro_batch x seq_len), L layers, h hidden, q = heads x head_dim,
+kv = kv_heads x head_dim, I intermediate, V vocabulary, r LoRA rank, c bytes of the compute dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from lorafit.hardware import GpuSpec
+from lorafit.models import ModelSpec
+from lorafit.schema import Estimate, Settings
+
+GIB = 2**30
+MIB = 2**20
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+NF4_BLOCK = 64  # bitsandbytes blocksize for 4-bit weights
+NESTED_BLOCK = 256  # double quantisation groups 256 absmax values
+BNB_8BIT_MIN_SIZE = 4096  # bnb keeps 32-bit optimizer state for tensors smaller than this
+BNB_8BIT_BLOCK = 256
+
+
+class Runtime(BaseModel):
+    """How the framework runs the step. The defaults are lorafit's own trainer; the benchmark sets them to
+    describe other stacks (torchtune's chunked loss, peft's fp32 upcast, ...)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    loss: Literal["hf", "chunked"] = "hf"  # hf: fp32 copy of all logits; chunked: per-chunk upcast
+    kbit_upcast: bool = False  # peft prepare_model_for_kbit_training: non-quantised params to fp32
+    lora_dtype: Literal["fp32", "compute"] = "fp32"  # peft autocasts adapters to fp32 by default
+    fused_optimizer: bool = True  # adamw_torch_fused: no param-sized temporaries in the step
+    optimizer_in_backward: bool = False  # torchtune: step each param in backward, gradients never pile up
+    activation_offload: bool = False  # checkpointed layer inputs live in host memory
+    amp_master_fp32: bool = False  # fp32 master weights with a bf16/fp16 autocast copy
+    device: Literal["cuda", "cpu"] = "cuda"  # CPU dropout keeps a float mask where CUDA keeps a bool one
+    cuda_context_gib: float = 0.55  # CUDA context, cuBLAS workspace and kernels (nvidia-smi minus reserved)
+    nccl_gib: float = 0.5  # NCCL buffers per GPU when training on several
+
+
+# --- weights ------------------------------------------------------------------------------------------------
+def quantized_weight_bytes(n_params: int, settings: Settings) -> float:
+    """Packed base weights plus quantisation state.
+
+    NF4: 4 bits per weight, one absmax per 64 weights (fp32, or uint8 plus one fp32 per 256 absmax with double
+    quantisation). int8 (LLM.int8): 1 byte per weight plus an fp32 scale per output row (~0.1%, folded in)."""
+    if settings.quant == "nf4":
+        absmax = 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NESTED_BLOCK) if settings.double_quant else 4 / NF4_BLOCK
+        return n_params * (0.5 + absmax)
+    if settings.quant == "int8":
+        return n_params * 1.001
+    raise ValueError(settings.quant)
+
+
+def weights_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """Base model weights: all in the compute dtype, or the decoder linears packed and the rest (embeddings,
+    LM head, norms, biases) in the compute dtype - fp32 if peft's kbit preparation upcast them."""
+    c = DTYPE_BYTES[settings.precision]
+    if settings.method == "full" and runtime.amp_master_fp32:
+        c = 4
+    if settings.quant == "none":
+        return spec.num_params * c
+    linear = spec.num_hidden_layers * spec.layer_linear_params
+    rest = spec.num_params - linear
+    return quantized_weight_bytes(linear, settings) + rest * (4 if runtime.kbit_upcast else c)
+
+
+def trainable_params(spec: ModelSpec, settings: Settings) -> int:
+    if settings.method == "full":
+        return spec.num_params
+    return spec.lora_params(settings.lora_r, settings.lora_targets)
+
+
+def trainable_dtype_bytes(settings: Settings, runtime: Runtime) -> int:
+    """Adapters are fp32 (peft's autocast_adapter_dtype); full fine-tuning trains the weights' own dtype."""
+    if settings.method == "full":
+        return 4 if runtime.amp_master_fp32 else DTYPE_BYTES[settings.precision]
+    return 4 if runtime.lora_dtype == "fp32" else DTYPE_BYTES[settings.precision]
+
+
+def adapter_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    if settings.method == "full":
+        return 0.0
+    return trainable_params(spec, settings) * trainable_dtype_bytes(settings, runtime)
+
+
+def gradient_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """One gradient per trainable parameter, in its dtype. Fusing the step into backward keeps only about one
+    layer's gradients alive at a time."""
+    grads = trainable_params(spec, settings) * trainable_dtype_bytes(settings, runtime)
+    if runtime.optimizer_in_backward:
+        return grads / spec.num_hidden_layers
+    return grads
+
+
+def embedding_grad_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    if settings.method != "full" or runtime.optimizer_in_backward:
+        return 0.0
+    return spec.embedding_params * trainable_dtype_bytes(settings, runtime)
+
+
+def optimizer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """AdamW keeps two moments per trainable parameter in the parameter's dtype (torch) or 8-bit blockwise
+    (bitsandbytes, with 32-bit state for tensors under 4096 elements); SGD without momentum keeps none."""
+    n = trainable_params(spec, settings)
+    if settings.optimizer == "sgd":
+        return 0.0
+    if settings.optimizer in ("adamw", "paged_adamw_32bit"):
+        return 2 * n * trainable_dtype_bytes(settings, runtime)
+    small = _params_in_small_tensors(spec, settings)
+    return 2 * (n - small) * (1 + 4 / BNB_8BIT_BLOCK) + 2 * small * 4
+
+
+def _params_in_small_tensors(spec: ModelSpec, settings: Settings) -> int:
+    """Trainable parameters that live in tensors too small for bnb's 8-bit state (norms, biases, tiny LoRA)."""
+    if settings.method == "full":
+        per_layer = spec.layer_other_params if spec.hidden_size < BNB_8BIT_MIN_SIZE else 0
+        return spec.num_hidden_layers * per_layer + (spec.hidden_size if spec.hidden_size < BNB_8BIT_MIN_SIZE else 0)
+    r = settings.lora_r
+    names = set(spec.lora_target_names(settings.lora_targets))
+    small = 0
+    for name, fan_in, fan_out, copies in spec.layer_linears():
+        if name in names:
+            small += sum(r * dim for dim in (fan_in, fan_out) if r * dim < BNB_8BIT_MIN_SIZE) * copies
+    return small * spec.num_hidden_layers
+
+
+def paged(settings: Settings) -> bool:
+    """bnb paged optimizers keep their state in CUDA managed memory, which the torch allocator does not count."""
+    return settings.optimizer.startswith("paged")
+
+
+# --- activations --------------------------------------------------------------------------------------------
+def lora_module_saved_bytes(fan_in: int, settings: Settings, runtime: Runtime,
+                            input_requires_grad: bool = True) -> float:
+    """Per token, what one LoRA-wrapped linear saves: peft casts the input to the adapter dtype, dropout keeps
+    its output (the input of lora_A) and its mask (bool on CUDA's fused dropout, the input dtype in the CPU
+    kernel; none when no gradient flows to the input), lora_B keeps lora_A's r outputs."""
+    a = 4 if runtime.lora_dtype == "fp32" else DTYPE_BYTES[settings.precision]
+    mask = (1 if runtime.device == "cuda" else a) if settings.lora_dropout > 0 and input_requires_grad else 0
+    return fan_in * (a + mask) + settings.lora_r * a
+
+
+def activation_parts_per_token(spec: ModelSpec, settings: Settings, runtime: Runtime,
+                               input_requires_grad: bool = True) -> dict[str, float]:
+    """Bytes one decoder layer saves for backward, per token, by sub-block (no checkpointing).
+
+    RMSNorm (HF) upcasts to fp32 and saves that copy (4h) plus the rsqrt (4); with a trainable weight it also
+    saves the bf16 normalised input (2h). Frozen linears save nothing; trainable ones save their input.
+    sdpa/flash save q, k, v (k and v repeated to all heads when a mask is passed), the output and the fp32
+    logsumexp; eager saves the score and probability matrices instead. SwiGLU saves gate, silu(gate) and up."""
+    c = DTYPE_BYTES[settings.precision]
+    h, q, kv, inter = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+    heads = spec.num_attention_heads
+    full = settings.method == "full"
+    lora_names = set() if full else set(spec.lora_target_names(settings.lora_targets))
+
+    def norm() -> float:
+        if not input_requires_grad and not full:
+            return 0.0
+        return 4 * h + 4 + (2 * h if full else 0)
+
+    def linear_inputs(names: dict[str, tuple[int, int]], shared_input: bool) -> float:
+        if full:
+            fan_ins = {fan_in for fan_in, _ in names.values()} if shared_input else [i for i, _ in names.values()]
+            return sum(c * fan_in for fan_in in fan_ins)
+        return sum(lora_module_saved_bytes(fan_in, settings, runtime, input_requires_grad)
+                   for name, (fan_in, _) in names.items() if name in lora_names)
+
+    def linear_inputs_grad(names: dict[str, tuple[int, int]], shared_input: bool) -> float:
+        """Past the first LoRA output everything downstream requires grad."""
+        if full:
+            return linear_inputs(names, shared_input)
+        return sum(lora_module_saved_bytes(fan_in, settings, runtime)
+                   for name, (fan_in, _) in names.items() if name in lora_names)
+
+    attn_linears = spec.attention_linears()
+    qkv = {name: dims for name, dims in attn_linears.items() if name != "o_proj"}
+    out_proj = {"o_proj": attn_linears["o_proj"]}
+    kv_saved = q if settings.attn == "eager" else kv  # eager repeats k/v to every head before the matmul
+    if settings.attn == "eager":
+        # q and k for QK^T, fp32 softmax output, its bf16 cast for the AV matmul, v for the AV matmul
+        attention = c * (q + kv_saved) + (4 + c) * heads * settings.seq_len + c * kv_saved
+    else:
+        attention = c * (q + 2 * kv_saved) + c * q + 4 * heads
+    mlp = {name: dims for name, dims in spec.mlp_linears().items() if name != "down_proj"}
+    down = {"down_proj": spec.mlp_linears()["down_proj"]}
+    experts = max(spec.num_experts_per_tok, 1) if spec.is_moe else 1
+    gated = 3 * c * inter  # silu saves gate; the product saves silu(gate) and up
+    return {
+        "attn_norm": norm(),
+        "qkv_inputs": linear_inputs(qkv, shared_input=True),
+        "attention": attention,
+        # sdpa/flash return their output laid out as (batch, seq, heads, head_dim): the o_proj input is a view of
+        # the output attention already saved, so a trainable o_proj saves nothing new
+        "o_proj_input": 0.0 if full and settings.attn != "eager" else linear_inputs_grad(out_proj, False),
+        "mlp_norm": 4 * h + 4 + (2 * h if full else 0),  # the residual stream requires grad past attention
+        "mlp_inputs": experts * linear_inputs_grad(mlp, shared_input=True),
+        "gated_act": experts * gated,
+        "down_input": experts * linear_inputs_grad(down, shared_input=False),
+    }
+
+
+def activation_bytes_per_layer(spec: ModelSpec, settings: Settings, runtime: Runtime,
+                               input_requires_grad: bool = True) -> float:
+    """Saved bytes of one decoder layer for one micro-batch, without checkpointing."""
+    parts = activation_parts_per_token(spec, settings, runtime, input_requires_grad)
+    return sum(parts.values()) * settings.tokens_per_micro_batch
+
+
+def checkpoint_bytes_per_layer(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """Under checkpointing a layer keeps only its input hidden state (c x h per token) until backward."""
+    if runtime.activation_offload:
+        return 0.0
+    return DTYPE_BYTES[settings.precision] * spec.hidden_size * settings.tokens_per_micro_batch
+
+
+def activation_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """All layers' saved tensors at the end of the forward pass. With frozen embeddings (LoRA) the first
+    layer's input norm needs no grad, so it saves nothing."""
+    layers = spec.num_hidden_layers
+    if settings.grad_ckpt:
+        return layers * checkpoint_bytes_per_layer(spec, settings, runtime)
+    first = activation_bytes_per_layer(spec, settings, runtime, input_requires_grad=settings.method == "full")
+    rest = activation_bytes_per_layer(spec, settings, runtime)
+    return first + (layers - 1) * rest
+
+
+def head_saved_bytes(spec: ModelSpec, settings: Settings) -> float:
+    """The final RMSNorm saves its fp32 input (and, training the head, the normalised bf16 input)."""
+    c = DTYPE_BYTES[settings.precision]
+    per_token = 4 * spec.hidden_size + 4 + (2 * c * spec.hidden_size if settings.method == "full" else 0)
+    return per_token * settings.tokens_per_micro_batch
+
+
+def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """Peak of the LM head and loss. transformers upcasts all logits to fp32 for the loss: in backward the
+    saved log-softmax (4V), the gradient from nll_loss (4V) and the gradient it produces (4V) are alive
+    together - 12 bytes x V per token, more than the whole model's activations for a 128k vocabulary.
+    A chunked loss (torchtune, litgpt) keeps only the fp32 log-softmax of every chunk (4V) and one chunk's
+    temporaries."""
+    n, vocab = settings.tokens_per_micro_batch, spec.vocab_size
+    if runtime.loss == "chunked":
+        return 4 * vocab * n + 3 * 4 * vocab * min(n, 1024)
+    return 12 * vocab * n
+
+
+def grad_buffer_bytes(spec: ModelSpec, settings: Settings) -> float:
+    """Backward through a layer holds a few gradients at once: hidden-sized ones in the compute dtype and,
+    at the MLP, the intermediate-sized gradient of down_proj's input - for LoRA also in the adapter's fp32."""
+    c = DTYPE_BYTES[settings.precision]
+    wide = (4 + c) if settings.method != "full" else c
+    return (3 * c * spec.hidden_size + wide * spec.intermediate_size) * settings.tokens_per_micro_batch
+
+
+def recompute_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """Backward of a checkpointed layer: its saved tensors, recomputed, plus the gradient buffers."""
+    return activation_bytes_per_layer(spec, settings, runtime) + grad_buffer_bytes(spec, settings)
+
+
+def dequant_bytes(spec: ModelSpec, settings: Settings) -> float:
+    """bitsandbytes dequantises each 4/8-bit weight to the compute dtype for its matmul, one at a time."""
+    if settings.quant == "none":
+        return 0.0
+    largest = max(fan_in * fan_out for _, fan_in, fan_out, _ in spec.layer_linears())
+    return largest * DTYPE_BYTES[settings.precision]
+
+
+def optimizer_step_temp_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """Unfused (foreach) AdamW materialises sqrt(v) for every parameter at once."""
+    if runtime.fused_optimizer or settings.optimizer != "adamw":
+        return 0.0
+    return trainable_params(spec, settings) * trainable_dtype_bytes(settings, runtime)
+
+
+# --- several GPUs -------------------------------------------------------------------------------------------
+def shard_factors(settings: Settings) -> tuple[float, float, float]:
+    """Fraction of (weights, gradients, optimizer states) each GPU holds."""
+    n = settings.n_gpus
+    if settings.shard in ("zero3", "fsdp"):
+        return 1 / n, 1 / n, 1 / n
+    if settings.shard == "zero2":
+        return 1.0, 1 / n, 1 / n
+    return 1.0, 1.0, 1.0
+
+
+def gathered_layer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """ZeRO-3/FSDP gathers a full layer (and prefetches the next) before using it."""
+    if settings.shard not in ("zero3", "fsdp"):
+        return 0.0
+    layer = spec.layer_linear_params + spec.layer_other_params
+    per_param = DTYPE_BYTES[settings.precision] if settings.quant == "none" else 0.5 + 1 / NF4_BLOCK
+    return 2 * layer * per_param
+
+
+# --- device side --------------------------------------------------------------------------------------------
+def reserved_bytes(allocated: float, transient: float) -> float:
+    """The caching allocator keeps freed blocks: after a step the big transients (fp32 logits, recomputed
+    layers, dequantised weights) stay reserved and are split only partly for other sizes. Calibrated on
+    the rows of shared/calibration that report both figures (docs/memory-model.md)."""
+    return allocated + 0.35 * transient + 64 * MIB
+
+
+def device_bytes(reserved: float, settings: Settings, runtime: Runtime, paged_state: float) -> float:
+    """nvidia-smi: reserved memory + CUDA context (+ NCCL) + managed memory of paged optimizers when resident."""
+    extra = runtime.cuda_context_gib * GIB + (runtime.nccl_gib * GIB if settings.n_gpus > 1 else 0)
+    return reserved + extra + paged_state
+
+
+# --- the sum ------------------------------------------------------------------------------------------------
+def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime()) -> tuple[dict[str, float], str]:
+    """Bytes per GPU of each part alive at the peak, and which phase the peak is in."""
+    w_share, g_share, o_share = shard_factors(settings)
+    weights = weights_bytes(spec, settings, runtime) * w_share
+    adapters = adapter_bytes(spec, settings, runtime) * w_share
+    gradients = gradient_bytes(spec, settings, runtime) * g_share
+    optimizer = optimizer_bytes(spec, settings, runtime) * o_share
+    # Paged state lives in managed memory: not in torch's allocated/reserved figures.
+    optimizer_counted = 0.0 if paged(settings) else optimizer
+    activations = activation_bytes(spec, settings, runtime) + head_saved_bytes(spec, settings)
+    gathered = gathered_layer_bytes(spec, settings, runtime)
+    static = weights + adapters + optimizer_counted + gathered
+
+    # Gradients exist during the forward pass only from the second micro-batch of an accumulation on.
+    grads_in_forward = gradients if settings.grad_accum > 1 else 0.0
+    loss = logits_bytes(spec, settings, runtime)
+    layer_backward = recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else \
+        grad_buffer_bytes(spec, settings)
+    dequant = dequant_bytes(spec, settings)
+    # Embedding gradients are produced last, after the first layer's backward has freed its tensors.
+    grads_in_layers = gradients - (embedding_grad_bytes(spec, settings, runtime) * g_share)
+    phases = {
+        "loss (LM head backward)": static + grads_in_forward + activations + loss + dequant,
+        "backward through the layers": static + grads_in_layers + activations + layer_backward + dequant,
+        "optimizer step": static + gradients + optimizer_step_temp_bytes(spec, settings, runtime),
+    }
+    phase = max(phases, key=phases.__getitem__)
+    if phase == "loss (LM head backward)":
+        transient, grads_now, backward_now = loss, grads_in_forward, 0.0
+    elif phase == "backward through the layers":
+        transient, grads_now, backward_now = layer_backward, grads_in_layers, layer_backward
+    else:
+        transient, grads_now, backward_now = optimizer_step_temp_bytes(spec, settings, runtime), gradients, 0.0
+    parts = {
+        "weights": weights,
+        "lora_adapters": adapters,
+        "gradients": grads_now,
+        "optimizer_states": optimizer_counted,
+        "activations": activations,
+        "logits_and_loss": loss if phase.startswith("loss") else 0.0,
+        "layer_backward": backward_now,
+        "dequant_buffer": dequant if not phase.startswith("optimizer") else 0.0,
+        "optimizer_step_temp": transient if phase.startswith("optimizer") else 0.0,
+        "sharded_gather": gathered,
+    }
+    return parts, phase
+
+
+def estimate(spec: ModelSpec, settings: Settings, gpu: GpuSpec | None = None, headroom: float = 0.1,
+             runtime: Runtime = Runtime()) -> Estimate:
+    """Peak allocated, reserved and device memory of one training step, per GPU."""
+    parts, phase = breakdown(spec, settings, runtime)
+    allocated = sum(parts.values())
+    transient = max(logits_bytes(spec, settings, runtime), recompute_bytes(spec, settings, runtime)
+                    if settings.grad_ckpt else 0.0) + dequant_bytes(spec, settings)
+    reserved = reserved_bytes(allocated, transient)
+    paged_state = optimizer_bytes(spec, settings, runtime) * shard_factors(settings)[2] if paged(settings) else 0.0
+    device = device_bytes(reserved, settings, runtime, paged_state)
+    breakdown_gib = {name: round(value / GIB, 4) for name, value in parts.items() if value > 0}
+    breakdown_gib["allocator_reserve"] = round((reserved - allocated) / GIB, 4)
+    breakdown_gib["cuda_context"] = round((device - reserved - paged_state) / GIB, 4)
+    if paged_state:
+        breakdown_gib["paged_optimizer_states"] = round(paged_state / GIB, 4)
+    fits = None
+    if gpu is not None:
+        fits = device <= gpu.memory_gib * gpu.usable_fraction * GIB * (1 - headroom)
+    return Estimate(
+        peak_allocated_gib=round(allocated / GIB, 4),
+        peak_reserved_gib=round(reserved / GIB, 4),
+        peak_device_gib=round(device / GIB, 4),
+        breakdown_gib=breakdown_gib,
+        peak_phase=phase,
+        gpu_memory_gib=gpu.memory_gib * gpu.usable_fraction if gpu else None,
+        headroom=headroom,
+        fits=fits,
+        trainable_params=trainable_params(spec, settings),
+        total_params=spec.num_params,
+    )
+
+
+def device_side(allocated_bytes: float, transient_bytes: float, settings: Settings,
+                runtime: Runtime = Runtime(), paged_state_bytes: float = 0.0) -> tuple[float, float]:
+    """(reserved, device) bytes for an allocated peak: the same device-side model for the analytic estimate
+    and the `--exact` trace."""
+    reserved = reserved_bytes(allocated_bytes, transient_bytes)
+    return reserved, device_bytes(reserved, settings, runtime, paged_state_bytes)

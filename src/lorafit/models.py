@@ -1,0 +1,281 @@
+"""Model architectures: one `ModelSpec` per model, from the catalog, a hub id that names a preset, or a config.json.
+
+The fields carry the names of the Hugging Face `config.json` keys, so a catalog entry and a local config read the
+same way. Parameter counts are computed from the shapes of the real modules (tested against published counts).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import tomllib
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from lorafit.errors import InvalidConfig, UnknownModel
+
+Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral"]
+LoraTargets = Literal["all", "attn", "qv"]
+
+# config.json `model_type` -> the block layout lorafit models. All are pre-norm decoders with RMSNorm, RoPE,
+# grouped-query attention and a gated (SwiGLU / GeGLU) MLP; they differ in biases, extra norms and MoE.
+MODEL_TYPES: dict[str, Architecture] = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "phi3": "phi3",
+    "mixtral": "mixtral",
+}
+
+
+class ModelSpec(BaseModel):
+    """The shape of a decoder-only transformer, as its config.json states it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    architecture: Architecture
+    hf_id: str | None = None
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int | None = Field(default=None, gt=0)
+    vocab_size: int = Field(gt=0)
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = Field(gt=0)
+    attention_bias: bool = False
+    num_local_experts: int = Field(default=0, ge=0)
+    num_experts_per_tok: int = Field(default=0, ge=0)
+    published_params: int | None = None
+    source: str | None = None
+
+    # --- derived shapes -------------------------------------------------------------------------------------
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_size
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_local_experts > 0
+
+    @property
+    def norms_per_layer(self) -> int:
+        """Gemma-2 adds a norm after attention and after the MLP; Qwen3 normalises q and k per head."""
+        return 4 if self.architecture == "gemma2" else 2
+
+    def attention_linears(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each attention projection, by Hugging Face module name."""
+        h = self.hidden_size
+        if self.architecture == "phi3":
+            return {"qkv_proj": (h, self.q_size + 2 * self.kv_size), "o_proj": (self.q_size, h)}
+        return {
+            "q_proj": (h, self.q_size),
+            "k_proj": (h, self.kv_size),
+            "v_proj": (h, self.kv_size),
+            "o_proj": (self.q_size, h),
+        }
+
+    def mlp_linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of one MLP's projections; for MoE, of one expert (there are `num_local_experts`).
+
+        Phi-3 fuses gate and up into one Linear. transformers 5 holds Mixtral's experts as two fused 3-D
+        parameters of `mlp.experts` (`gate_up_proj`: experts x 2i x h, `down_proj`: experts x h x i), not as
+        Linear modules; the names here are those parameter paths below `mlp`.
+        """
+        h, i = self.hidden_size, self.intermediate_size
+        if self.is_moe:
+            return {"experts.gate_up_proj": (h, 2 * i), "experts.down_proj": (i, h)}
+        if self.architecture == "phi3":
+            return {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
+        return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def layer_linears(self) -> list[tuple[str, int, int, int]]:
+        """Every linear layer of one decoder block: (name, in, out, copies). Copies > 1 for MoE experts."""
+        copies = max(self.num_local_experts, 1)
+        rows = [(name, i, o, 1) for name, (i, o) in self.attention_linears().items()]
+        rows += [(name, i, o, copies) for name, (i, o) in self.mlp_linears().items()]
+        return rows
+
+    def lora_target_names(self, targets: LoraTargets) -> list[str]:
+        """The module names LoRA wraps for `--lora-targets`; Phi-3's fused qkv_proj stands in for q and v.
+
+        MoE experts are fused parameters, not modules: peft reaches them only through `target_parameters`, whose
+        wrapper refuses lora_dropout, so on Mixtral "all" adapts the attention projections (as "attn" does).
+        """
+        attn = list(self.attention_linears())
+        if targets == "all":
+            return attn if self.is_moe else attn + list(self.mlp_linears())
+        if targets == "attn":
+            return attn
+        return ["qkv_proj"] if self.architecture == "phi3" else ["q_proj", "v_proj"]
+
+    # --- parameter counts -----------------------------------------------------------------------------------
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def layer_linear_params(self) -> int:
+        """Weights of the matrix multiplications in one block (MoE experts included), biases excluded."""
+        return sum(i * o * n for _, i, o, n in self.layer_linears())
+
+    @property
+    def layer_quantized_params(self) -> int:
+        """Weights in one block that bitsandbytes stores in 4/8 bit under QLoRA: it replaces `nn.Linear` modules
+        only (transformers' `replace_with_bnb_linear`), so fused MoE experts stay in 16-bit."""
+        return sum(i * o for i, o in self.attention_linears().values()) + (
+            0 if self.is_moe else sum(i * o for i, o in self.mlp_linears().values())
+        )
+
+    @property
+    def layer_other_params(self) -> int:
+        """Norm weights, attention biases, the MoE router and Qwen3's q/k norms: kept in 16/32-bit under QLoRA."""
+        other = self.norms_per_layer * self.hidden_size
+        if self.attention_bias:
+            other += self.q_size + 2 * self.kv_size
+        if self.is_moe:
+            other += self.hidden_size * self.num_local_experts
+        if self.architecture == "qwen3":
+            other += 2 * self.head_size
+        return other
+
+    @property
+    def num_params(self) -> int:
+        """Total parameters, counting tied embeddings once (as `model.num_parameters()` does)."""
+        per_layer = self.layer_linear_params + self.layer_other_params
+        final_norm = self.hidden_size
+        return self.num_hidden_layers * per_layer + self.embedding_params + self.lm_head_params + final_norm
+
+    @property
+    def active_params(self) -> int:
+        """Parameters that one token passes through (MoE routes each token to `num_experts_per_tok` experts)."""
+        if not self.is_moe:
+            return self.num_params
+        mlp_one = sum(i * o for i, o in self.mlp_linears().values())
+        idle = (self.num_local_experts - self.num_experts_per_tok) * mlp_one * self.num_hidden_layers
+        return self.num_params - idle
+
+    def lora_params(self, r: int, targets: LoraTargets) -> int:
+        """LoRA A (r x in) and B (out x r) for each targeted module of every layer."""
+        names = set(self.lora_target_names(targets))
+        per_layer = sum(r * (i + o) * n for name, i, o, n in self.layer_linears() if name in names)
+        return per_layer * self.num_hidden_layers
+
+    def scaled(self, **overrides: int | bool | str) -> ModelSpec:
+        """A copy with some fields changed (for tiny test models), like litgpt's `Config.from_name(..., n_layer=2)`."""
+        data = self.model_dump() | {"published_params": None, "name": f"{self.name}-scaled"} | overrides
+        return ModelSpec.model_validate(data)
+
+    def to_hf_config(self) -> dict:
+        """A config.json dict that transformers' AutoConfig builds the same architecture from."""
+        config = {
+            "model_type": self.architecture,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_size,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+        if self.architecture in ("llama", "qwen3"):
+            config["attention_bias"] = self.attention_bias
+        if self.architecture == "phi3" and self.vocab_size <= 32000:
+            # Phi3Config's default pad id is 32000; a shrunken vocabulary has no such row (nn.Embedding refuses it)
+            config["pad_token_id"] = None
+        if self.is_moe:
+            config["num_local_experts"] = self.num_local_experts
+            config["num_experts_per_tok"] = self.num_experts_per_tok
+        return config
+
+
+# --- loading ------------------------------------------------------------------------------------------------
+@cache
+def catalog() -> dict[str, ModelSpec]:
+    """Presets from catalog/models.toml, keyed by lower-case name."""
+    text = resources.files("lorafit").joinpath("catalog/models.toml").read_text()
+    entries = tomllib.loads(text)["model"]
+    return {entry["name"].lower(): ModelSpec.model_validate(entry) for entry in entries}
+
+
+def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
+    """Read a Hugging Face config.json (or the directory holding one) into a ModelSpec."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise InvalidConfig(f"no config.json in {path}; pass a model directory or its config.json")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InvalidConfig(f"{file} is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise InvalidConfig(f"{file} must hold a JSON object")
+    config = config.get("text_config", config) if "hidden_size" not in config else config
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        known = ", ".join(sorted(MODEL_TYPES))
+        raise InvalidConfig(f"{file}: model_type {model_type!r} is not supported; supported: {known}")
+    architecture = MODEL_TYPES[model_type]
+    fields = {
+        key: config[key]
+        for key in ModelSpec.model_fields
+        if key in config and config[key] is not None and key not in ("name", "architecture")
+    }
+    fields.setdefault("num_key_value_heads", config.get("num_attention_heads"))
+    if architecture == "qwen2":
+        fields["attention_bias"] = True  # Qwen2 always has q/k/v biases; its config has no key for it
+    if architecture in ("gemma", "gemma2"):
+        fields.setdefault("tie_word_embeddings", True)
+    try:
+        return ModelSpec(name=name or file.parent.name or file.stem, architecture=architecture, **fields)
+    except ValidationError as error:
+        problem = error.errors()[0]
+        where = ".".join(str(part) for part in problem["loc"])
+        raise InvalidConfig(f"{file}: {where}: {problem['msg']}") from None
+
+
+def resolve(model: str) -> ModelSpec:
+    """A preset name, a hub id matching a preset, or a local directory / config.json. Never downloads."""
+    path = Path(model).expanduser()
+    if path.exists():
+        return from_config_json(path)
+    presets = catalog()
+    key = model.lower()
+    if key in presets:
+        return presets[key]
+    for spec in presets.values():
+        if spec.hf_id and spec.hf_id.lower() == key:
+            return spec
+    by_repo_name = {spec.hf_id.split("/")[-1].lower(): spec for spec in presets.values() if spec.hf_id}
+    if key.split("/")[-1] in by_repo_name:
+        return by_repo_name[key.split("/")[-1]]
+    candidates = list(presets) + [spec.hf_id.lower() for spec in presets.values() if spec.hf_id]
+    close = difflib.get_close_matches(key, candidates, n=3, cutoff=0.4)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise UnknownModel(
+        f"no model {model!r} in the catalog (lorafit never downloads); {hint}"
+        "or pass a local directory or config.json (see `lorafit models`)"
+    )

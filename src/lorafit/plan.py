@@ -1,0 +1,312 @@
+"""The planner: search the settings for the fastest step that fits, then time and cost the whole run.
+
+Every candidate is priced by `memory.estimate` (memory) and `step_seconds` (time); the plan explains each choice
+with the numbers that forced it. When nothing fits, it says so and finds the smallest changes that do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lorafit import hardware
+from lorafit.errors import InvalidConfig
+from lorafit.hardware import GpuSpec
+from lorafit.memory import NF4_BLOCK, estimate
+from lorafit.models import ModelSpec
+from lorafit.schema import Estimate, Plan, PlanRequest, Settings, Suggestion, default_quant
+
+# A run when the user gives no data: Alpaca-sized (52k rows of ~300 tokens), three epochs.
+DEFAULT_TOKENS_PER_EPOCH = 15_000_000
+DEFAULT_SEQ_LEN = 2048
+
+# Utilisation of the GPU's dense tensor throughput by the Hugging Face stack (eager PyTorch, sdpa), as a function
+# of tokens per micro-batch: small matmuls leave the GPU idle. Calibrated in docs/plan.md against published
+# tokens/s; HALF_TOKENS is where utilisation reaches half of MAX_MFU.
+MAX_MFU = 0.50
+HALF_TOKENS = 768
+DEQUANT_BYTES_PER_PARAM = 0.5 + 1 / NF4_BLOCK + 2 + 2  # read packed + absmax, write bf16, matmul reads it
+
+
+# --- time ---------------------------------------------------------------------------------------------------
+def flops_per_token(spec: ModelSpec, settings: Settings) -> float:
+    """Training FLOPs per token: 2 x active matmul parameters per forward pass, plus causal attention.
+
+    Backward costs one more forward for the input gradients and, training the weights (full), one more for
+    the weight gradients; checkpointing recomputes the forward once. LoRA's own matmuls are counted 3x."""
+    matmul_params = spec.active_params - spec.embedding_params + (spec.vocab_size * spec.hidden_size
+                                                                  if spec.tie_word_embeddings else 0)
+    forward = 2 * matmul_params + 2 * settings.seq_len * spec.q_size * spec.num_hidden_layers
+    passes = 3.0 if settings.method == "full" else 2.0
+    if settings.grad_ckpt:
+        passes += 1.0
+    adapters = 0.0 if settings.method == "full" else 3 * 2 * spec.lora_params(settings.lora_r,
+                                                                              settings.lora_targets)
+    return forward * passes + adapters
+
+
+def mfu(tokens_per_micro_batch: int) -> float:
+    return MAX_MFU * tokens_per_micro_batch / (tokens_per_micro_batch + HALF_TOKENS)
+
+
+def step_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """One micro-batch on one GPU: compute at the utilisation above, plus 4-bit dequantisation traffic."""
+    tokens = settings.tokens_per_micro_batch
+    compute = flops_per_token(spec, settings) * tokens / (gpu.tflops(settings.precision) * 1e12 * mfu(tokens))
+    dequant = 0.0
+    if settings.quant != "none":
+        passes = 3 if settings.grad_ckpt else 2
+        quantized = spec.num_hidden_layers * spec.layer_linear_params
+        dequant = passes * quantized * DEQUANT_BYTES_PER_PARAM / (gpu.bandwidth_gbs * 1e9)
+    return compute + dequant
+
+
+# Bytes the optimizer step reads and writes per trainable parameter: parameter, gradient and two moments.
+OPTIMIZER_TRAFFIC_BYTES = {"adamw": 24, "paged_adamw_32bit": 24, "adamw_8bit": 12, "paged_adamw_8bit": 12, "sgd": 8}
+
+
+def optimizer_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """The optimizer step is memory-bound: it streams every trainable parameter's state once."""
+    trainable = spec.num_params if settings.method == "full" else spec.lora_params(settings.lora_r,
+                                                                                   settings.lora_targets)
+    return trainable * OPTIMIZER_TRAFFIC_BYTES[settings.optimizer] / (gpu.bandwidth_gbs * 1e9)
+
+
+def tokens_per_second(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """Whole-job throughput; several GPUs scale at 90% each (gradient all-reduce / sharded gathers)."""
+    per_micro_batch = step_seconds(spec, settings, gpu) + optimizer_seconds(spec, settings, gpu) / settings.grad_accum
+    single = settings.tokens_per_micro_batch / per_micro_batch
+    scaling = 1.0 if settings.n_gpus == 1 else 0.9
+    return single * settings.n_gpus * scaling
+
+
+# --- search -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Candidate:
+    settings: Settings
+    estimate: Estimate
+    tokens_per_s: float
+
+
+OPTIMIZERS = {
+    "full": ["adamw", "adamw_8bit", "paged_adamw_8bit"],
+    "lora": ["adamw", "paged_adamw_8bit"],
+    "qlora": ["adamw", "paged_adamw_8bit"],
+}
+
+
+def _micro_batches(target_batch: int, n_gpus: int) -> list[int]:
+    """Micro-batches that divide the per-GPU share of the effective batch, largest first."""
+    per_gpu = max(target_batch // n_gpus, 1)
+    return [b for b in range(per_gpu, 0, -1) if per_gpu % b == 0 and (b & (b - 1) == 0 or b == per_gpu)]
+
+
+def candidates(request: PlanRequest, gpu: GpuSpec | None, seq_len: int, n_gpus: int = 1,
+               shard: str = "none", method: str | None = None) -> list[Candidate]:
+    """Every combination of the free settings, each with its estimate and speed."""
+    method = method or request.method
+    pinned = dict(request.pinned)
+    pinned.pop("method", None)
+    base = {"method": method, "quant": pinned.pop("quant", default_quant(method)), "seq_len": seq_len,
+            "n_gpus": n_gpus, "shard": shard}
+    if gpu is not None and not gpu.supports_bf16 and "precision" not in pinned:
+        base["precision"] = "fp16"
+    free_ckpt = [pinned.pop("grad_ckpt")] if "grad_ckpt" in pinned else [False, True]
+    free_opt = [pinned.pop("optimizer")] if "optimizer" in pinned else OPTIMIZERS[method]
+    batches = [pinned.pop("micro_batch")] if "micro_batch" in pinned else _micro_batches(request.target_batch,
+                                                                                         n_gpus)
+    pinned_accum = pinned.pop("grad_accum", None)
+    found = []
+    for micro_batch in batches:
+        accum = pinned_accum or max(request.target_batch // (micro_batch * n_gpus), 1)
+        for ckpt in free_ckpt:
+            for optimizer in free_opt:
+                settings = Settings(**(base | pinned | {"micro_batch": micro_batch, "grad_accum": accum,
+                                                        "grad_ckpt": ckpt, "optimizer": optimizer}))
+                peak = estimate(request.model, settings, gpu, request.headroom)
+                speed = tokens_per_second(request.model, settings, gpu) if gpu else 0.0
+                found.append(Candidate(settings, peak, speed))
+    return found
+
+
+def best(found: list[Candidate]) -> Candidate | None:
+    """The fastest candidate that fits; among equals, the one with the smallest peak."""
+    fitting = [c for c in found if c.estimate.fits]
+    if not fitting:
+        return None
+    order = {name: rank for rank, name in enumerate(OPTIMIZERS[fitting[0].settings.method])}
+    return max(fitting, key=lambda c: (round(c.tokens_per_s, 1), -order[c.settings.optimizer],
+                                       -c.estimate.peak_device_gib))
+
+
+def smallest(found: list[Candidate]) -> Candidate:
+    return min(found, key=lambda c: c.estimate.peak_device_gib)
+
+
+# --- explanations -------------------------------------------------------------------------------------------
+def usable_gib(gpu: GpuSpec, headroom: float) -> float:
+    return gpu.memory_gib * gpu.usable_fraction * (1 - headroom)
+
+
+def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: float) -> list[str]:
+    """Plain words for each choice, with the number that forced it."""
+    s, card = chosen.settings, usable_gib(gpu, headroom)
+    reasons = [
+        f"peak {chosen.estimate.peak_device_gib:.1f} GiB on the device (nvidia-smi) of {gpu.memory_gib:.1f} GiB; "
+        f"{headroom:.0%} kept free leaves {card:.1f} GiB",
+    ]
+    if s.grad_ckpt:
+        without = [c for c in found if not c.settings.grad_ckpt]
+        if without:
+            least = smallest(without)
+            reasons.append(f"gradient checkpointing on: without it even micro-batch {least.settings.micro_batch} "
+                           f"needs {least.estimate.peak_device_gib:.1f} GiB and the card has {card:.1f}; it "
+                           "recomputes the forward pass in backward (about a third more compute)")
+    else:
+        reasons.append("gradient checkpointing off: activations fit, so no forward pass is recomputed")
+    bigger = [c for c in found if c.settings.micro_batch == 2 * s.micro_batch and c.settings.grad_ckpt == s.grad_ckpt
+              and c.settings.optimizer == s.optimizer]
+    accum = f"micro-batch {s.micro_batch} x gradient accumulation {s.grad_accum}"
+    if s.n_gpus > 1:
+        accum += f" x {s.n_gpus} GPUs"
+    if bigger:
+        reasons.append(f"{accum} = effective batch {s.effective_batch}: micro-batch {2 * s.micro_batch} would need "
+                       f"{bigger[0].estimate.peak_device_gib:.1f} GiB")
+    else:
+        reasons.append(f"{accum} = effective batch {s.effective_batch}")
+    if s.optimizer != "adamw":
+        full = [c for c in found if c.settings.optimizer == "adamw" and c.settings.micro_batch == s.micro_batch
+                and c.settings.grad_ckpt == s.grad_ckpt]
+        need = f" (32-bit AdamW would need {full[0].estimate.peak_device_gib:.1f} GiB)" if full else ""
+        reasons.append(f"optimizer {s.optimizer}: 8-bit states are a quarter of 32-bit ones{need}")
+    if s.method == "qlora":
+        reasons.append("QLoRA: the frozen base is stored in 4-bit NF4"
+                       f"{' with double quantisation' if s.double_quant else ''}; only LoRA adapters "
+                       f"(r={s.lora_r}, {s.lora_targets} linear layers) train, in fp32")
+    return reasons
+
+
+# --- suggestions when nothing fits -------------------------------------------------------------------------
+def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Suggestion]:
+    """The smallest changes that fit: a shorter sequence, QLoRA, a bigger GPU, or several GPUs sharded."""
+    found: list[Suggestion] = []
+    length = seq_len // 2
+    while length >= 128:
+        fit = best(candidates(request, gpu, length))
+        if fit:
+            found.append(Suggestion(change=f"sequence length {length} instead of {seq_len}",
+                                    settings=fit.settings, gpu=gpu.name, estimate=fit.estimate))
+            break
+        length //= 2
+    if request.method != "qlora" and "quant" not in request.pinned:
+        fit = best(candidates(request, gpu, seq_len, method="qlora"))
+        if fit:
+            found.append(Suggestion(change=f"QLoRA (4-bit base) instead of {request.method}",
+                                    settings=fit.settings, gpu=gpu.name, estimate=fit.estimate))
+    if request.method == "full":
+        fit = best(candidates(request, gpu, seq_len, method="lora"))
+        if fit:
+            found.append(Suggestion(change="LoRA instead of full fine-tuning", settings=fit.settings,
+                                    gpu=gpu.name, estimate=fit.estimate))
+    for bigger in sorted(hardware.catalog().values(), key=lambda g: (g.memory_gib, g.price_usd or 1e9)):
+        if bigger.kind == "apple" or bigger.memory_gib <= gpu.memory_gib:
+            continue
+        fit = best(candidates(request, bigger, seq_len))
+        if fit:
+            found.append(Suggestion(change=f"a GPU with more memory: {bigger.name} ({bigger.memory_gib:.0f} GiB)",
+                                    settings=fit.settings, gpu=bigger.name, estimate=fit.estimate))
+            break
+    for n_gpus in (2, 4, 8):
+        fit = best(candidates(request, gpu, seq_len, n_gpus=n_gpus, shard="zero3"))
+        if fit:
+            found.append(Suggestion(change=f"{n_gpus}x {gpu.name} with ZeRO-3/FSDP sharding",
+                                    settings=fit.settings, gpu=gpu.name, estimate=fit.estimate))
+            break
+    return found
+
+
+# --- the plan -----------------------------------------------------------------------------------------------
+def resolve_seq_len(request: PlanRequest) -> int:
+    """The user's length, else the data's longest row, else 2048; never past the model's maximum."""
+    seq_len = request.seq_len or (request.tokens.max if request.tokens and request.tokens.max else DEFAULT_SEQ_LEN)
+    limit = request.model.max_position_embeddings
+    if request.seq_len and request.seq_len > limit:
+        raise InvalidConfig(f"--seq-len {request.seq_len} is past {request.model.name}'s maximum of {limit} tokens")
+    return min(seq_len, limit)
+
+
+def tokens_per_epoch(request: PlanRequest) -> int:
+    if request.tokens_per_epoch:
+        return request.tokens_per_epoch
+    if request.tokens:
+        return request.tokens.total_tokens
+    return DEFAULT_TOKENS_PER_EPOCH
+
+
+def costs(gpu: GpuSpec | None, n_gpus: int, hours: float, kwh_price: float
+          ) -> tuple[float | None, float | None, float | None]:
+    """Renting vs owning: cloud price per hour, or board power x hours x electricity; break-even in runs."""
+    if gpu is None:
+        return None, None, None
+    cloud = hours * gpu.rent_usd_per_hour * n_gpus if gpu.rent_usd_per_hour is not None else None
+    local = hours * gpu.board_power_w / 1000 * kwh_price * n_gpus
+    break_even = None
+    if cloud is not None and gpu.price_usd and cloud > local:
+        break_even = gpu.price_usd * n_gpus / (cloud - local)
+    return cloud, local, break_even
+
+
+def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
+    """The fastest settings that fit `request.gpu`, with time and cost, or the smallest changes that fit."""
+    seq_len = resolve_seq_len(request)
+    gpu = request.gpu
+    found = candidates(request, gpu, seq_len, n_gpus=request.n_gpus,
+                       shard="zero3" if request.n_gpus > 1 else "none")
+    chosen = best(found) if gpu else None
+    reasons: list[str] = []
+    extra: list[Suggestion] = []
+    if chosen:
+        reasons = explain(chosen, found, gpu, request.headroom)
+    elif gpu:
+        chosen = smallest(found)
+        reasons = [f"does not fit: even the smallest configuration needs {chosen.estimate.peak_device_gib:.1f} GiB "
+                   f"and {gpu.name} has {usable_gib(gpu, request.headroom):.1f} GiB after "
+                   f"{request.headroom:.0%} headroom"]
+        extra = suggestions(request, gpu, seq_len)
+    else:
+        modest = [c for c in found if c.settings.micro_batch <= 4] or found
+        chosen = max(modest, key=lambda c: (c.settings.grad_ckpt, c.settings.optimizer == "adamw",
+                                            c.settings.micro_batch))
+        reasons = ["no GPU given or detected: settings are the defaults, memory is reported without a verdict"]
+    if truncated_rows:
+        reasons.append(f"sequence length {seq_len} truncates {truncated_rows} rows of the data")
+    total_tokens = tokens_per_epoch(request) * request.epochs
+    speed = chosen.tokens_per_s if gpu else 0.0
+    hours = total_tokens / speed / 3600 if speed else 0.0
+    cloud, local, break_even = costs(gpu, chosen.settings.n_gpus, hours, request.kwh_price)
+    return Plan(
+        model=request.model, gpu=gpu, settings=chosen.settings, estimate=chosen.estimate,
+        target_batch=request.target_batch, epochs=request.epochs, tokens=request.tokens,
+        truncated_rows=truncated_rows, tokens_per_s=round(speed, 1), hours=round(hours, 3),
+        cost_cloud_usd=None if cloud is None else round(cloud, 2),
+        cost_local_usd=None if local is None else round(local, 2), kwh_price=request.kwh_price,
+        break_even_runs=None if break_even is None else round(break_even, 1),
+        reasons=reasons, suggestions=extra,
+    )
+
+
+def compare(request: PlanRequest, max_price_hour: float | None = None) -> list[Plan]:
+    """Plan the job on every rentable catalog GPU (or under a price cap); fitting ones first, fastest first."""
+    plans = []
+    for gpu in hardware.gpus(max_price_hour=max_price_hour):
+        if gpu.kind == "apple":
+            continue
+        plan = make_plan(request.model_copy(update={"gpu": gpu}))
+        plans.append(plan)
+    return sorted(plans, key=lambda p: (not p.fits, p.hours if p.fits else p.estimate.peak_device_gib))
+
+
+def cheapest(plans: list[Plan], max_usd_per_hour: float | None = None) -> Plan | None:
+    rentable = [p for p in plans if p.fits and p.cost_cloud_usd is not None and p.gpu
+                and (max_usd_per_hour is None or (p.gpu.rent_usd_per_hour or 0) <= max_usd_per_hour)]
+    return min(rentable, key=lambda p: p.cost_cloud_usd) if rentable else None
+

@@ -1,0 +1,124 @@
+"""Model set-up shared by training and by the `--exact` trace, so both run the same code path.
+
+`settings` is a `lorafit.schema.Settings`: every choice here is read from it, never re-derived.
+torch, transformers and peft are imported inside the functions, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lorafit.errors import TrainError
+
+if TYPE_CHECKING:
+    import torch
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig, PretrainedConfig, PreTrainedModel
+
+    from lorafit.models import ModelSpec
+    from lorafit.schema import Settings
+
+ATTN_IMPLEMENTATION = {"sdpa": "sdpa", "flash": "flash_attention_2", "eager": "eager"}
+
+
+def compute_dtype(settings: Settings) -> torch.dtype:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[settings.precision]
+
+
+def quantization_config(settings: Settings) -> BitsAndBytesConfig | None:
+    """bitsandbytes 4-bit NF4 (optionally double-quantised) or 8-bit for the frozen base of QLoRA."""
+    from transformers import BitsAndBytesConfig
+
+    if settings.quant == "nf4":
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=settings.double_quant,
+            bnb_4bit_compute_dtype=compute_dtype(settings),
+            bnb_4bit_quant_storage="uint8",
+        )
+    if settings.quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return None
+
+
+def lora_config(spec: ModelSpec, settings: Settings) -> LoraConfig:
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=settings.lora_r,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
+        target_modules=spec.lora_target_names(settings.lora_targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def hf_config(spec: ModelSpec, settings: Settings) -> PretrainedConfig:
+    """A transformers config for a ModelSpec (for building from scratch: tests, the demo, the trace)."""
+    from transformers import AutoConfig
+
+    data = spec.to_hf_config()
+    model_type = data.pop("model_type")
+    config = AutoConfig.for_model(model_type, **data)
+    config._attn_implementation = ATTN_IMPLEMENTATION[settings.attn]
+    return config
+
+
+def check_model_dir(model_dir: Path, allow_pickle: bool = False) -> None:
+    """Refuse what would fail late or run untrusted code: no config, no weights, or pickled weights only."""
+    if not (model_dir / "config.json").is_file():
+        raise TrainError(f"{model_dir} has no config.json; pass a Hugging Face model directory")
+    has_safetensors = any(model_dir.glob("*.safetensors"))
+    has_pickle = any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt"))
+    if not has_safetensors and not has_pickle:
+        raise TrainError(f"{model_dir} has no weights (*.safetensors)")
+    if not has_safetensors and not allow_pickle:
+        raise TrainError(
+            f"{model_dir} holds only pickled .bin weights, which can run code when loaded; "
+            "convert them to safetensors or pass --allow-pickle"
+        )
+
+
+def load_model(model_dir: Path, settings: Settings, *, allow_pickle: bool = False,
+               trust_remote_code: bool = False, device_map: Any = None) -> PreTrainedModel:
+    """Load a local model with the quantisation, dtype and attention that `settings` names."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    check_model_dir(model_dir, allow_pickle=allow_pickle)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir,
+            dtype=compute_dtype(settings),
+            quantization_config=quantization_config(settings),
+            attn_implementation=ATTN_IMPLEMENTATION[settings.attn],
+            use_safetensors=not allow_pickle or None,
+            trust_remote_code=trust_remote_code,
+            device_map=device_map,
+            local_files_only=True,
+        )
+    except (OSError, ValueError) as error:
+        raise TrainError(f"cannot load model from {model_dir}: {str(error).splitlines()[0]}") from None
+    return model
+
+
+def prepare(model: PreTrainedModel, spec: ModelSpec, settings: Settings) -> PreTrainedModel:
+    """Gradient checkpointing and LoRA adapters, the same for training and for the trace.
+
+    We do not call peft's `prepare_model_for_kbit_training`: it upcasts every non-quantised parameter
+    (embeddings, LM head, norms) to fp32, which costs 4 bytes x vocab x hidden twice for nothing the adapters
+    need. Non-reentrant checkpointing needs no input that requires grad, so nothing else is required.
+    """
+    from peft import get_peft_model
+
+    model.config.use_cache = False
+    if settings.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if settings.method == "full":
+        return model
+    return get_peft_model(model, lora_config(spec, settings))
