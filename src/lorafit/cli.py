@@ -7,6 +7,7 @@ modules import torch/transformers only inside their command functions, so `loraf
 from __future__ import annotations
 
 import sys
+from functools import cache
 from pathlib import Path
 from typing import Annotated
 
@@ -35,7 +36,7 @@ EMBEDDED_GPUS = ("RTX 4090", "RTX 4060 Ti 16GB")
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="preset, hub id of a preset, or local dir / "
                                               "config.json (see `lorafit models`)")]
 GpuOpt = Annotated[str | None, typer.Option("--gpu", "-g", help="catalog GPU (see `lorafit gpus`); default: detected")]
-VramOpt = Annotated[float | None, typer.Option("--vram", help="a GPU known only by its memory, in GB")]
+VramOpt = Annotated[float | None, typer.Option("--vram", help="a GPU known only by its memory, in GB as sold")]
 MethodOpt = Annotated[str, typer.Option("--method", help="full | lora | qlora")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object for programs")]
 HeadroomOpt = Annotated[float, typer.Option("--headroom", help="fraction of GPU memory kept free")]
@@ -55,7 +56,7 @@ def _gpu(gpu: str | None, vram: float | None) -> GpuSpec | None:
         found = detected[0]
         if found.catalog_name:
             return hardware.resolve(found.catalog_name)
-        return hardware.custom(found.memory_gib * 2**30 / 1e9)
+        return hardware.custom(found.memory_gib)
     return None
 
 
@@ -111,6 +112,9 @@ def estimate(
                          lora_alpha=lora_alpha or 2 * lora_r, lora_dropout=lora_dropout, lora_targets=lora_targets,
                          optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len, grad_ckpt=grad_ckpt,
                          attn=attn, n_gpus=n_gpus, shard=shard)
+    if settings.attn not in spec.attention_implementations:
+        raise LorafitError(f"{spec.name} has no {settings.attn} attention in transformers; use --attn "
+                           f"{' or '.join(spec.attention_implementations)}")
     target = _gpu(gpu, vram)
     if exact:
         from lorafit import trace
@@ -156,6 +160,8 @@ def plan(
 
     if tokens is not None and tokens <= 0:
         raise LorafitError(f"--tokens must be positive, got {tokens}")
+    if micro_batch is not None and micro_batch <= 0:
+        raise LorafitError(f"--micro-batch must be positive, got {micro_batch}")
     if target_batch <= 0 or epochs <= 0 or n_gpus <= 0:
         raise LorafitError("--target-batch, --epochs and --n-gpus must be positive")
     spec = models.resolve(model or DEFAULT_MODEL)
@@ -167,11 +173,11 @@ def plan(
         pinned["lora_alpha"] = 2 * lora_r
     profile, truncated = None, None
     if data is not None:
-        from lorafit.data import token_profile, truncated_rows
+        from lorafit.data import length_profile
 
-        profile = token_profile(data, tokenizer=tokenizer)
-        cap = seq_len or min(profile.max, spec.max_position_embeddings)
-        truncated = truncated_rows(data, cap, tokenizer=tokenizer)
+        lengths = length_profile(data, tokenizer=tokenizer)
+        profile = lengths.profile
+        truncated = lengths.truncated_rows(seq_len or min(profile.max, spec.max_position_embeddings))
     try:
         request = PlanRequest(model=spec, n_gpus=n_gpus, method=method, seq_len=seq_len, target_batch=target_batch,
                               tokens=profile, tokens_per_epoch=tokens, epochs=epochs, headroom=headroom,
@@ -245,6 +251,7 @@ def detect(as_json: JsonOpt = False) -> None:
         render.show_machine(machine)
 
 
+@cache  # once per process: main() may run several times in one interpreter (tests, notebooks)
 def _register_subcommands() -> None:
     for module_name in ("lorafit.data.cli", "lorafit.train.cli"):
         try:

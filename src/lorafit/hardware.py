@@ -28,14 +28,14 @@ class GpuSpec(BaseModel):
     kind: GpuKind
     architecture: str
     memory_gib: float = Field(gt=0, description="total device memory as nvidia-smi reports it, in GiB")
-    bf16_tflops: float = Field(ge=0, description="dense bf16 tensor-core TFLOP/s (0 where bf16 is unsupported)")
+    bf16_tflops: float = Field(ge=0, description="dense bf16 tensor-core TFLOP/s (0: no bf16 support)")
     fp16_tflops: float = Field(gt=0, description="dense fp16 tensor-core TFLOP/s, fp32 accumulate")
     bandwidth_gbs: float = Field(gt=0, description="memory bandwidth, GB/s")
     board_power_w: float = Field(gt=0)
     price_usd: float | None = Field(default=None, description="typical street or launch price")
-    rent_usd_per_hour: float | None = Field(default=None, description="typical on-demand community-cloud price")
+    rent_usd_per_hour: float | None = Field(default=None, description="typical on-demand cloud price, USD")
     usable_fraction: float = Field(
-        default=1.0, gt=0, le=1, description="share of memory a training process can take (Apple: wired limit)"
+        default=1.0, gt=0, le=1, description="share of memory a training process may take (Apple: wired limit)"
     )
     source: str
     as_of: str
@@ -45,7 +45,7 @@ class GpuSpec(BaseModel):
         return self.bf16_tflops > 0
 
     def tflops(self, precision: str) -> float:
-        """Dense tensor TFLOP/s for the compute dtype; fp32 training runs on TF32 at about half the fp16 rate."""
+        """Dense tensor TFLOP/s for the compute dtype; fp32 training runs on TF32, about half the fp16 rate."""
         if precision == "bf16" and self.supports_bf16:
             return self.bf16_tflops
         if precision == "fp32":
@@ -81,7 +81,9 @@ def resolve(name: str) -> GpuSpec:
 
 
 def custom(vram_gb: float, like: GpuSpec | None = None) -> GpuSpec:
-    """A GPU known only by its memory (`--vram`); throughput borrowed from `like`, else from an RTX 4090."""
+    """A GPU known only by its memory (`--vram`); throughput borrowed from `like`, else from an RTX 4090.
+
+    A card sold as "8 GB" has 8 GiB (nvidia-smi: 8188 MiB), so the number is read as binary gigabytes."""
     if vram_gb <= 0:
         raise UnknownGpu(f"--vram must be positive, got {vram_gb}")
     base = like or catalog()["RTX 4090"]
@@ -89,7 +91,7 @@ def custom(vram_gb: float, like: GpuSpec | None = None) -> GpuSpec:
         update={
             "name": f"{vram_gb:g} GB GPU",
             "aliases": [],
-            "memory_gib": vram_gb * 1e9 / 2**30,
+            "memory_gib": vram_gb,
             "price_usd": None,
             "rent_usd_per_hour": None,
             "source": f"--vram {vram_gb:g}; throughput of {base.name}",
@@ -150,8 +152,14 @@ def _nvml_gpus() -> list[DetectedGpu] | None:
         name = pynvml.nvmlDeviceGetName(handle)
         name = name.decode() if isinstance(name, bytes) else name
         memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        found.append(DetectedGpu(name=name, memory_gib=memory.total / 2**30, free_gib=memory.free / 2**30,
-                                 catalog_name=_catalog_name(name)))
+        found.append(
+            DetectedGpu(
+                name=name,
+                memory_gib=memory.total / 2**30,
+                free_gib=memory.free / 2**30,
+                catalog_name=_catalog_name(name),
+            )
+        )
     return found
 
 
@@ -166,8 +174,11 @@ def _torch_gpus() -> list[DetectedGpu] | None:
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
         free, total = torch.cuda.mem_get_info(index)
-        found.append(DetectedGpu(name=props.name, memory_gib=total / 2**30, free_gib=free / 2**30,
-                                 catalog_name=_catalog_name(props.name)))
+        found.append(
+            DetectedGpu(
+                name=props.name, memory_gib=total / 2**30, free_gib=free / 2**30, catalog_name=_catalog_name(props.name)
+            )
+        )
     return found
 
 
@@ -178,5 +189,5 @@ def detect(use_torch: bool = True) -> LocalMachine:
         found, how = _torch_gpus(), "torch"
     if found is None:
         found, how = [], "none (neither NVML nor torch is installed)"
-    return LocalMachine(gpus=found, cpu=platform.processor() or platform.machine(), cpu_cores=os.cpu_count() or 1,
-                        ram_gib=_ram_gib(), how=how)
+    cpu = platform.processor() or platform.machine()
+    return LocalMachine(gpus=found, cpu=cpu, cpu_cores=os.cpu_count() or 1, ram_gib=_ram_gib(), how=how)

@@ -120,10 +120,13 @@ def optimizer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> fl
 
 
 def _params_in_small_tensors(spec: ModelSpec, settings: Settings) -> int:
-    """Trainable parameters that live in tensors too small for bnb's 8-bit state (norms, biases, tiny LoRA)."""
+    """Trainable parameters that bnb keeps in 32-bit state: tensors too small for 8-bit (norms, biases, tiny
+    LoRA) and, in full fine-tuning, the input embedding, which transformers' Trainer (and train/build.py)
+    registers for 32-bit state under every 8-bit bitsandbytes optimizer."""
     if settings.method == "full":
         per_layer = spec.layer_other_params if spec.hidden_size < BNB_8BIT_MIN_SIZE else 0
-        return spec.num_hidden_layers * per_layer + (spec.hidden_size if spec.hidden_size < BNB_8BIT_MIN_SIZE else 0)
+        small = spec.num_hidden_layers * per_layer + (spec.hidden_size if spec.hidden_size < BNB_8BIT_MIN_SIZE else 0)
+        return small + spec.embedding_params
     r = settings.lora_r
     names = set(spec.lora_target_names(settings.lora_targets))
     small = 0
@@ -354,7 +357,7 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
         "lora_adapters": adapters,
         "gradients": grads_now,
         "optimizer_states": optimizer_counted,
-        "activations": activations,
+        "activations": activations if not phase.startswith("optimizer") else 0.0,  # freed by the step
         "logits_and_loss": loss if phase.startswith("loss") else 0.0,
         "layer_backward": backward_now,
         "dequant_buffer": dequant if not phase.startswith("optimizer") else 0.0,

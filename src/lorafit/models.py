@@ -1,7 +1,8 @@
-"""Model architectures: one `ModelSpec` per model, from the catalog, a hub id that names a preset, or a config.json.
+"""Model architectures: one `ModelSpec` per model, from the catalog, a hub id naming a preset, or a config.json.
 
-The fields carry the names of the Hugging Face `config.json` keys, so a catalog entry and a local config read the
-same way. Parameter counts are computed from the shapes of the real modules (tested against published counts).
+The fields carry the names of the Hugging Face `config.json` keys, so a catalog entry and a local config read
+the same way. Parameter counts are computed from the shapes of the real modules (tested against published
+counts).
 """
 
 from __future__ import annotations
@@ -80,6 +81,12 @@ class ModelSpec(BaseModel):
         """Gemma-2 adds a norm after attention and after the MLP; Qwen3 normalises q and k per head."""
         return 4 if self.architecture == "gemma2" else 2
 
+    @property
+    def attention_implementations(self) -> tuple[str, ...]:
+        """Attention kernels transformers offers for this architecture (5.x has no sdpa path for Gemma-2,
+        whose logit soft-capping needs the eager or flash kernel)."""
+        return ("eager", "flash") if self.architecture == "gemma2" else ("sdpa", "flash", "eager")
+
     def attention_linears(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each attention projection, by Hugging Face module name."""
         h = self.hidden_size
@@ -95,14 +102,12 @@ class ModelSpec(BaseModel):
     def mlp_linears(self) -> dict[str, tuple[int, int]]:
         """(in, out) of one MLP's projections; for MoE, of one expert (there are `num_local_experts`).
 
-        Phi-3 fuses gate and up into one Linear. transformers 5 holds Mixtral's experts as two fused 3-D
-        parameters of `mlp.experts` (`gate_up_proj`: experts x 2i x h, `down_proj`: experts x h x i), not as
-        Linear modules; the names here are those parameter paths below `mlp`.
+        Phi-3 fuses gate and up into one Linear. transformers 5 holds Mixtral's experts the same way, but as
+        two fused 3-D parameters of `mlp.experts` (`gate_up_proj`: experts x 2i x h, `down_proj`: experts x h x
+        i), not as Linear modules.
         """
         h, i = self.hidden_size, self.intermediate_size
-        if self.is_moe:
-            return {"experts.gate_up_proj": (h, 2 * i), "experts.down_proj": (i, h)}
-        if self.architecture == "phi3":
+        if self.architecture == "phi3" or self.is_moe:
             return {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
         return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
@@ -116,8 +121,8 @@ class ModelSpec(BaseModel):
     def lora_target_names(self, targets: LoraTargets) -> list[str]:
         """The module names LoRA wraps for `--lora-targets`; Phi-3's fused qkv_proj stands in for q and v.
 
-        MoE experts are fused parameters, not modules: peft reaches them only through `target_parameters`, whose
-        wrapper refuses lora_dropout, so on Mixtral "all" adapts the attention projections (as "attn" does).
+        MoE experts are fused parameters, not modules: peft reaches them only through `target_parameters`,
+        whose wrapper refuses lora_dropout, so on Mixtral "all" adapts the attention projections, as "attn" does.
         """
         attn = list(self.attention_linears())
         if targets == "all":
@@ -136,26 +141,27 @@ class ModelSpec(BaseModel):
         return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
     @property
-    def layer_linear_params(self) -> int:
-        """Weights of the matrix multiplications in one block (MoE experts included), biases excluded."""
-        return sum(i * o * n for _, i, o, n in self.layer_linears())
+    def expert_params(self) -> int:
+        """Weights of one block's MoE experts (0 for a dense model)."""
+        return self.num_local_experts * sum(i * o for i, o in self.mlp_linears().values()) if self.is_moe else 0
 
     @property
-    def layer_quantized_params(self) -> int:
-        """Weights in one block that bitsandbytes stores in 4/8 bit under QLoRA: it replaces `nn.Linear` modules
-        only (transformers' `replace_with_bnb_linear`), so fused MoE experts stay in 16-bit."""
-        return sum(i * o for i, o in self.attention_linears().values()) + (
-            0 if self.is_moe else sum(i * o for i, o in self.mlp_linears().values())
-        )
+    def layer_linear_params(self) -> int:
+        """Weights of one block's `nn.Linear` layers, biases excluded: what 4-bit quantisation replaces.
+
+        bitsandbytes replaces `nn.Linear` modules only (transformers' `replace_with_bnb_linear`); the fused 3-D
+        MoE experts stay in 16-bit, so they count in `layer_other_params` (`layer_linears()` still lists them).
+        """
+        return sum(i * o * n for _, i, o, n in self.layer_linears()) - self.expert_params
 
     @property
     def layer_other_params(self) -> int:
-        """Norm weights, attention biases, the MoE router and Qwen3's q/k norms: kept in 16/32-bit under QLoRA."""
+        """What stays 16/32-bit under QLoRA: norms, attention biases, MoE router and experts, Qwen3's q/k norms."""
         other = self.norms_per_layer * self.hidden_size
         if self.attention_bias:
             other += self.q_size + 2 * self.kv_size
         if self.is_moe:
-            other += self.hidden_size * self.num_local_experts
+            other += self.hidden_size * self.num_local_experts + self.expert_params
         if self.architecture == "qwen3":
             other += 2 * self.head_size
         return other
@@ -169,7 +175,7 @@ class ModelSpec(BaseModel):
 
     @property
     def active_params(self) -> int:
-        """Parameters that one token passes through (MoE routes each token to `num_experts_per_tok` experts)."""
+        """Parameters one token passes through (MoE routes each token to `num_experts_per_tok` experts)."""
         if not self.is_moe:
             return self.num_params
         mlp_one = sum(i * o for i, o in self.mlp_linears().values())
@@ -183,7 +189,7 @@ class ModelSpec(BaseModel):
         return per_layer * self.num_hidden_layers
 
     def scaled(self, **overrides: int | bool | str) -> ModelSpec:
-        """A copy with some fields changed (for tiny test models), like litgpt's `Config.from_name(..., n_layer=2)`."""
+        """A copy with some fields changed, for tiny test models (as litgpt's `Config.from_name(..., n_layer=2)`)."""
         data = self.model_dump() | {"published_params": None, "name": f"{self.name}-scaled"} | overrides
         return ModelSpec.model_validate(data)
 
@@ -204,7 +210,7 @@ class ModelSpec(BaseModel):
         if self.architecture in ("llama", "qwen3"):
             config["attention_bias"] = self.attention_bias
         if self.architecture == "phi3" and self.vocab_size <= 32000:
-            # Phi3Config's default pad id is 32000; a shrunken vocabulary has no such row (nn.Embedding refuses it)
+            # Phi3Config's default pad id is 32000: a shrunken vocabulary has no such row for nn.Embedding
             config["pad_token_id"] = None
         if self.is_moe:
             config["num_local_experts"] = self.num_local_experts

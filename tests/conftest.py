@@ -1,0 +1,24 @@
+"""Fixtures shared by every test."""
+
+import sys
+
+import pytest
+
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+# huggingface_hub and datasets read those variables once, when first imported: a module imported before the
+# fixture runs (at collection, say) gets its flags set directly.
+OFFLINE_FLAGS = {
+    "huggingface_hub.constants": ("HF_HUB_OFFLINE",),
+    "datasets.config": ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"),
+}
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make an accidental download fail loudly instead of fetching a model or data set."""
+    for variable in OFFLINE_VARIABLES:
+        monkeypatch.setenv(variable, "1")
+    for module_name, flags in OFFLINE_FLAGS.items():
+        if (module := sys.modules.get(module_name)) is not None:
+            for flag in flags:
+                monkeypatch.setattr(module, flag, True)
