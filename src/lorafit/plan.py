@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from lorafit import hardware
 from lorafit.errors import InvalidConfig
 from lorafit.hardware import GpuSpec
-from lorafit.memory import NF4_BLOCK, estimate
+from lorafit.memory import estimate
 from lorafit.models import ModelSpec
 from lorafit.schema import Estimate, Plan, PlanRequest, Settings, Suggestion, default_quant
 
@@ -19,29 +19,34 @@ from lorafit.schema import Estimate, Plan, PlanRequest, Settings, Suggestion, de
 DEFAULT_TOKENS_PER_EPOCH = 15_000_000
 DEFAULT_SEQ_LEN = 2048
 
-# Utilisation of the GPU's dense tensor throughput by the Hugging Face stack (eager PyTorch, sdpa), as a function
-# of tokens per micro-batch: small matmuls leave the GPU idle. Calibrated in docs/plan.md against published
-# tokens/s; HALF_TOKENS is where utilisation reaches half of MAX_MFU.
-MAX_MFU = 0.50
-HALF_TOKENS = 768
-DEQUANT_BYTES_PER_PARAM = 0.5 + 1 / NF4_BLOCK + 2 + 2  # read packed + absmax, write bf16, matmul reads it
+# Utilisation of the GPU's dense tensor throughput by the Hugging Face stack, as a function of tokens per
+# micro-batch (small matmuls leave the GPU idle): MAX_MFU x N / (N + HALF_TOKENS). Calibrated on published HF
+# Trainer runs (shared/calibration rows FMS-01..07, Mistral-7B on an A100, 16-32k tokens per micro-batch: 60-62%)
+# and Qwen's seq-len sweep (QW-09..13: 256 tokens run at 55% of the 8k rate); `make bench-throughput` prints the
+# predicted and published tokens/s side by side.
+MAX_MFU = 0.62
+HALF_TOKENS = 200
+# LoRA skips the weight-gradient matmuls of the base, but its fp32 adapter path (input casts, dropout, small
+# matmuls) costs about as much again: FMS-03 (LoRA) runs only 9% faster than FMS-01 (full) at the same batch.
+LORA_BACKWARD_PASSES = 0.75
+# bitsandbytes' 4-bit matmul (dequantise, then a bf16 matmul, in forward and backward) slows a step by ~13%
+# (FMS-06/07 vs FMS-03/04, same batch): more than its memory traffic alone explains, so it is a measured factor.
+QLORA_SLOWDOWN = 1.13
 
 
 # --- time ---------------------------------------------------------------------------------------------------
 def flops_per_token(spec: ModelSpec, settings: Settings) -> float:
     """Training FLOPs per token: 2 x active matmul parameters per forward pass, plus causal attention.
 
-    Backward costs one more forward for the input gradients and, training the weights (full), one more for
-    the weight gradients; checkpointing recomputes the forward once. LoRA's own matmuls are counted 3x."""
+    Backward costs one forward for the input gradients and, training the weights (full), one more for the weight
+    gradients (LoRA: see LORA_BACKWARD_PASSES); checkpointing recomputes the forward once."""
     matmul_params = spec.active_params - spec.embedding_params + (spec.vocab_size * spec.hidden_size
                                                                   if spec.tie_word_embeddings else 0)
     forward = 2 * matmul_params + 2 * settings.seq_len * spec.q_size * spec.num_hidden_layers
-    passes = 3.0 if settings.method == "full" else 2.0
+    passes = 3.0 if settings.method == "full" else 2.0 + LORA_BACKWARD_PASSES
     if settings.grad_ckpt:
         passes += 1.0
-    adapters = 0.0 if settings.method == "full" else 3 * 2 * spec.lora_params(settings.lora_r,
-                                                                              settings.lora_targets)
-    return forward * passes + adapters
+    return forward * passes
 
 
 def mfu(tokens_per_micro_batch: int) -> float:
@@ -49,15 +54,10 @@ def mfu(tokens_per_micro_batch: int) -> float:
 
 
 def step_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
-    """One micro-batch on one GPU: compute at the utilisation above, plus 4-bit dequantisation traffic."""
+    """One micro-batch on one GPU at the utilisation above; 4/8-bit bases pay the bitsandbytes factor."""
     tokens = settings.tokens_per_micro_batch
     compute = flops_per_token(spec, settings) * tokens / (gpu.tflops(settings.precision) * 1e12 * mfu(tokens))
-    dequant = 0.0
-    if settings.quant != "none":
-        passes = 3 if settings.grad_ckpt else 2
-        quantized = spec.num_hidden_layers * spec.layer_linear_params
-        dequant = passes * quantized * DEQUANT_BYTES_PER_PARAM / (gpu.bandwidth_gbs * 1e9)
-    return compute + dequant
+    return compute * (QLORA_SLOWDOWN if settings.quant != "none" else 1.0)
 
 
 # Bytes the optimizer step reads and writes per trainable parameter: parameter, gradient and two moments.

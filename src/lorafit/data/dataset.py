@@ -1,0 +1,151 @@
+"""A dataset on disk as a stream of checked records: every record comes out valid or with the problems that
+rejected it, so nothing is dropped without a word.
+
+The format is detected per file from its first records before streaming starts, so it is known up front.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lorafit.data.formats import (
+    DETECT_SAMPLE,
+    Format,
+    Messages,
+    apply_mapping,
+    check_format,
+    detect_format,
+    normalize,
+    parse_mapping,
+)
+from lorafit.data.problems import Problem
+from lorafit.data.readers import data_files, file_kind, read_records
+from lorafit.errors import DataError
+
+
+@dataclass(slots=True)
+class Record:
+    """One record: its place, its conversation (None if rejected) and its problems."""
+
+    file: str
+    line: int | None
+    row: int | None  # None: a problem with the whole file, not a record
+    messages: Messages | None
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.messages is not None
+
+
+class Dataset:
+    """A file or a directory of files, read record by record. Iterate it as often as needed."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        format: str | None = None,
+        mapping: Mapping[str, str] | Iterable[str] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.mapping = parse_mapping(mapping)
+        self.files = data_files(self.path)
+        forced = check_format(format)
+        self.file_formats: dict[str, Format | None] = {str(file): forced or self._detect(file) for file in self.files}
+        found = {fmt for fmt in self.file_formats.values() if fmt is not None}
+        if len(found) > 1:
+            listing = ", ".join(f"{Path(name).name} is {fmt}" for name, fmt in self.file_formats.items() if fmt)
+            raise DataError(f"{self.path} mixes formats ({listing}); convert them to one, or check them one by one")
+        self.format: Format | None = found.pop() if found else None
+
+    def _detect(self, file: Path) -> Format | None:
+        if file_kind(file) == "text":
+            return "text"
+        sample = []
+        for record in read_records(file):
+            if record.issue is None and record.counted:
+                sample.append(
+                    apply_mapping(record.value, self.mapping) if isinstance(record.value, dict) else record.value
+                )
+                if len(sample) >= DETECT_SAMPLE:
+                    break
+        if not sample:
+            return None  # nothing parses: every record will be reported as it is read
+        return detect_format(sample, source=str(file))
+
+    def __iter__(self) -> Iterator[Record]:
+        row = 0
+        for file in self.files:
+            fmt = self.file_formats[str(file)] or self.format
+            for raw in read_records(file):
+                if not raw.counted:
+                    yield Record(
+                        raw.file,
+                        raw.line,
+                        None,
+                        None,
+                        [Problem(raw.issue.message, "error", raw.file, raw.line)],
+                    )
+                    continue
+                if raw.issue is not None:
+                    problem = Problem(raw.issue.message, raw.issue.severity, raw.file, raw.line, row, raw.issue.field)
+                    yield Record(raw.file, raw.line, row, None, [problem])
+                elif fmt is None:  # unreachable: a parsed record makes detection succeed or raise
+                    yield Record(
+                        raw.file,
+                        raw.line,
+                        row,
+                        None,
+                        [Problem("format unknown", "error", raw.file, raw.line, row)],
+                    )
+                else:
+                    messages, issues = normalize(raw.value, fmt, self.mapping)
+                    problems = [Problem(i.message, i.severity, raw.file, raw.line, row, i.field) for i in issues]
+                    yield Record(raw.file, raw.line, row, messages, problems)
+                row += 1
+
+
+class Conversations(list):
+    """The valid rows as conversations (a plain list of message lists), with the format they were read as."""
+
+    def __init__(self, rows: Iterable[Messages], format: Format | None, source: str, warnings: int = 0) -> None:
+        super().__init__(rows)
+        self.format = format
+        self.source = source
+        self.warnings = warnings
+
+
+def load_conversations(
+    path: str | Path, format: str | None = None, mapping: Mapping[str, str] | Iterable[str] | None = None
+) -> Conversations:
+    """Every row of a dataset as a conversation, for the trainer. Raises DataError (one line: the first
+    problem, how many rows have errors, and the command that lists them all) if any row is rejected;
+    warnings such as duplicates do not stop it. `.format` on the result is the detected (or given) format."""
+    dataset = Dataset(path, format, mapping)
+    rows: list[Messages] = []
+    first_error: Problem | None = None
+    error_rows = 0
+    warnings = 0
+    for record in dataset:
+        errors = [problem for problem in record.problems if problem.severity == "error"]
+        warnings += len(record.problems) - len(errors)
+        if errors or record.messages is None:
+            error_rows += 1
+            first_error = first_error or (errors[0] if errors else None)
+        else:
+            rows.append(record.messages)
+    if first_error is not None:
+        others = f" (and {error_rows - 1} more rows with errors)" if error_rows > 1 else ""
+        raise DataError(
+            f"{first_error.where()}: {first_error.message}{others}; run `lorafit data check {path}` for the full list"
+        )
+    if not rows:
+        raise DataError(f"{path} has no rows; run `lorafit data check {path}`")
+    return Conversations(rows, dataset.format, str(path), warnings)
+
+
+def detect(path: str | Path, mapping: Mapping[str, str] | Iterable[str] | None = None) -> Format | None:
+    """The format of a file or directory, from its first records (None if no record parses)."""
+    return Dataset(path, None, mapping).format

@@ -1,0 +1,404 @@
+"""Dataset formats, detected from a record's columns and turned into one conversation form.
+
+The internal form is what chat templates and TRL take: a list of messages `{"role": ..., "content": str}` with
+roles system/user/assistant/tool (assistant turns may carry `tool_calls`, tool turns `tool_call_id`/`name`).
+A raw-text row becomes one assistant message, so every token of it is trained on.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, NamedTuple, get_args
+
+from lorafit.errors import DataError
+
+Format = Literal["alpaca", "sharegpt", "messages", "prompt_completion", "text"]
+FORMATS: tuple[Format, ...] = get_args(Format)
+Target = Literal["messages", "alpaca", "sharegpt"]
+TARGETS: tuple[Target, ...] = get_args(Target)
+ROLES = ("system", "user", "assistant", "tool")
+
+# ShareGPT speakers as the datasets in the wild name them (FastChat, LLaMA-Factory, Axolotl).
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+MESSAGE_ROLES = {role: role for role in ROLES}
+SHAREGPT_SPEAKER = {"user": "human", "assistant": "gpt", "system": "system", "tool": "tool"}
+
+# Fields that `--map field=column` can point at another column (or, for the last four, another key inside
+# each message of a conversation).
+TOP_LEVEL_FIELDS = (
+    "instruction",
+    "input",
+    "output",
+    "system",
+    "conversations",
+    "messages",
+    "prompt",
+    "completion",
+    "text",
+)
+MESSAGE_FIELDS = ("role", "content", "from", "value")
+MAPPABLE_FIELDS = TOP_LEVEL_FIELDS + MESSAGE_FIELDS
+
+# Keys a message keeps besides role/content: chat templates read them for tool use.
+TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+
+# How many parsed records detection looks at before it decides.
+DETECT_SAMPLE = 100
+
+
+class Issue(NamedTuple):
+    """A problem inside one record; the checker adds file, line and row."""
+
+    field: str | None
+    message: str
+    severity: Literal["error", "warning"] = "error"
+
+
+Messages = list[dict[str, Any]]
+
+
+# --- --map --------------------------------------------------------------------------------------------------
+def parse_mapping(pairs: Iterable[str] | Mapping[str, str] | None) -> dict[str, str]:
+    """`["instruction=question", ...]` -> {"instruction": "question"}; refuses what would do nothing."""
+    if pairs is None:
+        return {}
+    items = list(pairs.items()) if isinstance(pairs, Mapping) else []
+    if not isinstance(pairs, Mapping):
+        for pair in pairs:
+            field, sep, column = str(pair).partition("=")
+            if not sep or not field.strip() or not column.strip():
+                raise DataError(f"--map {pair!r}: expected FIELD=COLUMN, e.g. --map instruction=question")
+            items.append((field.strip(), column.strip()))
+    mapping: dict[str, str] = {}
+    for field, column in items:
+        if field not in MAPPABLE_FIELDS:
+            raise DataError(f"--map {field}={column}: unknown field {field!r}; fields: {', '.join(MAPPABLE_FIELDS)}")
+        mapping[field] = column
+    return mapping
+
+
+def apply_mapping(record: dict[str, Any], mapping: Mapping[str, str]) -> dict[str, Any]:
+    """Rename the user's columns to the field names the formats use (a shallow copy: the input is kept)."""
+    if not mapping:
+        return record
+    renamed = dict(record)
+    for field in TOP_LEVEL_FIELDS:
+        column = mapping.get(field)
+        if column is not None and column in record:
+            renamed.pop(column, None)
+            renamed[field] = record[column]
+    inner = {field: mapping[field] for field in MESSAGE_FIELDS if field in mapping}
+    if inner:
+        for key in ("messages", "conversations", "prompt", "completion"):
+            turns = renamed.get(key)
+            if isinstance(turns, list):
+                renamed[key] = [_rename_keys(turn, inner) if isinstance(turn, dict) else turn for turn in turns]
+    return renamed
+
+
+def _rename_keys(turn: dict[str, Any], inner: Mapping[str, str]) -> dict[str, Any]:
+    renamed = dict(turn)
+    for field, column in inner.items():
+        if column in turn:
+            renamed.pop(column, None)
+            renamed[field] = turn[column]
+    return renamed
+
+
+def column_name(field: str, mapping: Mapping[str, str]) -> str:
+    """The name the user knows a field by: the mapped column if there is one."""
+    return mapping.get(field, field)
+
+
+# --- detection ----------------------------------------------------------------------------------------------
+def detect_record(record: Any) -> Format | None:
+    """The format one record looks like, from its columns; None if it matches none."""
+    if not isinstance(record, dict):
+        return None
+    if "messages" in record:
+        return "messages"
+    if "conversations" in record:
+        return "sharegpt"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    if "prompt" in record and "completion" in record:
+        return "prompt_completion"
+    if "text" in record:
+        return "text"
+    return None
+
+
+def detect_format(records: Iterable[Any], source: str = "data") -> Format:
+    """The format most of the sampled records match; a DataError naming the columns seen if none does."""
+    votes: Counter[Format] = Counter()
+    columns: Counter[str] = Counter()
+    for record in records:
+        kind = detect_record(record)
+        if kind is not None:
+            votes[kind] += 1
+        elif isinstance(record, dict):
+            columns.update(str(key) for key in record)
+    if votes:
+        return votes.most_common(1)[0][0]
+    seen = ", ".join(repr(name) for name, _ in columns.most_common(8)) or "none"
+    raise DataError(
+        f"cannot tell the format of {source}: columns seen: {seen}; expected one of alpaca "
+        "(instruction/output), sharegpt (conversations), messages, prompt_completion (prompt/completion) or "
+        "text; pass --format, or --map FIELD=COLUMN (e.g. --map instruction=question)"
+    )
+
+
+def check_format(name: str | None) -> Format | None:
+    if name is None:
+        return None
+    if name not in FORMATS:
+        raise DataError(f"unknown format {name!r}; expected one of {', '.join(FORMATS)}")
+    return name  # type: ignore[return-value]
+
+
+# --- normalisation ------------------------------------------------------------------------------------------
+def normalize(
+    record: Any, fmt: Format, mapping: Mapping[str, str] | None = None
+) -> tuple[Messages | None, list[Issue]]:
+    """One record -> (conversation, issues). The conversation is None when any issue is an error."""
+    mapping = mapping or {}
+    if not isinstance(record, dict):
+        return None, [Issue(None, f"expected an object with columns, got {_type_name(record)}")]
+    record = apply_mapping(record, mapping)
+    issues: list[Issue] = []
+    if fmt == "alpaca":
+        messages = _from_alpaca(record, mapping, issues)
+    elif fmt == "sharegpt":
+        messages = _from_turns(record, "conversations", mapping, issues, sharegpt=True)
+        system = _optional_string(record, "system", mapping, issues)
+        if messages is not None and system:
+            messages.insert(0, {"role": "system", "content": system})
+    elif fmt == "messages":
+        messages = _from_turns(record, "messages", mapping, issues, sharegpt=False)
+    elif fmt == "prompt_completion":
+        messages = _from_prompt_completion(record, mapping, issues)
+    else:
+        text = _required_string(record, "text", mapping, issues)
+        messages = None if text is None else [{"role": "assistant", "content": text}]
+    if messages is not None and fmt != "text":
+        conversation_field = {"sharegpt": "conversations", "messages": "messages"}.get(fmt)
+        shown = column_name(conversation_field, mapping) if conversation_field else None
+        issues.extend(check_turns(messages, shown))
+    if any(issue.severity == "error" for issue in issues):
+        return None, issues
+    return messages, issues
+
+
+def _from_alpaca(record: dict[str, Any], mapping: Mapping[str, str], issues: list[Issue]) -> Messages | None:
+    instruction = _required_string(record, "instruction", mapping, issues)
+    extra_input = _optional_string(record, "input", mapping, issues)
+    output = _required_string(record, "output", mapping, issues)
+    system = _optional_string(record, "system", mapping, issues)
+    if instruction is None or output is None:
+        return None
+    prompt = f"{instruction}\n\n{extra_input}" if extra_input else instruction
+    messages: Messages = [{"role": "system", "content": system}] if system else []
+    messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+    return messages
+
+
+def _from_prompt_completion(record: dict[str, Any], mapping: Mapping[str, str], issues: list[Issue]) -> Messages | None:
+    """Plain strings, or TRL's conversational form where both columns hold lists of messages."""
+    prompt, completion = record.get("prompt"), record.get("completion")
+    if isinstance(prompt, list) or isinstance(completion, list):
+        head = _from_turns(record, "prompt", mapping, issues, sharegpt=False)
+        tail = _from_turns(record, "completion", mapping, issues, sharegpt=False)
+        return None if head is None or tail is None else head + tail
+    prompt_text = _required_string(record, "prompt", mapping, issues)
+    completion_text = _required_string(record, "completion", mapping, issues)
+    if prompt_text is None or completion_text is None:
+        return None
+    return [{"role": "user", "content": prompt_text}, {"role": "assistant", "content": completion_text}]
+
+
+def _from_turns(
+    record: dict[str, Any], key: str, mapping: Mapping[str, str], issues: list[Issue], sharegpt: bool
+) -> Messages | None:
+    shown = column_name(key, mapping)
+    if key not in record:
+        issues.append(Issue(shown, f"missing column {shown!r}"))
+        return None
+    turns = record[key]
+    if not isinstance(turns, list):
+        issues.append(Issue(shown, f"wrong type: expected a list of turns, got {_type_name(turns)}"))
+        return None
+    if not turns:
+        issues.append(Issue(shown, "empty conversation"))
+        return None
+    messages: Messages = []
+    failed = False
+    for index, turn in enumerate(turns):
+        message = _turn(turn, f"{shown}[{index}]", mapping, issues, sharegpt)
+        if message is None:
+            failed = True
+        else:
+            messages.append(message)
+    return None if failed else messages
+
+
+def _turn(turn: Any, where: str, mapping: Mapping[str, str], issues: list[Issue], sharegpt: bool) -> dict | None:
+    if not isinstance(turn, dict):
+        issues.append(Issue(where, f"wrong type: expected a turn object, got {_type_name(turn)}"))
+        return None
+    # ShareGPT says from/value; some ShareGPT files use role/content, and so do messages.
+    role_key, content_key = (
+        ("from", "value") if sharegpt and ("from" in turn or "value" in turn) else ("role", "content")
+    )
+    role_shown, content_shown = column_name(role_key, mapping), column_name(content_key, mapping)
+    if role_key not in turn:
+        issues.append(Issue(f"{where}.{role_shown}", f"missing {role_shown!r} in a turn"))
+        return None
+    raw_role = turn[role_key]
+    if not isinstance(raw_role, str):
+        issues.append(Issue(f"{where}.{role_shown}", f"wrong type: role is {_type_name(raw_role)}, expected a string"))
+        return None
+    known = SHAREGPT_ROLES if sharegpt else MESSAGE_ROLES
+    role = known.get(raw_role.strip().lower())
+    if role is None:
+        expected = ", ".join(sorted(set(known))) if sharegpt else ", ".join(ROLES)
+        issues.append(Issue(f"{where}.{role_shown}", f"unknown role {raw_role!r} (expected {expected})"))
+        return None
+    extras = {key: turn[key] for key in TOOL_KEYS if turn.get(key) is not None}
+    content = turn.get(content_key)
+    if content is None and "tool_calls" not in extras:
+        issues.append(Issue(f"{where}.{content_shown}", f"missing {content_shown!r} in a {role} turn"))
+        return None
+    if isinstance(content, list):
+        content = _join_text_parts(content, f"{where}.{content_shown}", issues)
+        if content is None:
+            return None
+    elif content is None:
+        content = ""  # an assistant turn that only calls tools
+    elif not isinstance(content, str):
+        issues.append(
+            Issue(f"{where}.{content_shown}", f"wrong type: content is {_type_name(content)}, expected a string")
+        )
+        return None
+    if not content.strip() and "tool_calls" not in extras:
+        severity = "warning" if role == "system" else "error"
+        issues.append(Issue(f"{where}.{content_shown}", f"empty content in a {role} turn", severity))
+        if severity == "error":
+            return None
+    return {"role": role, "content": content, **extras}
+
+
+def _join_text_parts(parts: list[Any], where: str, issues: list[Issue]) -> str | None:
+    """OpenAI content parts: all-text lists are joined; lorafit does not train on images or audio."""
+    texts = []
+    for part in parts:
+        if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else _type_name(part)
+            issues.append(Issue(where, f"unsupported content part {kind!r}: only text parts can be trained on"))
+            return None
+    return "".join(texts)
+
+
+def _required_string(record: dict[str, Any], field: str, mapping: Mapping[str, str], issues: list[Issue]) -> str | None:
+    shown = column_name(field, mapping)
+    if field not in record or record[field] is None:
+        issues.append(Issue(shown, f"missing column {shown!r}"))
+        return None
+    value = record[field]
+    if not isinstance(value, str):
+        issues.append(Issue(shown, f"wrong type: {shown!r} is {_type_name(value)}, expected a string"))
+        return None
+    if not value.strip():
+        issues.append(Issue(shown, f"empty {shown!r}"))
+        return None
+    return value
+
+
+def _optional_string(record: dict[str, Any], field: str, mapping: Mapping[str, str], issues: list[Issue]) -> str:
+    value = record.get(field)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        shown = column_name(field, mapping)
+        issues.append(Issue(shown, f"wrong type: {shown!r} is {_type_name(value)}, expected a string"))
+        return ""
+    return value
+
+
+def check_turns(messages: Messages, field: str | None) -> list[Issue]:
+    """The order chat templates and assistant-only loss expect: [system] user assistant (tool* assistant)."""
+    issues: list[Issue] = []
+    where = field or "turns"
+    previous: str | None = None
+    for index, message in enumerate(messages):
+        role = message["role"]
+        if role == "system":
+            if index != 0:
+                issues.append(Issue(where, f"turns out of order: system turn at position {index}, expected only first"))
+        elif previous in (None, "system"):
+            if role != "user":
+                issues.append(Issue(where, f"turns out of order: conversation starts with {role}, expected user"))
+        elif role == "tool" and previous not in ("assistant", "tool"):
+            issues.append(Issue(where, f"turns out of order: tool turn at position {index} follows {previous}"))
+        elif role == previous and role in ("user", "assistant"):
+            issues.append(Issue(where, f"turns out of order: two {role} turns in a row at position {index}"))
+        elif previous == "tool" and role == "user":
+            issues.append(
+                Issue(
+                    where,
+                    f"turns out of order: user turn at position {index} before the assistant answers a tool",
+                )
+            )
+        previous = role
+    if previous != "assistant":
+        issues.append(Issue(where, f"last turn is {previous}, not assistant: there is no answer to train on"))
+    return issues
+
+
+# --- writing other formats ----------------------------------------------------------------------------------
+def from_messages(messages: Messages, to: Target) -> dict[str, Any]:
+    """A conversation as one record of `to`; ValueError (with the reason) where `to` cannot hold it."""
+    if to == "messages":
+        return {"messages": messages}
+    if any("tool_calls" in message or message["role"] == "tool" for message in messages):
+        raise ValueError(f"tool calls cannot be written as {to}")
+    if to == "sharegpt":
+        return {"conversations": [{"from": SHAREGPT_SPEAKER[m["role"]], "value": m["content"]} for m in messages]}
+    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+    turns = messages[1:] if system is not None else messages
+    if len(turns) != 2 or turns[0]["role"] != "user" or turns[1]["role"] != "assistant":
+        raise ValueError(f"a conversation of {len(turns)} turns cannot be written as alpaca (one question, one answer)")
+    record: dict[str, Any] = {"instruction": turns[0]["content"], "input": "", "output": turns[1]["content"]}
+    if system:
+        record["system"] = system
+    return record
+
+
+def plain_text(messages: Messages, fmt: Format | None = None) -> str:
+    """What gets tokenized when there is no chat template: raw text as is, else 'role: content' turns."""
+    if fmt == "text":
+        return messages[0]["content"]
+    return "\n\n".join(f"{message['role']}: {message['content']}" for message in messages)
+
+
+def _type_name(value: Any) -> str:
+    return {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)

@@ -1,0 +1,286 @@
+"""Read data files one record at a time, so a file larger than memory streams through in flat memory.
+
+JSONL and plain text are read line by line (each line keeps its number and its own error); CSV goes through
+the standard `csv` module fed with decoded lines, so a bad byte is pinned to its line; Parquet streams in
+record batches through pyarrow. A JSON array is one document and is read whole: use JSONL for data larger
+than memory.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+from lorafit.data.formats import Issue
+from lorafit.errors import DataError
+
+FileKind = Literal["jsonl", "json", "csv", "tsv", "parquet", "text"]
+EXTENSIONS: dict[str, FileKind] = {
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "json",
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".txt": "text",
+    ".text": "text",
+}
+PARQUET_BATCH_ROWS = 1024
+SURROGATE_MESSAGE = "invalid Unicode: a lone surrogate escape (\\ud800-\\udfff) that no UTF-8 text can hold"
+
+
+class RawRecord(NamedTuple):
+    """One record as read, or why it could not be read. `counted` is False for a problem with the whole file,
+    which has no row index."""
+
+    file: str
+    line: int | None
+    value: Any
+    issue: Issue | None = None
+    counted: bool = True
+
+
+def file_kind(path: Path) -> FileKind:
+    kind = EXTENSIONS.get(path.suffix.lower())
+    if kind is None:
+        known = ", ".join(sorted(EXTENSIONS))
+        raise DataError(f"{path}: unknown file type {path.suffix or '(no extension)'!r}; expected one of {known}")
+    return kind
+
+
+def data_files(path: Path) -> list[Path]:
+    """The file itself, or every data file under a directory (sorted, hidden files skipped)."""
+    path = Path(path)
+    if path.is_file():
+        file_kind(path)
+        return [path]
+    if path.is_dir():
+        files = sorted(
+            candidate
+            for candidate in path.rglob("*")
+            if candidate.is_file()
+            and candidate.suffix.lower() in EXTENSIONS
+            and not any(part.startswith(".") for part in candidate.relative_to(path).parts)
+        )
+        if not files:
+            raise DataError(f"no data files in {path} (looked for {', '.join(sorted(EXTENSIONS))})")
+        return files
+    raise DataError(f"no such file or directory: {path}")
+
+
+def read_records(path: Path) -> Iterator[RawRecord]:
+    """Every record of one file, in order."""
+    kind = file_kind(path)
+    try:
+        if kind == "jsonl":
+            yield from _read_jsonl(path)
+        elif kind == "json":
+            yield from _read_json(path)
+        elif kind in ("csv", "tsv"):
+            yield from _read_csv(path, delimiter="\t" if kind == "tsv" else ",")
+        elif kind == "parquet":
+            yield from _read_parquet(path)
+        else:
+            yield from _read_text(path)
+    except OSError as error:
+        raise DataError(f"cannot read {path}: {error.strerror or error}") from None
+
+
+def _decode(raw: bytes, first: bool) -> tuple[str | None, Issue | None]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        byte = raw[error.start : error.start + 1].hex()
+        return None, Issue(None, f"non-UTF-8 bytes (0x{byte} at byte {error.start + 1} of the line)")
+    if first and text.startswith("\ufeff"):
+        text = text[1:]
+    return text, None
+
+
+def _read_jsonl(path: Path) -> Iterator[RawRecord]:
+    name = str(path)
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue  # blank lines hold no record
+            text, issue = _decode(raw, number == 1)
+            if issue is not None:
+                yield RawRecord(name, number, None, issue)
+                continue
+            text = text.strip()  # so an error's column is on this line, not on the newline after it
+            try:
+                value = json.loads(text)
+            except (ValueError, RecursionError) as error:
+                yield RawRecord(name, number, None, Issue(None, f"invalid JSON: {_json_reason(error)}"))
+                continue
+            if _may_hold_surrogates(text) and not _valid_unicode(value):
+                yield RawRecord(name, number, None, Issue(None, SURROGATE_MESSAGE))
+                continue
+            yield RawRecord(name, number, value)
+
+
+def _read_json(path: Path) -> Iterator[RawRecord]:
+    """A JSON array of records; a .json file that is really one record per line is read as JSONL."""
+    name = str(path)
+    with path.open("rb") as handle:
+        head = handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    if not head.startswith(b"["):
+        first = next(_read_jsonl(path), None)
+        if head.startswith(b"{") and first is not None and first.issue is not None and first.line == 1:
+            # Line 1 alone is not JSON: perhaps a pretty-printed single object. Say what is expected.
+            try:
+                whole = _parse_whole(path)
+            except _WholeFileError:
+                whole = None
+            if isinstance(whole, dict):
+                keys = ", ".join(repr(key) for key in list(whole)[:5])
+                message = f"holds one JSON object (keys: {keys}); expected an array of records or one per line"
+                yield RawRecord(name, None, None, Issue(None, message), False)
+                return
+        yield from _read_jsonl(path)
+        return
+    try:
+        data = _parse_whole(path)
+    except _WholeFileError as error:
+        yield RawRecord(name, error.line, None, Issue(None, error.message), False)
+        return
+    if not isinstance(data, list):  # unreachable but for a trailing-garbage edge: json.loads saw '[' first
+        yield RawRecord(name, None, None, Issue(None, "expected a JSON array of records"), False)
+        return
+    for value in data:
+        if not _valid_unicode(value):
+            yield RawRecord(name, None, None, Issue(None, SURROGATE_MESSAGE))
+            continue
+        yield RawRecord(name, None, value)
+
+
+class _WholeFileError(Exception):
+    def __init__(self, message: str, line: int | None = None) -> None:
+        super().__init__(message)
+        self.message, self.line = message, line
+
+
+def _parse_whole(path: Path) -> Any:
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise _WholeFileError(
+            f"non-UTF-8 bytes (0x{raw[error.start : error.start + 1].hex()}) on line {line}", line
+        ) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise _WholeFileError(
+            f"invalid JSON: {error.msg} (line {error.lineno}, column {error.colno})", error.lineno
+        ) from None
+    except (ValueError, RecursionError) as error:
+        raise _WholeFileError(f"invalid JSON: {_json_reason(error)}") from None
+
+
+def _may_hold_surrogates(text: str) -> bool:
+    """A cheap pre-test: JSON can only produce a lone surrogate from a \\uD800-\\uDFFF escape."""
+    return "\\ud" in text or "\\uD" in text
+
+
+def _valid_unicode(value: Any) -> bool:
+    """False if any string in a parsed record holds a lone surrogate (it could never be written as UTF-8)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    except (ValueError, RecursionError):
+        return True
+    return True
+
+
+def _json_reason(error: Exception) -> str:
+    if isinstance(error, json.JSONDecodeError):
+        return f"{error.msg} (column {error.colno})"
+    if isinstance(error, RecursionError):
+        return "nested too deeply"
+    return str(error).splitlines()[0][:200]
+
+
+def _read_text(path: Path) -> Iterator[RawRecord]:
+    """One record per non-blank line, as the `datasets` text loader does."""
+    name = str(path)
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            text, issue = _decode(raw, number == 1)
+            if issue is not None:
+                yield RawRecord(name, number, None, issue)
+                continue
+            text = text.rstrip("\r\n")
+            if text.strip():
+                yield RawRecord(name, number, {"text": text})
+
+
+def _read_csv(path: Path, delimiter: str) -> Iterator[RawRecord]:
+    """Header row, then one record per CSV row; quoted fields may span lines, so a row spans a line range."""
+    name = str(path)
+    bad_lines: dict[int, Issue] = {}
+
+    def decoded_lines() -> Iterator[str]:
+        with path.open("rb") as handle:
+            for number, raw in enumerate(handle, start=1):
+                text, issue = _decode(raw, number == 1)
+                if issue is not None:
+                    bad_lines[number] = issue
+                    text = raw.decode("utf-8", errors="replace")
+                yield text
+
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+    reader = csv.reader(decoded_lines(), delimiter=delimiter)
+    header: list[str] | None = None
+    last_line = 0
+    while True:
+        try:
+            cells = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as error:
+            yield RawRecord(name, last_line + 1, None, Issue(None, f"invalid CSV: {error}"), header is not None)
+            last_line = reader.line_num
+            continue
+        first_line, last_line = last_line + 1, reader.line_num
+        bad = next((bad_lines[n] for n in range(first_line, last_line + 1) if n in bad_lines), None)
+        if header is None:
+            if not cells:
+                continue
+            if bad is not None:
+                yield RawRecord(name, first_line, None, Issue(None, f"header: {bad.message}"), False)
+                return
+            header = [cell.strip() for cell in cells]
+            continue
+        if not cells or (len(cells) == 1 and not cells[0].strip() and len(header) > 1):
+            continue  # blank line
+        if bad is not None:
+            yield RawRecord(name, first_line, None, bad)
+        elif len(cells) != len(header):
+            message = f"row has {len(cells)} fields, the header has {len(header)}"
+            yield RawRecord(name, first_line, None, Issue(None, message))
+        else:
+            yield RawRecord(name, first_line, dict(zip(header, cells, strict=True)))
+
+
+def _read_parquet(path: Path) -> Iterator[RawRecord]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    name = str(path)
+    try:
+        parquet = pq.ParquetFile(path)
+        batches = parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS)
+        for batch in batches:
+            for value in batch.to_pylist():
+                yield RawRecord(name, None, value)
+    except (pa.ArrowException, ValueError) as error:
+        message = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        yield RawRecord(name, None, None, Issue(None, f"cannot read Parquet: {message}"), False)

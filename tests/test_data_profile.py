@@ -1,0 +1,60 @@
+"""The token profile the planner reads, and the count of rows a sequence length truncates."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lorafit.data import CHAR_ESTIMATE_ERROR, length_profile, token_profile, truncated_rows
+from lorafit.errors import DataError
+from lorafit.schema import TokenProfile
+
+
+def text_rows(path: Path, char_counts: list[int]) -> Path:
+    path.write_text("".join(json.dumps({"text": f"{i:04d}" + "x" * (n - 4)}) + "\n" for i, n in enumerate(char_counts)))
+    return path
+
+
+def test_token_profile_fields(tmp_path: Path) -> None:
+    path = text_rows(tmp_path / "a.jsonl", [40, 80, 400])  # 10, 20, 100 tokens by the estimate
+    profile = token_profile(path)
+    assert isinstance(profile, TokenProfile)
+    assert profile.source == str(path)
+    assert (profile.rows, profile.total_tokens, profile.max) == (3, 130, 100)
+    assert profile.p50 == 20 and profile.mean == pytest.approx(130 / 3)
+    assert profile.tokenizer is None and profile.estimate_error == CHAR_ESTIMATE_ERROR
+    assert profile.answer_token_share == pytest.approx(1.0)
+
+
+def test_truncated_rows_is_exact_from_lengths(tmp_path: Path) -> None:
+    lengths_profile = length_profile(text_rows(tmp_path / "a.jsonl", [40 * i for i in range(1, 101)]))
+    # lengths 10, 20, ..., 1000: a seq_len of 512 cuts the rows of 520..1000 tokens, 49 of them.
+    assert lengths_profile.truncated_rows(512) == 49
+    assert truncated_rows(lengths_profile, 512) == 49
+    assert truncated_rows([10, 600, 20, 900], 512) == 2
+    assert truncated_rows(lengths_profile, 1000) == 0
+
+
+def test_truncated_rows_from_a_bare_profile_is_an_estimate_from_its_quantiles(tmp_path: Path) -> None:
+    profile = length_profile(text_rows(tmp_path / "a.jsonl", [40 * i for i in range(1, 101)])).profile
+    assert truncated_rows(profile, profile.max) == 0
+    assert truncated_rows(profile, profile.max - 1) >= 1
+    estimate = truncated_rows(profile, 512)
+    assert abs(estimate - 49) <= 5  # uniform lengths: the p50 - p95 interpolation is close
+    assert truncated_rows(profile, 1) == pytest.approx(100, abs=1)
+
+
+def test_data_with_errors_is_refused_like_the_trainer_would(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "fine"}\n{oops\n')
+    with pytest.raises(DataError, match=r"a.jsonl:2 \(row 1\).*lorafit data check"):
+        token_profile(path)
+
+
+def test_seq_len_is_passed_through(tmp_path: Path) -> None:
+    profile = length_profile(text_rows(tmp_path / "a.jsonl", [40, 4000]), seq_len=64)
+    assert profile.truncated_rows(64) == 1
+    assert math.isclose(profile.profile.max, 1000)
