@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-train bench-data bench-exact clean
+.PHONY: run test lint install bench-memory bench-throughput bench-train bench-data bench-exact clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ lint: $(STAMP)
 
 bench-memory: $(STAMP)
 	$(BIN)/python bench/memory_accuracy.py
+
+bench-throughput: $(STAMP)
+	$(BIN)/python bench/throughput_accuracy.py
 
 bench-train: $(STAMP)
 	$(BIN)/python bench/train_throughput.py
