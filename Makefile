@@ -28,7 +28,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
 
-bench-memory: $(STAMP)
+BENCH_STAMP := $(VENV)/.installed-bench
+
+$(BENCH_STAMP): pyproject.toml | $(STAMP)
+	$(BIN)/pip install -q -e '.[train,test,bench]'
+	touch $(BENCH_STAMP)
+
+bench-memory: $(BENCH_STAMP)
 	$(BIN)/python bench/memory_accuracy.py
 
 bench-throughput: $(STAMP)

@@ -1,0 +1,1017 @@
+"""`make bench-memory`: lorafit's peak-memory estimate against published measurements, and against the other
+calculators a user would reach for, run on the same rows in the same process.
+
+Input: shared/calibration/measured_memory.csv (published peak-memory figures, each with its source, settings and
+`memory_metric`). Every row ends in exactly one group, and the output says which and why:
+
+- scored: a measurement whose model lorafit can describe and whose settings follow from the row, its notes and
+  the framework it names. lorafit is compared like with like: `peak_allocated` for max_memory_allocated (and
+  torchtune's "memory active"), `peak_reserved` for max_memory_reserved, `peak_device` for nvidia-smi; in the
+  unit the row states (GB = 1e9 bytes, GiB = 2**30). Rows that report nvidia-smi beside allocated (FMS-*) give a
+  second scored figure, `<id> smi`.
+- bound: a capacity statement ("OOM on 24 GB"), checked as a bound.
+- shown, not scored: a measurement that does not say whether it is allocated, reserved or nvidia-smi, or whose
+  settings are known but include something lorafit does not model (torch.compile, load-time reservation); shown
+  with lorafit's three figures, not counted.
+- excluded: architecture lorafit does not model, settings that cannot be determined, or a figure that is not a
+  training-step peak; the reason is printed.
+- estimate: rules of thumb of other tools (kind = estimate): not measurements, shown separately.
+
+Rows measured on this machine (bench/cpu_measured.py, real CPU steps under a live-tensor tracker) are scored too
+when that module is present, against `peak_allocated` with Runtime(device="cpu").
+
+Prints one line per row and the summary (median and worst absolute % error, for lorafit and each calculator on the
+rows that calculator covers), and writes bench/out/memory_accuracy.json.
+
+    python bench/memory_accuracy.py [--csv PATH] [--rows ID,ID,...] [--no-competitors] [--no-cpu] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import importlib.util
+import io
+import json
+import re
+import statistics
+import sys
+import time
+import tomllib
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from lorafit import hardware, models
+from lorafit.errors import LorafitError
+from lorafit.memory import GIB, Runtime, estimate
+from lorafit.models import ModelSpec
+from lorafit.schema import Settings
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+DEFAULT_CSV = REPO_ROOT.parent / "shared" / "calibration" / "measured_memory.csv"
+DEFAULT_OUT = BENCH_DIR / "out" / "memory_accuracy.json"
+EXTRA_MODELS = BENCH_DIR / "calibration_models.toml"
+
+GB = 10**9
+MIB = 2**20
+TARGET_MEDIAN_PCT = 5.0
+TARGET_WORST_PCT = 15.0
+
+Metric = Literal["allocated", "reserved", "device"]
+ESTIMATE_FIELD: dict[str, str] = {
+    "allocated": "peak_allocated_gib",
+    "reserved": "peak_reserved_gib",
+    "device": "peak_device_gib",
+}
+
+
+# --- parsing the CSV ------------------------------------------------------------------------------------------
+def unit_of(metric_text: str) -> tuple[str, int] | None:
+    """The unit a row's figure is in, from its `memory_metric` text: GiB (2**30) where the text says so (or names
+    torchtune's division by 1024**3), GB (1e9) where it says GB/1e9/MB-divided-by-1000. None: no unit given."""
+    text = metric_text
+    if "GiB" in text or "1024**3" in text:
+        return "GiB", 2**30
+    if re.search(r"\bGB\b|1e9|\bMB\b|\bG\b", text):
+        return "GB", GB
+    return None
+
+
+def metric_of(metric_text: str) -> str | None:
+    """Which figure the row measured: allocated / reserved / device (nvidia-smi), a capacity bound, an OOM, or
+    None when the text does not say. torchtune's "Peak Memory Active" is active_bytes.all.peak, the bytes of
+    allocated blocks: it is compared with lorafit's allocated peak."""
+    text = metric_text.lower()
+    if "capacity bound" in text or "fits within" in text:
+        return "bound"
+    if "oom" in text:
+        return "oom"
+    if "max_memory_allocated" in text or "memory allocated" in text or "memory active" in text:
+        return "allocated"
+    if "max_memory_reserved" in text or "memory reserved" in text:
+        return "reserved"
+    if "nvidia-smi" in text or "screenshot" in text:
+        return "device"
+    return None
+
+
+def nvidia_smi_mib(metric_text: str) -> float | None:
+    """The second figure of rows that quote nvidia-smi beside allocated: 'nvidia-smi used = 77256 MiB'."""
+    match = re.search(r"nvidia-smi used = ([\d.]+) MiB", metric_text)
+    return float(match.group(1)) if match else None
+
+
+def leading_int(text: str) -> int | None:
+    match = re.match(r"\s*(\d+)", text)
+    return int(match.group(1)) if match else None
+
+
+def seq_len_of(text: str) -> tuple[int | None, bool]:
+    """(length, is_a_maximum): '2048' / '4096 (packed)' -> fixed; '<=512 (dynamic padding)' -> 512, a maximum
+    (the benchmark uses the stated maximum and says so); 'alpaca (dynamic; max not stated)' -> None."""
+    text = text.strip()
+    if match := re.match(r"<=\s*(\d+)", text):
+        return int(match.group(1)), True
+    return leading_int(text), False
+
+
+def on_off(text: str) -> bool | None:
+    text = text.strip().lower()
+    if text.startswith("on"):
+        return True
+    if text.startswith("off"):
+        return False
+    return None
+
+
+def quant_of(text: str) -> str | None:
+    text = text.lower()
+    if not text or text == "none":
+        return "none"
+    if "gptq" in text or "2-bit" in text:
+        return None
+    if "nf4" in text or "4-bit" in text or "4bit" in text:
+        return "nf4"
+    if "int8" in text or "8-bit" in text:
+        return "int8"
+    return None
+
+
+def precision_of(text: str) -> str:
+    text = text.lower()
+    for name in ("fp32", "fp16", "bf16"):
+        if name in text:
+            return name
+    return "bf16"
+
+
+def optimizer_of(text: str) -> str:
+    text = text.lower().replace("-", "")
+    eight_bit = "8bit" in text or "8 bit" in text
+    if "paged" in text:
+        return "paged_adamw_8bit" if eight_bit else "paged_adamw_32bit"
+    if eight_bit:
+        return "adamw_8bit"
+    if "sgd" in text:
+        return "sgd"
+    return "adamw"
+
+
+def targets_of(text: str) -> str:
+    text = text.lower()
+    if not text:
+        return "all"
+    if "mlp" in text or "all" in text or "gate" in text:
+        return "all"
+    if re.search(r"\bk(_proj|ey)?\b", text) or "o_proj" in text or "output_proj" in text:
+        return "attn"
+    return "qv"
+
+
+def attention_of(text: str) -> str:
+    text = text.lower()
+    if "flash" in text:
+        return "flash"
+    if "eager" in text:
+        return "eager"
+    return "sdpa"
+
+
+def gpu_gib_of(text: str) -> float:
+    """The row's GPU capacity for the bound checks and the calculators that size overheads from it: the
+    catalog's figure for a GPU it knows, else the GB the text states, else 80 (A100/H100 80GB)."""
+    for name in ("RTX 4090", "RTX A6000", "A10G", "T4", "H100", "A100"):
+        if name.lower() in text.lower():
+            with contextlib.suppress(LorafitError):
+                spec = hardware.resolve(name if name != "A100" or "40" not in text else "A100 40GB")
+                return spec.memory_gib
+    if match := re.search(r"(\d+)\s*GB", text):
+        return float(match.group(1))
+    return 80.0
+
+
+@dataclass
+class Row:
+    """One CSV row with its fields parsed (the raw text is kept for the report)."""
+
+    raw: dict[str, str]
+    id: str
+    kind: str
+    model: str
+    method: str
+    metric: str | None
+    unit: tuple[str, int] | None
+    peak: float | None
+    micro_batch: int | None
+    seq_len: int | None
+    seq_is_max: bool
+    grad_ckpt: bool | None
+    n_gpus: int
+
+    @classmethod
+    def parse(cls, raw: dict[str, str]) -> Row:
+        seq_len, seq_is_max = seq_len_of(raw["seq_len"])
+        unit = unit_of(raw["memory_metric"])
+        if declared := ROW_SETUP.get(raw["id"], {}).get("unit"):
+            unit = (declared, {"GiB": 2**30, "GB": GB}[declared])
+        return cls(
+            raw=raw,
+            id=raw["id"],
+            kind=raw["kind"],
+            model=raw["model"],
+            method=raw["method"],
+            metric=metric_of(raw["memory_metric"]),
+            unit=unit,
+            peak=float(raw["peak_gb"]) if raw["peak_gb"].strip() else None,
+            micro_batch=leading_int(raw["micro_batch"]),
+            seq_len=seq_len,
+            seq_is_max=seq_is_max,
+            grad_ckpt=on_off(raw["grad_ckpt"]),
+            n_gpus=leading_int(raw["n_gpus"]) or 1,
+        )
+
+
+def read_rows(path: Path) -> list[Row]:
+    with path.open(newline="") as handle:
+        return [Row.parse(raw) for raw in csv.DictReader(handle)]
+
+
+# --- models ---------------------------------------------------------------------------------------------------
+# Checkpoints the catalog holds under another name (same shapes; the catalog's `source` lines say so).
+MODEL_ALIASES = {
+    "meta-llama/Llama-2-7b": "llama-2-7b",
+    "Llama-2 7B": "llama-2-7b",
+    "meta-llama/Llama-2-70b": "llama-2-70b",
+    "meta-llama/Meta-Llama-3-8B": "llama-3.1-8b",
+    "meta-llama/Meta-Llama-3-8B-Instruct": "llama-3.1-8b",
+    "meta-llama/Meta-Llama-3.1-8B": "llama-3.1-8b",
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+    "meta-llama/Llama-3.1-70B-Instruct": "llama-3.1-70b",
+    "meta-llama/Llama-3.3-70B-Instruct": "llama-3.1-70b",
+    "meta-llama/Meta-Llama-3-70B": "llama-3.1-70b",
+    "meta-llama/Llama-3.1-405B-Instruct": "llama-3.1-405b",
+    "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b",
+    "TinyLlama/TinyLlama-1.1B": "tinyllama-1.1b",
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": "mixtral-8x7b",
+    "codellama/CodeLlama-34b-hf": "codellama-34b",
+    "generic 7B": "llama-2-7b",
+    "generic 70B": "llama-2-70b",
+}
+
+# Architectures lorafit does not model (src/lorafit/models.py MODEL_TYPES): their rows are excluded.
+UNSUPPORTED_MODELS = {
+    "Qwen/Qwen-": "Qwen v1 (QWenLMHeadModel, remote code: fused c_attn, w1/w2 MLP) is not a supported architecture",
+    "T0_3B": "T5 encoder-decoder is not a supported architecture",
+    "mt0-xxl": "mT5 encoder-decoder is not a supported architecture",
+    "bloomz": "BLOOM (ALiBi, LayerNorm, GELU MLP) is not a supported architecture",
+    "falcon": "Falcon (parallel attention/MLP, LayerNorm) is not a supported architecture",
+    "phi-2": "Phi-2 (model_type phi: parallel attention/MLP, LayerNorm, GELU MLP) is not a supported architecture",
+    "glm-4": "GLM-4 (chatglm remote code) is not a supported architecture",
+    "Olmo-3": "OLMo-3 (olmo3: post-norm, q/k norms) is not a supported architecture",
+    "Apertus": "Apertus (xIELU non-gated MLP, q/k norms) is not a supported architecture",
+    "Mistral-Small-3.1": "multimodal checkpoint (Mistral3ForConditionalGeneration): the Pixtral vision tower and "
+    "projector load beside the text decoder, which is all lorafit models",
+}
+
+
+def extra_models() -> dict[str, ModelSpec]:
+    entries = tomllib.loads(EXTRA_MODELS.read_text())["model"]
+    return {entry["name"]: ModelSpec.model_validate(entry) for entry in entries}
+
+
+def resolve_model(name: str) -> ModelSpec | str:
+    """The row's ModelSpec, or the reason there is none."""
+    for pattern, reason in UNSUPPORTED_MODELS.items():
+        if pattern.lower() in name.lower():
+            return reason
+    key = next((alias for pattern, alias in MODEL_ALIASES.items() if name.startswith(pattern)), name)
+    extras = extra_models()
+    if key in extras:
+        return extras[key]
+    try:
+        return models.resolve(key)
+    except LorafitError as error:
+        return f"model not in the catalog or bench/calibration_models.toml ({error})"
+
+
+# --- what each row ran: framework defaults, then what the row and its notes say --------------------------------
+# Runtime of each framework, as its code at the cited commit runs the step (see Runtime in src/lorafit/memory.py).
+# torchtune (recipes/lora_finetune_single_device.py, full_finetune_single_device.py): the whole model, adapters
+# included, is built in bf16 (`utils.set_default_dtype(self._dtype)`), no peft, no kbit preparation; the
+# TransformerDecoder upcasts all logits to fp32 (`self.output(h).float()`) for torch.nn.CrossEntropyLoss unless
+# the config says CEWithChunkedOutputLoss; torch.optim.AdamW without `fused: True` runs the foreach step.
+TORCHTUNE = dict(loss="hf", lora_dtype="compute", kbit_upcast=False, fused_optimizer=False)
+# litgpt (litgpt/finetune/lora.py @00af8b0d): `model(input_ids, lm_head_chunk_size=128)` and
+# `chunked_cross_entropy`; bf16-true builds adapters in bf16; torch.optim.AdamW (foreach); no kbit preparation;
+# QLoRA swaps the optimizer for bnb PagedAdamW (`instantiate_bnb_optimizer`), whose state is paged.
+LITGPT = dict(loss="chunked", lora_dtype="compute", kbit_upcast=False, fused_optimizer=False)
+# HF Trainer / TRL SFTTrainer with peft (transformers 4.4x): fp32 logits for the loss, adapters autocast to fp32
+# by peft, default optim adamw_torch (the foreach step). TRL's peft_module_casting_to_bf16 puts embeddings and
+# lm_head back to bf16 after prepare_model_for_kbit_training under bf16=True, so no kbit fp32 upcast stays:
+# fms-acceleration's own log confirms it (FMS-06: 4,307,028,992 bytes allocated after training = nf4-dq linears +
+# bf16 embeddings/head + fp32 LoRA and its Adam state, within 17 MB; an fp32 upcast would add 0.52 GB).
+HF_TRAINER = dict(loss="hf", lora_dtype="fp32", kbit_upcast=False, fused_optimizer=False)
+
+FRAMEWORK_OF_PREFIX = {
+    "TT": TORCHTUNE,
+    "TTPR": TORCHTUNE,
+    "TTD": TORCHTUNE,
+    "TAO": TORCHTUNE,
+    "LGC": LITGPT,
+    "PFD": HF_TRAINER,
+    "PFR": HF_TRAINER,
+    "FMS": HF_TRAINER,
+    "AX": HF_TRAINER,
+    "LFI": HF_TRAINER,
+    "US": HF_TRAINER,
+    "USB": HF_TRAINER,
+    "QW": HF_TRAINER,
+    "LF": HF_TRAINER,
+}
+
+# Per row: the Settings and Runtime fields the row's columns do not carry, each with the note or source it is
+# read from. Fields the columns do carry (method, r, quant, precision, micro batch, sequence, checkpointing,
+# attention, GPUs) are parsed from the row and only overridden here where a note corrects them.
+ROW_SETUP: dict[str, dict[str, Any]] = {
+    # torchtune README @0217d44 - metric not stated; settings from the default configs the notes list
+    "TT-01": dict(
+        settings=dict(lora_r=8, lora_targets="all", double_quant=True, grad_accum=16),
+        notes=["7B_qlora_single_device: r8 q,k,v,output_proj + MLP, AC, grad accum 16; torch.compile"],
+    ),
+    "TT-02": dict(
+        settings=dict(lora_r=8, lora_targets="qv", grad_accum=64),
+        notes=["7B_lora_single_device: r8 q,v, AC, grad accum 64"],
+    ),
+    # PR #961: `tune run full_finetune_single_device --config 7B_full_low_memory batch_size=4`, inputs 2048
+    "TTPR-01": dict(
+        settings=dict(grad_accum=1),
+        runtime=dict(optimizer_in_backward=True),
+        notes=[
+            "7B_full_low_memory: bnb PagedAdamW (state in managed memory, not allocated) fused into "
+            "backward (optimizer_in_bwd=True, needs grad accum 1), AC, nn.CrossEntropyLoss"
+        ],
+    ),
+    "TTPR-02": dict(settings=dict(grad_accum=1), runtime=dict(optimizer_in_backward=True)),
+    # torchtune README @1814feb 'Optimization flags' (Llama 3.2 3B, bs 2, seq 4096, A100); the last row's command
+    # line gives gradient_accumulation_steps=1 and optimizer._component_=torch.optim.AdamW (foreach for the full
+    # recipe's override; the LoRA configs keep `fused: True`).
+    "TT-17": dict(settings=dict(grad_accum=1), notes=["packed to 4096, no compile, nn.CrossEntropyLoss, no AC"]),
+    "TT-20": dict(
+        settings=dict(grad_accum=1),
+        runtime=dict(loss="chunked"),
+        notes=["packed 4096, CEWithChunkedOutputLoss (8 chunks), AC"],
+    ),
+    # optimizer_in_bwd steps each parameter inside backward: the foreach temporaries are one parameter's size,
+    # which is what fused_optimizer=True describes (no parameter-sized temporaries over the whole model).
+    "TT-21": dict(
+        settings=dict(grad_accum=1),
+        runtime=dict(loss="chunked", optimizer_in_backward=True, fused_optimizer=True),
+        notes=["+ optimizer_in_bwd: per-parameter AdamW steps in backward"],
+    ),
+    "TT-22": dict(
+        settings=dict(grad_accum=1),
+        runtime=dict(loss="chunked", optimizer_in_backward=True, fused_optimizer=True, activation_offload=True),
+        notes=["+ activation offloading (checkpointed inputs in host memory)"],
+    ),
+    "TT-23": dict(
+        settings=dict(grad_accum=1, optimizer="adamw_8bit"),
+        runtime=dict(loss="chunked", optimizer_in_backward=True, fused_optimizer=True, activation_offload=True),
+        notes=["+ bnb AdamW8bit fused into backward"],
+    ),
+    "TT-24": dict(
+        settings=dict(grad_accum=1, lora_dropout=0.0, lora_targets="all"),
+        runtime=dict(loss="chunked", fused_optimizer=True, activation_offload=True),
+        notes=[
+            "3B_lora config @1814feb: r64 q,v,output_proj + MLP (no k: lorafit's 'all' adds k_proj's "
+            "7.3M adapter parameters, ~0.06 GiB with gradients and state), dropout 0.0, AdamW "
+            "fused=True; + packed, chunked CE, AC, activation offloading"
+        ],
+    ),
+    "TT-25": dict(
+        settings=dict(grad_accum=1, lora_dropout=0.0, lora_targets="all", double_quant=True),
+        runtime=dict(loss="chunked", fused_optimizer=True, activation_offload=True),
+        notes=[
+            "command line in the README; torchao NF4 (64-weight blocks, scalers quantised per 256 as "
+            "bnb's double quantisation); no k_proj adapter (as TT-24)"
+        ],
+    ),
+    # torchtune tutorials (llama2/7B_lora_single_device @ff594c2: bs 2, AC, alpaca_cleaned max_seq_len 512,
+    # grad accum 64, lora_dropout 0.05 from lora_llama2_7b; 7B_qlora_single_device: grad accum 16)
+    "TTD-01": dict(settings=dict(lora_dropout=0.05, grad_accum=64)),
+    "TTD-02": dict(
+        settings=dict(lora_dropout=0.05, grad_accum=64, lora_targets="all"),
+        notes=[
+            "'all layers' also adapts the output head (apply_lora_to_output): 0.3M parameters and a "
+            "(tokens x 32000) bf16 LoRA output that lorafit's targets do not include"
+        ],
+    ),
+    "TTD-03": dict(settings=dict(lora_dropout=0.05, grad_accum=64)),
+    "TTD-04": dict(
+        settings=dict(lora_dropout=0.05, grad_accum=64, lora_targets="all"),
+        notes=["'all layers' also adapts the output head (2.3M parameters), not in lorafit's targets"],
+    ),
+    "TTD-05": dict(settings=dict(lora_dropout=0.05, grad_accum=16, double_quant=True)),
+    "TTD-06": dict(settings=dict(lora_dropout=0.05, grad_accum=16)),
+    # litgpt config_hub/finetune/<model>/<method>.yaml @00af8b0: grad accum = global_batch_size / micro_batch_size,
+    # lora_dropout, `quantize: bnb.nf4` (no double quantisation)
+    "LGC-01": dict(settings=dict(lora_dropout=0.05, grad_accum=4)),
+    "LGC-02": dict(settings=dict(lora_dropout=0.05, grad_accum=4, double_quant=False)),
+    "LGC-03": dict(settings=dict(lora_dropout=0.05, grad_accum=8)),
+    "LGC-04": dict(settings=dict(lora_dropout=0.05, grad_accum=4, double_quant=False)),
+    "LGC-05": dict(settings=dict(lora_dropout=0.05, grad_accum=8)),
+    "LGC-06": dict(settings=dict(lora_dropout=0.05, grad_accum=4)),
+    "LGC-07": dict(settings=dict(lora_dropout=0.05, grad_accum=4, double_quant=False)),
+    "LGC-08": dict(settings=dict(lora_dropout=0.1, grad_accum=6), notes=["also adapts the head (lora_head: true)"]),
+    "LGC-09": dict(
+        settings=dict(lora_dropout=0.1, grad_accum=6, double_quant=False),
+        notes=[
+            "also adapts the 256k-vocabulary head (lora_head: true): 4.1M parameters and a "
+            "(tokens x 256000) bf16 LoRA output that lorafit's targets do not include"
+        ],
+    ),
+    "LGC-10": dict(
+        settings=dict(lora_dropout=0.1, grad_accum=6, double_quant=False),
+        notes=["also adapts the 256k-vocabulary head (lora_head: true), not in lorafit's targets"],
+    ),
+    "LGC-12": dict(
+        settings=dict(lora_dropout=0.05, grad_accum=1),
+        notes=["also adapts the head (lora_head: true): 1.1M parameters, not in lorafit's targets"],
+    ),
+    "LGC-14": dict(settings=dict(lora_dropout=0.05, grad_accum=8)),
+    "LGC-15": dict(settings=dict(lora_dropout=0.05, grad_accum=8)),
+    "LGC-16": dict(settings=dict(lora_dropout=0.05, grad_accum=4, double_quant=False)),
+    "LGC-17": dict(settings=dict(grad_accum=8)),
+    # peft docs (examples/sft/train.py flags quoted in the notes): dropout 0.1, AC, flash attention, packing
+    "PFD-01": dict(
+        settings=dict(lora_dropout=0.1, grad_accum=4, shard="zero3"),
+        unit="GiB",
+        notes=[
+            "DeepSpeed ZeRO-3 over 8 GPUs; nvidia-smi screenshot read as GiB (nvidia-smi prints MiB; "
+            "'64 GB (80%)' of an 80 GB H100 is 80% only in GiB)"
+        ],
+    ),
+    "PFD-02": dict(
+        settings=dict(lora_dropout=0.1, grad_accum=2, shard="zero3", double_quant=True),
+        unit="GiB",
+        notes=[
+            "DeepSpeed ZeRO-3 (zero3_init_flag) over 2 GPUs, bnb quant_storage bf16; nvidia-smi screenshot read as GiB"
+        ],
+    ),
+    "PFD-05": dict(settings=dict(lora_dropout=0.1, grad_accum=2, shard="fsdp", double_quant=True)),
+    # fms-acceleration scripts/benchmarks (scenarios.yaml, defaults.yaml @24bdadb): r16 alpha 16 dropout 0.1
+    # q,k,v,o; grad accum 1; gradient checkpointing; flash attention; packing to 4096. benchmark.py launches
+    # through `accelerate launch` (FSDP FULL_SHARD, accelerate.yaml) only when num_gpus > 1 (line 953): one GPU
+    # runs plain, two shard with FSDP. baseline-peft-bnb loads nf4 with bnb_4bit_use_double_quant=True
+    # (framework_plugin_bnb.py). 'none' scenarios set torch_dtype bfloat16 without bf16=True: pure bf16.
+    "FMS-01": dict(settings=dict(grad_accum=1)),
+    "FMS-02": dict(settings=dict(grad_accum=1, shard="fsdp")),
+    "FMS-03": dict(settings=dict(grad_accum=1, lora_dropout=0.1)),
+    "FMS-04": dict(settings=dict(grad_accum=1, lora_dropout=0.1)),
+    "FMS-05": dict(settings=dict(grad_accum=1, lora_dropout=0.1, shard="fsdp")),
+    "FMS-06": dict(settings=dict(grad_accum=1, lora_dropout=0.1, double_quant=True)),
+    "FMS-07": dict(settings=dict(grad_accum=1, lora_dropout=0.1, double_quant=True)),
+    "FMS-09": dict(settings=dict(grad_accum=1, lora_dropout=0.1, double_quant=True, shard="fsdp")),
+    "FMS-10": dict(
+        settings=dict(grad_accum=1, lora_dropout=0.1, double_quant=True),
+        notes=[
+            "accelerated-peft-bnb: same bnb nf4-dq loading; the plugin's own kbit preparation "
+            "freezes and enables checkpointing without dtype casts (framework_plugin_bnb.py)"
+        ],
+    ),
+    "FMS-11": dict(
+        settings=dict(grad_accum=1, lora_dropout=0.1, double_quant=True),
+        notes=["transformers 4.48 holds Mixtral's experts as nn.Linear modules, quantised by bnb"],
+    ),
+    # Unsloth context-length table, HF + FA2 columns (kind = estimate): shown beside their bound, not scored
+    "US-09": dict(settings=dict(lora_dropout=0.0, grad_accum=1, grad_ckpt=True)),
+    "US-11": dict(settings=dict(lora_dropout=0.0, grad_accum=1, grad_ckpt=True)),
+    "US-12": dict(settings=dict(lora_dropout=0.0, grad_accum=1, grad_ckpt=True)),
+}
+
+COMPILED = (
+    "torch.compile on: compiled graphs change which tensors are saved for backward (-15% from TT-17 to "
+    "TT-18) and the LoRA recipe also compiles the loss (training.compile_loss in "
+    "recipes/lora_finetune_single_device.py @1814feb), the largest term for a 128k vocabulary; lorafit models "
+    "eager execution"
+)
+
+# Rows whose settings are known but whose figure lorafit does not model: shown with lorafit's figures, not scored.
+UNSCORED = {
+    "TT-01": COMPILED,
+    **{f"TT-{n}": COMPILED for n in range(20, 26)},
+    "TTD-05": "the reserved figure was set while loading: 9.13 GB reserved after model init vs 9.29 GB in training "
+    "(qlora_finetune.rst table) - torchtune staged bf16 weights on the GPU before NF4 conversion and the "
+    "caching allocator kept those blocks; lorafit models the training step",
+}
+
+# Rows of supported models that cannot be compared, with the reason (read from the row and its notes).
+EXCLUDED = {
+    "TT-03": "metric not stated; FSDP over 2 GPUs with the distributed recipe's settings not stated",
+    "TT-04": "metric not stated; PagedAdamW can spill to host memory, so the figure tracks the GPU's capacity",
+    "TT-05": "metric not stated; the same 24.1 as the single-GPU row, flagged suspicious in the notes",
+    "TT-06": "metric not stated; 70B LoRA over 8 GPUs with FSDP settings not stated",
+    "TT-07": "metric not stated; 70B full fine-tune over 8 GPUs, checkpointing not stated",
+    **{
+        f"TT-{n:02d}": "per-row config overrides not stated, and the 4090 and A6000 rows of the same method differ "
+        "~2x, so each row's settings cannot be determined"
+        for n in range(8, 16)
+    },
+    "TT-16": "dynamic padding to <=4096 on alpaca: no sample comes near 4096 (the same recipe packed to 4096 needs "
+    "60 GiB, TT-17), so the peak's sequence length is unknown",
+    "TT-18": "torch.compile without activation checkpointing: compiled graphs change which activations are saved "
+    "(-15% against TT-17); lorafit models eager execution",
+    "TT-19": "torch.compile without activation checkpointing (as TT-18)",
+    "FMS-11": "transformers 4.48 (the row's stack) holds Mixtral's experts as nn.Linear modules, which bnb quantises; "
+    "lorafit models transformers 5, whose fused 3-D expert parameters stay in bf16",
+    **{
+        f"TAO-{n:02d}": "batch size, sequence length (alpaca, dynamic, max not stated), checkpointing and "
+        "optimizer_in_bwd not stated"
+        for n in range(1, 5)
+    },
+    "LGC-18": "8.70 GB is below the weights + gradients + AdamW floor of a 1.24B model in bf16 (9.9 GB): "
+    "mislabelled (flagged in the notes)",
+    "LGC-19": "16.51 GB is below the weights + gradients + AdamW floor of a 3.2B model in bf16 (25.7 GB), which a "
+    "24 GB A10G could not hold: mislabelled (flagged in the notes)",
+    "PFD-03": "a 72-80 GB range whose top is reached at the FULL_STATE_DICT checkpoint save, not in a training step",
+    "PFD-04": "FSDP with CPU offload of the parameters, which lorafit does not model",
+    "FMS-08": "GPTQ 4-bit weights (auto-gptq): lorafit models bitsandbytes nf4/int8",
+    "AX-02": "Cut Cross Entropy never materialises the logits; lorafit's loss modes (hf, chunked) do not describe it",
+    **{
+        f"US-{n:02d}": "the Unsloth README table states neither sequence length nor (A100 rows) batch size"
+        for n in range(1, 8)
+    },
+    "USB-01": "vendor headline with no batch size or sequence length",
+    "USB-02": "Unsloth's own kernels (fused loss, offloaded checkpointing): not a runtime lorafit models",
+}
+
+
+class Unmappable(Exception):
+    """The row's settings cannot be determined (the message says what is missing)."""
+
+
+@dataclass
+class Mapping:
+    spec: ModelSpec
+    settings: Settings
+    runtime: Runtime
+    notes: list[str] = field(default_factory=list)
+
+
+def prefix_of(row_id: str) -> str:
+    return row_id.split("-")[0]
+
+
+def map_row(row: Row, spec: ModelSpec) -> Mapping:
+    """Settings and Runtime of one row: its columns, the framework's defaults, and ROW_SETUP's corrections."""
+    raw, setup = row.raw, ROW_SETUP.get(row.id, {})
+    notes: list[str] = list(setup.get("notes", []))
+    quant = quant_of(raw["quant"])
+    if quant is None:
+        raise Unmappable(f"quantisation {raw['quant']!r} is not one lorafit models (bitsandbytes nf4/int8)")
+    method = row.method
+    if method == "lora" and quant != "none":
+        raise Unmappable("LoRA on a quantised base")
+    if row.micro_batch is None:
+        raise Unmappable("micro batch size not stated")
+    if row.seq_len is None:
+        raise Unmappable(f"sequence length not stated ({raw['seq_len'] or 'blank'})")
+    if row.seq_is_max:
+        notes.append(f"dynamic padding: the stated maximum {row.seq_len} is used")
+    fields: dict[str, Any] = dict(
+        method=method,
+        quant=quant,
+        precision=precision_of(raw["precision"]),
+        optimizer=optimizer_of(raw["optimizer"]),
+        micro_batch=row.micro_batch,
+        seq_len=row.seq_len,
+        grad_ckpt=bool(row.grad_ckpt),
+        attn=attention_of(raw["attn"]),
+        n_gpus=row.n_gpus,
+        lora_targets=targets_of(raw["lora_targets"]),
+    )
+    if row.n_gpus > 1:
+        fields["shard"] = "fsdp"
+    if lora_r := leading_int(raw["lora_r"]):
+        fields["lora_r"] = lora_r
+    fields.update(setup.get("settings", {}))
+    if method != "full" and "lora_r" not in fields:
+        raise Unmappable("LoRA rank not stated")
+    runtime = dict(FRAMEWORK_OF_PREFIX[prefix_of(row.id)])
+    runtime.update(setup.get("runtime", {}))
+    try:
+        settings = Settings(**fields)
+    except ValueError as error:
+        raise Unmappable(f"settings do not validate: {error}") from None
+    return Mapping(spec, settings, Runtime(**runtime), notes)
+
+
+# --- scoring --------------------------------------------------------------------------------------------------
+@dataclass
+class Figure:
+    """One measured number compared with one lorafit figure (and the calculators' headline figures)."""
+
+    label: str
+    row_id: str
+    model: str
+    method: str
+    metric: Metric
+    unit: str
+    unit_bytes: int
+    measured_bytes: float
+    predicted_bytes: float
+    notes: list[str]
+    competitors: dict[str, float | str] = field(default_factory=dict)  # bytes, or the reason there is none
+
+    @property
+    def error_pct(self) -> float:
+        return 100 * (self.predicted_bytes - self.measured_bytes) / self.measured_bytes
+
+    def competitor_error_pct(self, name: str) -> float | None:
+        value = self.competitors.get(name)
+        if not isinstance(value, float):
+            return None
+        return 100 * (value - self.measured_bytes) / self.measured_bytes
+
+
+@dataclass
+class Report:
+    figures: list[Figure] = field(default_factory=list)
+    bounds: list[dict[str, Any]] = field(default_factory=list)
+    unscored: list[dict[str, Any]] = field(default_factory=list)
+    excluded: list[dict[str, Any]] = field(default_factory=list)
+    estimates: list[dict[str, Any]] = field(default_factory=list)
+    competitors_missing: dict[str, str] = field(default_factory=dict)
+    cpu_rows: str = ""
+
+
+def predicted_bytes(mapping: Mapping, metric: Metric) -> float:
+    result = estimate(mapping.spec, mapping.settings, runtime=mapping.runtime)
+    return getattr(result, ESTIMATE_FIELD[metric]) * GIB
+
+
+def lorafit_figures_gib(mapping: Mapping) -> dict[str, float]:
+    result = estimate(mapping.spec, mapping.settings, runtime=mapping.runtime)
+    return {metric: round(getattr(result, name), 3) for metric, name in ESTIMATE_FIELD.items()}
+
+
+def figures_of(row: Row, mapping: Mapping) -> list[Figure]:
+    assert row.peak is not None and row.unit is not None and row.metric in ESTIMATE_FIELD
+    name, unit_bytes = row.unit
+    common = dict(row_id=row.id, model=row.model, method=row.method, notes=mapping.notes)
+    figures = [
+        Figure(
+            label=row.id,
+            metric=row.metric,
+            unit=name,
+            unit_bytes=unit_bytes,
+            measured_bytes=row.peak * unit_bytes,
+            predicted_bytes=predicted_bytes(mapping, row.metric),
+            **common,
+        )
+    ]
+    if (smi_mib := nvidia_smi_mib(row.raw["memory_metric"])) is not None:
+        figures.append(
+            Figure(
+                label=f"{row.id} smi",
+                metric="device",
+                unit="GiB",
+                unit_bytes=2**30,
+                measured_bytes=smi_mib * MIB,
+                predicted_bytes=predicted_bytes(mapping, "device"),
+                **common,
+            )
+        )
+    return figures
+
+
+def build_report(rows: list[Row]) -> tuple[Report, dict[str, Mapping]]:
+    """Sort every row into its group; returns the mapped settings of the scored rows for the calculators."""
+    report, mappings = Report(), {}
+    for row in rows:
+        spec = resolve_model(row.model)
+        entry: dict[str, Any] = {
+            "id": row.id,
+            "model": row.model,
+            "method": row.method,
+            "measured": row.raw["peak_gb"],
+            "memory_metric": row.raw["memory_metric"],
+        }
+        if row.kind == "estimate":
+            entry["reason"] = "kind = estimate: another tool's rule of thumb or an interpolated bound"
+            if isinstance(spec, ModelSpec) and row.id in ROW_SETUP:
+                with contextlib.suppress(Unmappable):
+                    entry["lorafit_gib"] = lorafit_figures_gib(map_row(row, spec))
+            report.estimates.append(entry)
+            continue
+        if row.id in EXCLUDED:
+            report.excluded.append(entry | {"reason": EXCLUDED[row.id]})
+            continue
+        if isinstance(spec, str):
+            report.excluded.append(entry | {"reason": spec})
+            continue
+        try:
+            mapping = map_row(row, spec)
+        except Unmappable as error:
+            if row.metric is None:
+                report.unscored.append(entry | {"reason": f"metric not stated; also {error}"})
+            else:
+                report.excluded.append(entry | {"reason": str(error)})
+            continue
+        if row.id in UNSCORED:
+            report.unscored.append(entry | {"reason": UNSCORED[row.id], "lorafit_gib": lorafit_figures_gib(mapping)})
+            continue
+        if row.metric is None or row.unit is None and row.metric in ESTIMATE_FIELD:
+            report.unscored.append(
+                entry
+                | {
+                    "reason": "memory metric (or its unit) not stated: allocated, "
+                    "reserved and nvidia-smi differ by GBs",
+                    "lorafit_gib": lorafit_figures_gib(mapping),
+                }
+            )
+            continue
+        if row.metric in ("bound", "oom"):
+            report.bounds.append(bound_check(row, mapping) | entry)
+            continue
+        if row.peak is None:
+            report.excluded.append(entry | {"reason": "no figure"})
+            continue
+        mappings[row.id] = mapping
+        report.figures.extend(figures_of(row, mapping))
+    return report, mappings
+
+
+def bound_check(row: Row, mapping: Mapping) -> dict[str, Any]:
+    """'fits within X' passes when lorafit's device peak is <= X; 'OOM on X' when it is > X (the GPU's capacity
+    as the catalog states it)."""
+    device_gib = estimate(mapping.spec, mapping.settings, runtime=mapping.runtime).peak_device_gib
+    capacity_gib = gpu_gib_of(row.raw["gpu"]) if row.metric == "oom" else (row.peak or 0) * GB / GIB
+    passed = device_gib > capacity_gib if row.metric == "oom" else device_gib <= capacity_gib
+    return {
+        "check": "OOM: predicted > capacity" if row.metric == "oom" else "fits: predicted <= bound",
+        "capacity_gib": round(capacity_gib, 2),
+        "lorafit_device_gib": round(device_gib, 2),
+        "passed": passed,
+        "notes": mapping.notes,
+    }
+
+
+# --- rows measured on this machine ----------------------------------------------------------------------------
+def cpu_figures() -> tuple[list[Figure], str]:
+    """Rows from bench/cpu_measured.py (real CPU steps under a live-tensor tracker), when that module exists."""
+    path = BENCH_DIR / "cpu_measured.py"
+    if not path.exists():
+        return [], "skipped: bench/cpu_measured.py is not in this tree"
+    module_spec = importlib.util.spec_from_file_location("cpu_measured", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    figures = []
+    for index, measured in enumerate(module.measure_rows(), start=1):
+        spec = ModelSpec.model_validate(measured["spec"])
+        settings = Settings.model_validate(measured["settings"])
+        runtime = Runtime(**(measured.get("runtime") or {}) | {"device": "cpu"})
+        mapping = Mapping(spec, settings, runtime, [measured.get("name", "")])
+        figures.append(
+            Figure(
+                label=f"CPU-{index:02d}",
+                row_id=f"CPU-{index:02d}",
+                model=spec.name,
+                method=settings.method,
+                metric="allocated",
+                unit="MiB",
+                unit_bytes=MIB,
+                measured_bytes=float(measured["measured_allocated_bytes"]),
+                predicted_bytes=predicted_bytes(mapping, "allocated"),
+                notes=mapping.notes,
+            )
+        )
+    return figures, f"{len(figures)} rows from bench/cpu_measured.py"
+
+
+# --- the other calculators ------------------------------------------------------------------------------------
+def run_competitors(report: Report, mappings: dict[str, Mapping], rows: dict[str, Row]) -> list[str]:
+    """Fill each figure's competitors with the calculators' figures (bytes) or the reason there is none."""
+    sys.path.insert(0, str(BENCH_DIR))
+    from competitors import NOT_RUN, NotApplicable, Query, available
+
+    with contextlib.suppress(ImportError):  # the calculators build models through transformers: keep it quiet
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity_error()
+    ready, missing = available()
+    report.competitors_missing = missing | {name: f"not run: {reason}" for name, reason in NOT_RUN.items()}
+    cache: dict[tuple[str, str], float | str] = {}
+    for figure in report.figures:
+        mapping = mappings.get(figure.row_id)
+        if mapping is None:  # rows measured on this machine: tiny CPU models, no calculator covers them
+            continue
+        query = Query(mapping.spec, mapping.settings, gpu_gib_of(rows[figure.row_id].raw["gpu"]))
+        for competitor in ready:
+            key = (competitor.name, figure.row_id)
+            if key not in cache:
+                try:
+                    with (
+                        warnings.catch_warnings(),
+                        contextlib.redirect_stdout(io.StringIO()),
+                        contextlib.redirect_stderr(io.StringIO()),
+                    ):
+                        warnings.simplefilter("ignore")
+                        cache[key] = float(competitor.predict(query))
+                except NotApplicable as reason:
+                    cache[key] = f"n/a: {reason}"
+                except Exception as error:  # the calculator's own failure is a result to report
+                    cache[key] = f"error: {type(error).__name__}: {error}"
+            figure.competitors[competitor.name] = cache[key]
+    return [competitor.name for competitor in ready]
+
+
+# --- output ---------------------------------------------------------------------------------------------------
+def summary(errors: list[float]) -> dict[str, float | int]:
+    absolute = [abs(error) for error in errors]
+    if not absolute:
+        return {"n": 0}
+    return {
+        "n": len(absolute),
+        "median_abs_pct": round(statistics.median(absolute), 2),
+        "worst_abs_pct": round(max(absolute), 2),
+        "within_15_pct": sum(error <= TARGET_WORST_PCT for error in absolute),
+    }
+
+
+def fmt_pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.1f}"
+
+
+def print_report(report: Report, competitor_names: list[str], seconds: float) -> dict[str, Any]:
+    short = {name: name[:12] for name in competitor_names}
+    header = (
+        f"{'id':<11} {'model':<30} {'method':<6} {'metric':<9} {'measured':>11} {'lorafit':>11} {'err%':>7}"
+        + "".join(f" {short[name]:>12}" for name in competitor_names)
+    )
+    print("Scored rows (error % = (predicted - measured) / measured; calculators' headline figures in the same unit)")
+    print(header)
+    print("-" * len(header))
+    for figure in report.figures:
+        unit = figure.unit
+        print(
+            f"{figure.label:<11} {figure.model[:30]:<30} {figure.method:<6} {figure.metric:<9} "
+            f"{figure.measured_bytes / figure.unit_bytes:>7.2f} {unit:<3} "
+            f"{figure.predicted_bytes / figure.unit_bytes:>7.2f} {unit:<3} {figure.error_pct:>+7.1f}"
+            + "".join(f" {fmt_pct(figure.competitor_error_pct(name)):>12}" for name in competitor_names)
+        )
+        for note in figure.notes if figure.label == figure.row_id else []:
+            print(f"{'':<11}   - {note}")
+
+    lorafit = summary([figure.error_pct for figure in report.figures])
+    published = [figure for figure in report.figures if not figure.row_id.startswith("CPU-")]
+    print()
+    print(f"Bound checks ({len(report.bounds)}):")
+    for bound in report.bounds:
+        print(
+            f"  {bound['id']:<8} {bound['check']}: lorafit device {bound['lorafit_device_gib']} GiB vs "
+            f"{bound['capacity_gib']} GiB -> {'pass' if bound['passed'] else 'FAIL'}"
+        )
+    print(f"\nShown, not scored ({len(report.unscored)}): measured; lorafit allocated / reserved / device")
+    for entry in report.unscored:
+        figures = entry.get("lorafit_gib")
+        shown = f"{figures['allocated']} / {figures['reserved']} / {figures['device']} GiB" if figures else "-"
+        print(f"  {entry['id']:<8} {entry['measured']:>6} ({entry['memory_metric'][:44]}); lorafit {shown}")
+        print(f"  {'':<8} {entry['reason']}")
+    print(f"\nExcluded ({len(report.excluded)}):")
+    for entry in report.excluded:
+        print(f"  {entry['id']:<8} {entry['model'][:34]:<34} {entry['reason']}")
+    print(f"\nEstimates of other tools, not measurements ({len(report.estimates)}):")
+    for entry in report.estimates:
+        extra = f"; lorafit device {entry['lorafit_gib']['device']} GiB" if entry.get("lorafit_gib") else ""
+        print(
+            f"  {entry['id']:<8} {entry['model'][:34]:<34} {entry['measured']:>6} ({entry['memory_metric'][:50]})"
+            f"{extra}"
+        )
+    print(f"\nRows measured on this machine: {report.cpu_rows}")
+    for name, reason in report.competitors_missing.items():
+        print(f"Calculator {name}: {reason}")
+
+    print("\nSummary")
+    rows_scored = len({figure.row_id for figure in report.figures})
+    print(
+        f"  rows: {rows_scored} scored ({len(report.figures)} figures, nvidia-smi second figures included), "
+        f"{len(report.bounds)} bound-checked ({sum(b['passed'] for b in report.bounds)} pass), "
+        f"{len(report.unscored)} shown not scored, {len(report.excluded)} excluded, "
+        f"{len(report.estimates)} estimates shown apart"
+    )
+    print(
+        f"  lorafit:       median |err| {lorafit.get('median_abs_pct')} %, worst {lorafit.get('worst_abs_pct')} %, "
+        f"{lorafit.get('within_15_pct')}/{lorafit['n']} within 15 % (target: median <= {TARGET_MEDIAN_PCT} %, "
+        f"every row <= {TARGET_WORST_PCT} %)"
+    )
+    by_method = {
+        method: summary([figure.error_pct for figure in report.figures if figure.method == method])
+        for method in ("full", "lora", "qlora")
+    }
+    for method, numbers in by_method.items():
+        if numbers["n"]:
+            print(
+                f"    {method:<5} median |err| {numbers['median_abs_pct']} %, worst {numbers['worst_abs_pct']} % "
+                f"({numbers['within_15_pct']}/{numbers['n']} within 15 %)"
+            )
+    competitors_summary = {}
+    for name in competitor_names:
+        covered = [figure for figure in published if figure.competitor_error_pct(name) is not None]
+        theirs = summary([figure.competitor_error_pct(name) for figure in covered])
+        ours = summary([figure.error_pct for figure in covered])
+        competitors_summary[name] = {"self": theirs, "lorafit_same_rows": ours}
+        if theirs["n"]:
+            print(
+                f"  {name:<14} median |err| {theirs['median_abs_pct']} %, worst {theirs['worst_abs_pct']} % on "
+                f"{theirs['n']} figures it covers (lorafit on the same: median {ours['median_abs_pct']} %, worst "
+                f"{ours['worst_abs_pct']} %)"
+            )
+        else:
+            print(f"  {name:<14} covers none of the scored rows")
+    worst = sorted(report.figures, key=lambda figure: -abs(figure.error_pct))[:5]
+    print("  lorafit's worst: " + ", ".join(f"{figure.label} {figure.error_pct:+.1f} %" for figure in worst))
+    print(f"  ({seconds:.0f} s)")
+    return {
+        "lorafit": lorafit,
+        "lorafit_by_method": by_method,
+        "competitors": competitors_summary,
+        "rows_scored": rows_scored,
+        "figures_scored": len(report.figures),
+    }
+
+
+def to_json(report: Report, totals: dict[str, Any]) -> dict[str, Any]:
+    def figure_json(figure: Figure) -> dict[str, Any]:
+        return {
+            "label": figure.label,
+            "id": figure.row_id,
+            "model": figure.model,
+            "method": figure.method,
+            "metric": figure.metric,
+            "unit": figure.unit,
+            "measured": round(figure.measured_bytes / figure.unit_bytes, 3),
+            "lorafit": round(figure.predicted_bytes / figure.unit_bytes, 3),
+            "error_pct": round(figure.error_pct, 2),
+            "notes": figure.notes,
+            "competitors": {
+                name: (
+                    {
+                        "predicted": round(value / figure.unit_bytes, 3),
+                        "error_pct": round(figure.competitor_error_pct(name), 2),
+                    }
+                    if isinstance(value, float)
+                    else {"reason": value}
+                )
+                for name, value in figure.competitors.items()
+            },
+        }
+
+    return {
+        "summary": totals,
+        "scored": [figure_json(figure) for figure in report.figures],
+        "bounds": report.bounds,
+        "unscored": report.unscored,
+        "excluded": report.excluded,
+        "estimates": report.estimates,
+        "calculators_not_run": report.competitors_missing,
+        "cpu_rows": report.cpu_rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--csv", type=Path, default=DEFAULT_CSV)
+    parser.add_argument("--rows", help="comma-separated row ids (default: all)")
+    parser.add_argument("--no-competitors", action="store_true", help="skip the other calculators")
+    parser.add_argument("--no-cpu", action="store_true", help="skip the rows measured on this machine")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    if not args.csv.is_file():
+        parser.exit(2, f"error: no calibration file at {args.csv} (pass --csv)\n")
+
+    start = time.perf_counter()
+    rows = read_rows(args.csv)
+    if args.rows:
+        wanted = set(args.rows.split(","))
+        rows = [row for row in rows if row.id in wanted]
+    report, mappings = build_report(rows)
+    if args.no_cpu:
+        report.cpu_rows = "skipped (--no-cpu)"
+    else:
+        cpu, report.cpu_rows = cpu_figures()
+        report.figures.extend(cpu)
+    names = [] if args.no_competitors else run_competitors(report, mappings, {row.id: row for row in rows})
+    totals = print_report(report, names, time.perf_counter() - start)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = to_json(report, totals)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"  wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

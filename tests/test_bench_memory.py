@@ -1,0 +1,186 @@
+"""bench/memory_accuracy.py reads the calibration rows right: units, metrics, groups, and runs end to end."""
+
+import csv
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+COLUMNS = [
+    "id",
+    "source",
+    "evidence",
+    "kind",
+    "model",
+    "params_b",
+    "method",
+    "lora_r",
+    "lora_targets",
+    "quant",
+    "precision",
+    "optimizer",
+    "micro_batch",
+    "seq_len",
+    "grad_ckpt",
+    "attn",
+    "gpu",
+    "n_gpus",
+    "peak_gb",
+    "memory_metric",
+    "tokens_per_s",
+    "step_time_s",
+    "notes",
+]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """bench/ is a folder of scripts, not a package: import the benchmark from it."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("memory_accuracy")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def litgpt_lora_row(row_id: str, peak: str, metric: str) -> dict[str, str]:
+    """A litgpt LoRA row as the calibration file writes it (Llama-2-7B, r32 q/v, 2 x <=512 tokens)."""
+    return dict(
+        id=row_id,
+        source="litgpt config_hub",
+        evidence="",
+        kind="measured",
+        model="meta-llama/Llama-2-7b-hf",
+        params_b="7",
+        method="lora",
+        lora_r="32",
+        lora_targets="query,value",
+        quant="none",
+        precision="bf16-true",
+        optimizer="AdamW",
+        micro_batch="2",
+        seq_len="<=512 (Alpaca2k, truncated, dynamic padding)",
+        grad_ckpt="off",
+        attn="sdpa",
+        gpu="A10G 24GB",
+        n_gpus="1",
+        peak_gb=peak,
+        memory_metric=metric,
+        tokens_per_s="",
+        step_time_s="",
+        notes="",
+    )
+
+
+def write_csv(path: Path, rows: list[dict[str, str]]) -> Path:
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def test_units_follow_the_metric_text(bench) -> None:
+    assert bench.unit_of("Peak memory = torch.cuda.max_memory_allocated (GB, 1e9)") == ("GB", 10**9)
+    assert bench.unit_of("peak memory per GPU (GiB; torchtune memory util divides by 1024**3)") == ("GiB", 2**30)
+    assert bench.unit_of("HF Trainer peak torch.cuda.max_memory_allocated (bytes -> GiB, rank 0)") == ("GiB", 2**30)
+    assert bench.unit_of("'memory MB' (converted /1000; MB vs MiB not stated)") == ("GB", 10**9)
+    assert bench.unit_of("GPU memory per GPU (screenshot)") is None
+
+
+def test_metrics_map_to_the_figure_they_measure(bench) -> None:
+    assert bench.metric_of("Peak memory = torch.cuda.max_memory_allocated (GB, 1e9)") == "allocated"
+    assert bench.metric_of("Peak Memory Active (GiB)") == "allocated"
+    assert bench.metric_of("torch.cuda.max_memory_reserved during training (GB, 1e9)") == "reserved"
+    assert bench.metric_of("peak memory (GB; tutorial compares 'peak memory reserved')") == "reserved"
+    assert bench.metric_of("GPU memory used per GPU (screenshot, nvidia-smi style)") == "device"
+    assert bench.metric_of("capacity bound: fits within 80 GB (not a peak)") == "bound"
+    assert bench.metric_of("OOM on 24 GB") == "oom"
+    assert bench.metric_of("peak memory (GB; alloc vs reserved not stated)") is None
+    assert bench.nvidia_smi_mib("...; nvidia-smi used = 29576 MiB (28.88 GiB)") == 29576
+
+
+def test_sequence_lengths_keep_whether_they_are_a_maximum(bench) -> None:
+    assert bench.seq_len_of("<=512 (Alpaca2k, truncated, dynamic padding)") == (512, True)
+    assert bench.seq_len_of("4096 (packed)") == (4096, False)
+    assert bench.seq_len_of("alpaca (dynamic; max not stated)") == (None, False)
+    assert bench.on_off("on (config default; not stated in table)") is True
+    assert bench.on_off("off") is False
+
+
+def test_gb_and_gib_rows_of_the_same_bytes_score_the_same(bench, tmp_path: Path) -> None:
+    gb = litgpt_lora_row("LGC-01", "19.77", "Peak memory = torch.cuda.max_memory_allocated (GB, 1e9)")
+    gib = litgpt_lora_row("LGC-01", f"{19.77e9 / 2**30:.6f}", "max_memory_allocated (GiB)")
+    wrong_unit = litgpt_lora_row("LGC-01", "19.77", "max_memory_allocated (GiB)")
+    reports = [
+        bench.build_report(bench.read_rows(write_csv(tmp_path / f"{n}.csv", [row])))[0]
+        for n, row in enumerate([gb, gib, wrong_unit])
+    ]
+    as_gb, as_gib, as_wrong = (report.figures[0] for report in reports)
+    assert as_gb.unit == "GB" and as_gib.unit == "GiB"
+    assert as_gb.predicted_bytes == as_gib.predicted_bytes
+    assert as_gb.error_pct == pytest.approx(as_gib.error_pct, abs=1e-3)
+    # 19.77 GiB is 7.4% more bytes than 19.77 GB: reading one as the other would move the error that much
+    assert as_wrong.error_pct == pytest.approx((1 + as_gb.error_pct / 100) * 1e9 / 2**30 * 100 - 100, abs=1e-3)
+
+
+def test_the_metric_picks_lorafits_figure(bench, tmp_path: Path) -> None:
+    from lorafit.memory import estimate
+
+    allocated = litgpt_lora_row("LGC-01", "19.77", "torch.cuda.max_memory_allocated (GB, 1e9)")
+    reserved = litgpt_lora_row("LGC-01", "19.77", "torch.cuda.max_memory_reserved (GB, 1e9)")
+    figures = {}
+    for name, row in (("allocated", allocated), ("reserved", reserved)):
+        report, mappings = bench.build_report(bench.read_rows(write_csv(tmp_path / f"{name}.csv", [row])))
+        figures[name] = report.figures[0]
+    mapping = mappings["LGC-01"]
+    result = estimate(mapping.spec, mapping.settings, runtime=mapping.runtime)
+    assert figures["allocated"].predicted_bytes == pytest.approx(result.peak_allocated_gib * 2**30)
+    assert figures["reserved"].predicted_bytes == pytest.approx(result.peak_reserved_gib * 2**30)
+    assert figures["reserved"].predicted_bytes > figures["allocated"].predicted_bytes
+    # the row's framework is litgpt: chunked loss, adapters in bf16; the stated maximum length is used, and said
+    assert mapping.runtime.loss == "chunked" and mapping.runtime.lora_dtype == "compute"
+    assert mapping.settings.seq_len == 512 and any("stated maximum 512" in note for note in figures["reserved"].notes)
+
+
+def test_three_rows_end_to_end(bench, tmp_path: Path) -> None:
+    fms = dict(
+        litgpt_lora_row(
+            "FMS-03",
+            "24.87",
+            "HF Trainer peak torch.cuda.max_memory_allocated (bytes -> GiB, "
+            "rank 0); nvidia-smi used = 29576 MiB (28.88 GiB)",
+        ),
+        model="mistralai/Mistral-7B-v0.1",
+        lora_r="16",
+        lora_targets="q_proj,k_proj,v_proj,o_proj",
+        precision="bf16",
+        micro_batch="4",
+        seq_len="4096 (packed)",
+        grad_ckpt="on",
+        attn="flash_attention_2",
+        gpu="A100 80GB",
+    )
+    phi = dict(
+        litgpt_lora_row("LGC-11", "13.98", "Peak memory = torch.cuda.max_memory_allocated (GB, 1e9)"),
+        model="microsoft/phi-2",
+    )
+    rows = [litgpt_lora_row("LGC-01", "19.77", "Peak memory = torch.cuda.max_memory_allocated (GB, 1e9)"), fms, phi]
+    out = tmp_path / "out.json"
+    start = time.perf_counter()
+    bench.main(["--csv", str(write_csv(tmp_path / "rows.csv", rows)), "--out", str(out), "--no-cpu"])
+    assert time.perf_counter() - start < 20
+    result = json.loads(out.read_text())
+    assert [figure["label"] for figure in result["scored"]] == ["LGC-01", "FMS-03", "FMS-03 smi"]
+    smi = result["scored"][2]
+    assert smi["metric"] == "device" and smi["measured"] == pytest.approx(29576 / 1024, abs=1e-3)
+    assert result["excluded"][0]["id"] == "LGC-11" and "not a supported architecture" in result["excluded"][0]["reason"]
+    assert result["summary"]["rows_scored"] == 2 and result["summary"]["lorafit"]["n"] == 3
+    # every calculator either produced a number for the scored rows or said why not
+    for figure in result["scored"]:
+        for value in figure["competitors"].values():
+            assert "error_pct" in value or value["reason"]
