@@ -316,6 +316,20 @@ LITGPT = dict(loss="chunked", lora_dtype="compute", kbit_upcast=False, fused_opt
 # bf16 embeddings/head + fp32 LoRA and its Adam state, within 17 MB; an fp32 upcast would add 0.52 GB).
 HF_TRAINER = dict(loss="hf", lora_dtype="fp32", kbit_upcast=False, fused_optimizer=False)
 
+# What the quantised rows' stacks did beyond the framework defaults (Runtime flags in src/lorafit/memory.py):
+# - bitsandbytes before 0.45 (FMS rows: 0.43.3, stated in their notes; the litgpt rows are from 2024, before 0.45
+#   shipped) kept each 4-bit layer's input for backward in MatMul4Bit (`ctx.tensors = (A, B)`);
+# - TRL's SFTTrainer ran peft's prepare_model_for_kbit_training on a 4-bit model, then peft_module_casting_to_bf16
+#   put embeddings and head back to bf16 but kept every module with "norm" in its name in fp32: the fp32 norm
+#   weights promote the residual stream to fp32, so each checkpointed layer input is 4 bytes x hidden.
+#   fms-acceleration's accelerated-peft-bnb plugin (FMS-10) does its own preparation without dtype casts, so only
+#   the TRL baseline rows (FMS-06/07/09, framework_config baseline-peft-bnb) get fp32_norms (ROW_SETUP below).
+QUANTIZED_EXTRAS = {
+    "FMS": dict(bnb_saves_input=True),
+    "LGC": dict(bnb_saves_input=True),
+}
+TRL_KBIT = dict(fp32_norms=True)
+
 FRAMEWORK_OF_PREFIX = {
     "TT": TORCHTUNE,
     "TTPR": TORCHTUNE,
@@ -472,9 +486,9 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
     "FMS-03": dict(settings=dict(grad_accum=1, lora_dropout=0.1)),
     "FMS-04": dict(settings=dict(grad_accum=1, lora_dropout=0.1)),
     "FMS-05": dict(settings=dict(grad_accum=1, lora_dropout=0.1, shard="fsdp")),
-    "FMS-06": dict(settings=dict(grad_accum=1, lora_dropout=0.1, double_quant=True)),
-    "FMS-07": dict(settings=dict(grad_accum=1, lora_dropout=0.1, double_quant=True)),
-    "FMS-09": dict(settings=dict(grad_accum=1, lora_dropout=0.1, double_quant=True, shard="fsdp")),
+    "FMS-06": dict(settings=dict(grad_accum=1, lora_dropout=0.1, double_quant=True), runtime=TRL_KBIT),
+    "FMS-07": dict(settings=dict(grad_accum=1, lora_dropout=0.1, double_quant=True), runtime=TRL_KBIT),
+    "FMS-09": dict(settings=dict(grad_accum=1, lora_dropout=0.1, double_quant=True, shard="fsdp"), runtime=TRL_KBIT),
     "FMS-10": dict(
         settings=dict(grad_accum=1, lora_dropout=0.1, double_quant=True),
         notes=[
@@ -601,6 +615,8 @@ def map_row(row: Row, spec: ModelSpec) -> Mapping:
     if method != "full" and "lora_r" not in fields:
         raise Unmappable("LoRA rank not stated")
     runtime = dict(FRAMEWORK_OF_PREFIX[prefix_of(row.id)])
+    if quant != "none":
+        runtime.update(QUANTIZED_EXTRAS.get(prefix_of(row.id), {}))
     runtime.update(setup.get("runtime", {}))
     try:
         settings = Settings(**fields)

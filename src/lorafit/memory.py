@@ -42,6 +42,11 @@ class Runtime(BaseModel):
     activation_offload: bool = False  # checkpointed layer inputs live in host memory
     amp_master_fp32: bool = False  # fp32 master weights with a bf16/fp16 autocast copy
     device: Literal["cuda", "cpu"] = "cuda"  # CPU dropout keeps a float mask where CUDA keeps a bool one
+    # peft's kbit preparation followed by TRL's peft_module_casting_to_bf16 leaves the RMSNorm weights in fp32:
+    # `weight * x.to(bf16)` then promotes every norm output, and with it the residual stream, to fp32
+    fp32_norms: bool = False
+    # bitsandbytes < 0.45 kept each 4/8-bit layer's input for backward (`ctx.tensors = (A, B)`)
+    bnb_saves_input: bool = False
     # CUDA context, cuBLAS/cuDNN workspaces and the kernel images a training step loads (flash-attn, bnb, fused
     # optimizers): nvidia-smi minus reserved; see device_bytes for the measurement
     cuda_context_gib: float = 0.9
@@ -200,7 +205,7 @@ def activation_parts_per_token(spec: ModelSpec, settings: Settings, runtime: Run
     down = {"down_proj": spec.mlp_linears()["down_proj"]}
     experts = max(spec.num_experts_per_tok, 1) if spec.is_moe else 1
     gated = 3 * c * inter  # silu saves gate; the product saves silu(gate) and up
-    return {
+    parts = {
         "attn_norm": norm(),
         "qkv_inputs": linear_inputs(qkv, shared_input=True),
         "attention": attention,
@@ -212,6 +217,10 @@ def activation_parts_per_token(spec: ModelSpec, settings: Settings, runtime: Run
         "gated_act": experts * gated,
         "down_input": experts * linear_inputs_grad(down, shared_input=False),
     }
+    if runtime.bnb_saves_input and settings.quant != "none":
+        # the tensors the base layers see: q/k/v share one input, gate/up another
+        parts["bnb_inputs"] = c * (h + q + h + experts * inter)
+    return parts
 
 
 def activation_bytes_per_layer(spec: ModelSpec, settings: Settings, runtime: Runtime,
@@ -222,10 +231,12 @@ def activation_bytes_per_layer(spec: ModelSpec, settings: Settings, runtime: Run
 
 
 def checkpoint_bytes_per_layer(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
-    """Under checkpointing a layer keeps only its input hidden state (c x h per token) until backward."""
+    """Under checkpointing a layer keeps only its input hidden state (c x h per token, fp32 when fp32 norm
+    weights promoted the residual stream) until backward."""
     if runtime.activation_offload:
         return 0.0
-    return DTYPE_BYTES[settings.precision] * spec.hidden_size * settings.tokens_per_micro_batch
+    width = 4 if runtime.fp32_norms else DTYPE_BYTES[settings.precision]
+    return width * spec.hidden_size * settings.tokens_per_micro_batch
 
 
 def activation_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
@@ -280,10 +291,11 @@ def dequant_bytes(spec: ModelSpec, settings: Settings) -> float:
 
 
 def optimizer_step_temp_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
-    """Unfused (foreach) AdamW materialises sqrt(v) for every parameter at once."""
-    if runtime.fused_optimizer or settings.optimizer != "adamw":
+    """Unfused (foreach) AdamW materialises sqrt(v) for every parameter it steps at once: the GPU's shard of
+    them under ZeRO/FSDP, one parameter at a time when the step runs inside backward."""
+    if runtime.fused_optimizer or runtime.optimizer_in_backward or settings.optimizer != "adamw":
         return 0.0
-    return trainable_params(spec, settings) * trainable_dtype_bytes(settings, runtime)
+    return trainable_params(spec, settings) * trainable_dtype_bytes(settings, runtime) * shard_factors(settings)[2]
 
 
 # --- several GPUs -------------------------------------------------------------------------------------------
@@ -398,8 +410,9 @@ def estimate(spec: ModelSpec, settings: Settings, gpu: GpuSpec | None = None, he
     """Peak allocated, reserved and device memory of one training step, per GPU."""
     parts, phase = breakdown(spec, settings, runtime)
     allocated = sum(parts.values())
-    transient = max(logits_bytes(spec, settings, runtime), recompute_bytes(spec, settings, runtime)
-                    if settings.grad_ckpt else 0.0) + dequant_bytes(spec, settings)
+    transient = max(logits_bytes(spec, settings, runtime),
+                    recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else 0.0,
+                    optimizer_step_temp_bytes(spec, settings, runtime)) + dequant_bytes(spec, settings)
     reserved = reserved_bytes(allocated, transient)
     paged_state = optimizer_bytes(spec, settings, runtime) * shard_factors(settings)[2] if paged(settings) else 0.0
     device = device_bytes(reserved, settings, runtime, paged_state)

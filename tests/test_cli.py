@@ -1,0 +1,322 @@
+"""The `lorafit` command as a user and a program see it: JSON fields, exit codes, one-line errors, no torch.
+
+Most tests call `lorafit.cli.main` in-process; a few run the installed `lorafit` script, as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lorafit import hardware, models
+from lorafit.cli import main
+
+LORAFIT = Path(sys.executable).with_name("lorafit")
+
+
+def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `lorafit ARGS`, in-process."""
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exit_info:
+        code = exit_info.code if isinstance(exit_info.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(args: list[str], capsys: pytest.CaptureFixture[str]) -> object:
+    code, out, err = run([*args, "--json"], capsys)
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.fixture
+def no_local_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine where neither NVML nor torch finds a GPU, whatever the test machine has."""
+    monkeypatch.setattr(hardware, "_nvml_gpus", lambda: None)
+    monkeypatch.setattr(hardware, "_torch_gpus", lambda: [])
+
+
+# --- estimate ------------------------------------------------------------------------------------------------
+def test_estimate_json_has_the_three_peaks_the_breakdown_and_the_inputs(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(["estimate", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--lora-r", "32"], capsys)
+    for key in ("peak_allocated_gib", "peak_reserved_gib", "peak_device_gib", "breakdown_gib", "fits"):
+        assert key in data
+    assert data["peak_allocated_gib"] <= data["peak_reserved_gib"] <= data["peak_device_gib"]
+    assert data["fits"] is True
+    assert data["breakdown_gib"]["weights"] > 0
+    # the inputs as resolved: the preset's shape, defaults filled in, the catalog GPU
+    assert data["model"]["name"] == "llama-2-7b" and data["model"]["hidden_size"] == 4096
+    settings = data["settings"]
+    assert settings["method"] == "qlora" and settings["quant"] == "nf4"
+    assert settings["lora_r"] == 32 and settings["lora_alpha"] == 64
+    assert data["gpu"]["name"] == "RTX 4090"
+    assert data["exact"] is False
+
+
+def test_estimate_without_a_gpu_gives_no_verdict(capsys: pytest.CaptureFixture[str], no_local_gpu: None) -> None:
+    data = run_json(["estimate", "--model", "llama-2-7b"], capsys)
+    assert data["fits"] is None and data["gpu"] is None
+
+
+def test_estimate_verdict_follows_the_card(capsys: pytest.CaptureFixture[str]) -> None:
+    big = run_json(["estimate", "--model", "llama-2-7b", "--method", "full", "--gpu", "H100 SXM"], capsys)
+    small = run_json(["estimate", "--model", "llama-2-7b", "--method", "full", "--vram", "24"], capsys)
+    assert big["peak_device_gib"] == small["peak_device_gib"]
+    assert big["fits"] is True and small["fits"] is False
+    assert big["settings"]["quant"] == "none"
+
+
+def test_estimate_for_people_prints_the_table_and_the_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["estimate", "--model", "llama-2-7b", "--gpu", "RTX 4090"], capsys)
+    assert code == 0
+    assert "device (nvidia-smi)" in out and "fits" in out and "RTX 4090" in out
+
+
+# --- plan ---------------------------------------------------------------------------------------------------------
+PLAN_KEYS = (
+    "fits",
+    "micro_batch",
+    "grad_accum",
+    "grad_ckpt",
+    "seq_len",
+    "optimizer",
+    "method",
+    "quant",
+    "estimate",
+    "tokens_per_s",
+    "hours",
+    "cost_cloud_usd",
+    "cost_local_usd",
+    "suggestions",
+)
+
+
+def test_plan_json_has_the_flat_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(["plan", "--model", "llama-2-7b", "--gpu", "RTX 4090"], capsys)
+    for key in PLAN_KEYS:
+        assert key in data, key
+    assert data["fits"] is True and data["suggestions"] == []
+    assert data["micro_batch"] == data["settings"]["micro_batch"]
+    assert data["micro_batch"] * data["grad_accum"] == 16
+    assert data["estimate"]["fits"] is True
+    assert data["cost_cloud_usd"] > 0 and data["hours"] > 0 and data["tokens_per_s"] > 0
+
+
+def test_plan_json_suggests_changes_when_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(["plan", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--method", "full"], capsys)
+    assert data["fits"] is False
+    assert data["suggestions"]
+    for suggestion in data["suggestions"]:
+        assert suggestion["change"] and suggestion["estimate"]["fits"] is True
+
+
+def test_plan_pins_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(
+        [
+            "plan",
+            "--model",
+            "llama-2-7b",
+            "--gpu",
+            "RTX 4090",
+            "--micro-batch",
+            "2",
+            "--no-grad-ckpt",
+            "--optimizer",
+            "paged_adamw_8bit",
+            "--lora-r",
+            "8",
+            "--seq-len",
+            "512",
+        ],
+        capsys,
+    )
+    assert (data["micro_batch"], data["grad_ckpt"], data["optimizer"], data["seq_len"]) == (
+        2,
+        False,
+        "paged_adamw_8bit",
+        512,
+    )
+    assert data["settings"]["lora_r"] == 8 and data["settings"]["lora_alpha"] == 16
+
+
+def test_plan_with_nothing_given_plans_the_embedded_cards(
+    capsys: pytest.CaptureFixture[str], no_local_gpu: None
+) -> None:
+    data = run_json(["plan"], capsys)
+    assert [plan["gpu"]["name"] for plan in data] == ["RTX 4090", "RTX 4060 Ti 16GB"]
+    for plan in data:
+        assert plan["model"]["name"] == "llama-2-7b"
+        for key in PLAN_KEYS:
+            assert key in plan, key
+
+
+def test_plan_compare_json_names_the_cheapest(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(["plan", "--model", "llama-2-7b", "--compare", "--max-price-hour", "0.3"], capsys)
+    rented = [p for p in data["plans"] if p["fits"] and p["cost_cloud_usd"] is not None]
+    cheapest = min(rented, key=lambda p: p["cost_cloud_usd"])
+    under = min((p for p in rented if p["gpu"]["rent_usd_per_hour"] <= 0.3), key=lambda p: p["cost_cloud_usd"])
+    assert data["cheapest"] == cheapest["gpu"]["name"]
+    assert data["cheapest_under_price"] == under["gpu"]["name"]
+    assert data["max_price_hour"] == 0.3
+
+
+def test_plan_for_people(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["plan", "--model", "llama-2-70b", "--gpu", "RTX 4090"], capsys)
+    assert code == 0
+    assert "does not fit" in out and "smallest changes that fit" in out
+
+
+# --- bad input: one line, exit 2 -----------------------------------------------------------------------------------
+def write_config(folder: Path, text: str) -> str:
+    folder.mkdir()
+    (folder / "config.json").write_text(text)
+    return str(folder)
+
+
+BAD_INPUT = {
+    "unknown model": (["plan", "--model", "lama-2-7b", "--gpu", "RTX 4090"], "did you mean llama-2-7b"),
+    "unknown model estimate": (["estimate", "--model", "mistral-7"], "mistral-7b"),
+    "unknown GPU": (["plan", "--model", "llama-2-7b", "--gpu", "RTX 9999"], "no GPU 'RTX 9999'"),
+    "zero micro-batch estimate": (["estimate", "--micro-batch", "0"], "micro_batch"),
+    "zero micro-batch plan": (
+        ["plan", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--micro-batch", "0"],
+        "--micro-batch",
+    ),
+    "negative sequence estimate": (["estimate", "--seq-len", "-5"], "seq_len"),
+    "negative sequence plan": (["plan", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--seq-len", "-5"], "seq_len"),
+    "zero vram": (["plan", "--model", "llama-2-7b", "--vram", "0"], "--vram"),
+    "zero vram estimate": (["estimate", "--vram", "0"], "--vram"),
+    "past the model's maximum": (["estimate", "--model", "llama-2-7b", "--seq-len", "8192"], "4096"),
+    "past the model's maximum plan": (
+        ["plan", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--seq-len", "8192"],
+        "4096",
+    ),
+    "bad method": (["plan", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--method", "qlorra"], "method"),
+    "bad method estimate": (["estimate", "--method", "dora"], "method"),
+    "zero lora rank": (["plan", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--lora-r", "0"], "lora_r"),
+    "zero tokens": (["plan", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--tokens", "0"], "--tokens"),
+    "headroom of 1": (["estimate", "--headroom", "1"], "--headroom"),
+    "gpu and vram": (["estimate", "--gpu", "RTX 4090", "--vram", "24"], "not both"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_is_one_line_and_exit_2(case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args, mentioned = BAD_INPUT[case]
+    code, out, err = run(args, capsys)
+    assert code == 2
+    assert out == ""
+    assert err.startswith("lorafit: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    assert mentioned in err
+
+
+@pytest.mark.parametrize(
+    "text, mentioned",
+    [
+        ('{"model_type": "bert", "hidden_size": 64}', "model_type 'bert' is not supported"),
+        ('{"model_type": "llama", "hidden_size": 64,', "not valid JSON"),
+        ('["llama"]', "must hold a JSON object"),
+        ('{"model_type": "llama", "hidden_size": 64}', "intermediate_size"),
+    ],
+)
+def test_bad_config_json_is_one_line_and_exit_2(
+    text: str, mentioned: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = write_config(tmp_path / "model", text)
+    for command in (["estimate", "--model", folder], ["plan", "--model", folder, "--gpu", "RTX 4090"]):
+        code, out, err = run(command, capsys)
+        assert code == 2 and out == ""
+        assert err.startswith("lorafit: error: ") and err.count("\n") == 1, err
+        assert mentioned in err
+
+
+def test_a_local_config_json_is_planned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = models.resolve("llama-2-7b").scaled(
+        num_hidden_layers=2,
+        hidden_size=256,
+        intermediate_size=704,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        vocab_size=2048,
+    )
+    folder = write_config(tmp_path / "tiny-llama", json.dumps(spec.to_hf_config()))
+    data = run_json(
+        ["estimate", "--model", folder, "--method", "lora", "--gpu", "RTX 4090", "--seq-len", "256"], capsys
+    )
+    assert data["model"]["name"] == "tiny-llama" and data["model"]["num_hidden_layers"] == 2
+    assert data["total_params"] == spec.num_params
+    assert data["fits"] is True
+
+
+# --- the other listings --------------------------------------------------------------------------------------------
+def test_gpus_filtered_by_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = run_json(["gpus", "--min-vram", "40"], capsys)
+    names = {row["name"] for row in rows}
+    assert {"A100 80GB", "H100 SXM", "A40"} <= names and "RTX 4090" not in names
+    assert all(row["memory_gib"] * row["usable_fraction"] >= 40 for row in rows)
+    assert all(row["source"] and row["as_of"] for row in rows)
+
+
+def test_gpus_filtered_by_rent(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = run_json(["gpus", "--max-price-hour", "0.4"], capsys)
+    assert "RTX 4090" in {row["name"] for row in rows}
+    assert all(row["rent_usd_per_hour"] is not None and row["rent_usd_per_hour"] <= 0.4 for row in rows)
+    everything = run_json(["gpus"], capsys)
+    assert len(everything) == len(hardware.catalog()) > len(rows)
+
+
+def test_models_json_lists_every_preset_with_its_size(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = run_json(["models"], capsys)
+    assert {row["name"] for row in rows} == {spec.name for spec in models.catalog().values()}
+    seven = next(row for row in rows if row["name"] == "llama-2-7b")
+    assert seven["num_params"] == models.resolve("llama-2-7b").num_params
+    assert seven["hf_id"] == "meta-llama/Llama-2-7b-hf"
+
+
+def test_detect_without_a_gpu_is_an_empty_list(capsys: pytest.CaptureFixture[str], no_local_gpu: None) -> None:
+    data = run_json(["detect"], capsys)
+    assert data["gpus"] == []
+    assert data["cpu_cores"] >= 1
+
+
+# --- the installed command ------------------------------------------------------------------------------------------
+def lorafit(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(LORAFIT), *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_installed_command_plans_and_fails_cleanly() -> None:
+    done = lorafit("plan", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["fits"] is True
+    bad = lorafit("plan", "--model", "no-such-model", "--gpu", "RTX 4090")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith("lorafit: error: ") and bad.stderr.count("\n") == 1
+
+
+def test_planning_never_imports_torch() -> None:
+    script = (
+        "import sys, json\n"
+        "import lorafit.cli\n"
+        "assert 'torch' not in sys.modules, 'import lorafit.cli'\n"
+        "from lorafit.cli import main\n"
+        "for args in (['plan', '--json', '--model', 'llama-2-7b', '--gpu', 'RTX 4090'],\n"
+        "             ['plan', '--json', '--model', 'llama-2-70b', '--vram', '24'],\n"
+        "             ['estimate', '--json', '--gpu', 'RTX 4090'], ['plan', '--json', '--compare']):\n"
+        "    try:\n"
+        "        main(args)\n"
+        "    except SystemExit as exit_info:\n"
+        "        assert exit_info.code == 0, args\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'datasets', 'peft'})\n"
+        "print(json.dumps(heavy), file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stderr.strip().splitlines()[-1]) == []
