@@ -263,7 +263,7 @@ def test_checkpointed_lora_peak_is_in_the_layer_backward(tiny: models.ModelSpec)
     static = weights + adapters + states
     assert static + grads + activations + layer_backward > static + activations + loss  # so the peak is here
     parts, phase = memory.breakdown(tiny, settings)
-    assert phase == "backward through the layers"
+    assert phase == "backward through the last layers"
     assert parts["weights"] == weights
     assert parts["lora_adapters"] == adapters
     assert parts["gradients"] == grads
@@ -348,8 +348,16 @@ def test_checkpointing_lowers_activations_and_the_peak(llama7b: models.ModelSpec
     quant = "nf4" if method == "qlora" else "none"
     on = memory.estimate(llama7b, Settings(method=method, quant=quant, grad_ckpt=True))
     off = memory.estimate(llama7b, Settings(method=method, quant=quant, grad_ckpt=False))
-    assert on.breakdown_gib["activations"] < off.breakdown_gib["activations"]
-    assert on.peak_device_gib < off.peak_device_gib
+    assert on.breakdown_gib.get("activations", 0) < off.breakdown_gib["activations"] or method == "full"
+    if method == "full":
+        # a 7B full fine-tune peaks where every gradient and both Adam moments are alive (first layer's backward
+        # or the optimizer step), which checkpointing does not change: it can only not make the peak higher
+        assert on.peak_device_gib <= off.peak_device_gib
+        assert memory.activation_bytes(llama7b, on_settings := Settings(method="full", quant="none", grad_ckpt=True),
+                                       Runtime()) < memory.activation_bytes(
+            llama7b, on_settings.model_copy(update={"grad_ckpt": False}), Runtime())
+    else:
+        assert on.peak_device_gib < off.peak_device_gib
 
 
 def test_qlora_needs_less_than_lora_which_needs_less_than_full(llama7b: models.ModelSpec) -> None:

@@ -108,6 +108,13 @@ def gradient_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> flo
     return grads
 
 
+def head_grad_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """Gradients of the LM head and final norm, the first ones full fine-tuning produces."""
+    if settings.method != "full" or runtime.optimizer_in_backward:
+        return 0.0
+    return (spec.lm_head_params + spec.hidden_size) * trainable_dtype_bytes(settings, runtime)
+
+
 def embedding_grad_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     if settings.method != "full" or runtime.optimizer_in_backward:
         return 0.0
@@ -376,26 +383,35 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
     layer_backward = recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else \
         grad_buffer_bytes(spec, settings)
     dequant = dequant_bytes(spec, settings)
-    # Embedding gradients are produced last, after the first layer's backward has freed its tensors.
+    # Backward frees each layer's saved tensors as it produces that layer's gradients, so its peak is at one of
+    # the two ends: the last layer (every activation alive, only the head's gradients new) or the first layer
+    # (every layer's gradient alive, one layer's activations left). Embedding gradients come after that.
     grads_in_layers = gradients - (embedding_grad_bytes(spec, settings, runtime) * g_share)
+    # (LoRA's gradients are small: counted whole at both ends.)
+    grads_at_top = gradients if settings.grad_accum > 1 or settings.method != "full" else \
+        head_grad_bytes(spec, settings, runtime) * g_share
+    # (checkpointed: the first layer's recomputed tensors are in layer_backward already)
+    first_layer = 0.0 if settings.grad_ckpt else \
+        activation_bytes_per_layer(spec, settings, runtime, input_requires_grad=settings.method == "full")
     phases = {
-        "loss (LM head backward)": static + grads_in_forward + activations + loss + dequant,
-        "backward through the layers": static + grads_in_layers + activations + layer_backward + dequant,
-        "optimizer step": static + gradients + optimizer_step_temp_bytes(spec, settings, runtime),
+        "loss (LM head backward)": (static + grads_in_forward + activations + loss + dequant,
+                                    grads_in_forward, activations),
+        "backward through the last layers": (static + grads_at_top + activations + layer_backward + dequant,
+                                             grads_at_top, activations),
+        "backward through the first layer": (static + grads_in_layers + first_layer + layer_backward + dequant,
+                                             grads_in_layers, first_layer),
+        "optimizer step": (static + gradients + optimizer_step_temp_bytes(spec, settings, runtime), gradients, 0.0),
     }
-    phase = max(phases, key=phases.__getitem__)
-    if phase == "loss (LM head backward)":
-        transient, grads_now, backward_now = loss, grads_in_forward, 0.0
-    elif phase == "backward through the layers":
-        transient, grads_now, backward_now = layer_backward, grads_in_layers, layer_backward
-    else:
-        transient, grads_now, backward_now = optimizer_step_temp_bytes(spec, settings, runtime), gradients, 0.0
+    phase = max(phases, key=lambda name: phases[name][0])
+    _, grads_now, activations_now = phases[phase]
+    backward_now = layer_backward if phase.startswith("backward") else 0.0
+    transient = optimizer_step_temp_bytes(spec, settings, runtime)
     parts = {
         "weights": weights,
         "lora_adapters": adapters,
         "gradients": grads_now,
         "optimizer_states": optimizer_counted,
-        "activations": activations if not phase.startswith("optimizer") else 0.0,  # freed by the step
+        "activations": activations_now,
         "logits_and_loss": loss if phase.startswith("loss") else 0.0,
         "layer_backward": backward_now,
         "dequant_buffer": dequant if not phase.startswith("optimizer") else 0.0,
