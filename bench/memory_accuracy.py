@@ -304,11 +304,11 @@ def resolve_model(name: str) -> ModelSpec | str:
 # included, is built in bf16 (`utils.set_default_dtype(self._dtype)`), no peft, no kbit preparation; the
 # TransformerDecoder upcasts all logits to fp32 (`self.output(h).float()`) for torch.nn.CrossEntropyLoss unless
 # the config says CEWithChunkedOutputLoss; torch.optim.AdamW without `fused: True` runs the foreach step.
-TORCHTUNE = dict(loss="hf", lora_dtype="compute", kbit_upcast=False, fused_optimizer=False)
+TORCHTUNE = dict(loss="hf", lora_dtype="compute", kbit_upcast=False, fused_optimizer=False, autocast=False)
 # litgpt (litgpt/finetune/lora.py @00af8b0d): `model(input_ids, lm_head_chunk_size=128)` and
 # `chunked_cross_entropy`; bf16-true builds adapters in bf16; torch.optim.AdamW (foreach); no kbit preparation;
 # QLoRA swaps the optimizer for bnb PagedAdamW (`instantiate_bnb_optimizer`), whose state is paged.
-LITGPT = dict(loss="chunked", lora_dtype="compute", kbit_upcast=False, fused_optimizer=False)
+LITGPT = dict(loss="chunked", lora_dtype="compute", kbit_upcast=False, fused_optimizer=False, autocast=False)
 # HF Trainer / TRL SFTTrainer with peft (transformers 4.4x): fp32 logits for the loss, adapters autocast to fp32
 # by peft, default optim adamw_torch (the foreach step). TRL's peft_module_casting_to_bf16 puts embeddings and
 # lm_head back to bf16 after prepare_model_for_kbit_training under bf16=True, so no kbit fp32 upcast stays:

@@ -42,6 +42,9 @@ class Runtime(BaseModel):
     activation_offload: bool = False  # checkpointed layer inputs live in host memory
     amp_master_fp32: bool = False  # fp32 master weights with a bf16/fp16 autocast copy
     device: Literal["cuda", "cpu"] = "cuda"  # CPU dropout keeps a float mask where CUDA keeps a bool one
+    # the HF Trainer with bf16/fp16 runs the forward under torch.autocast: peft's fp32 adapter matmuls then
+    # save their inputs in the compute dtype
+    autocast: bool = True
     # peft's kbit preparation followed by TRL's peft_module_casting_to_bf16 leaves the RMSNorm weights in fp32:
     # `weight * x.to(bf16)` then promotes every norm output, and with it the residual stream, to fp32
     fp32_norms: bool = False
@@ -158,12 +161,14 @@ def paged(settings: Settings) -> bool:
 # --- activations --------------------------------------------------------------------------------------------
 def lora_module_saved_bytes(fan_in: int, settings: Settings, runtime: Runtime,
                             input_requires_grad: bool = True) -> float:
-    """Per token, what one LoRA-wrapped linear saves: peft casts the input to the adapter dtype, dropout keeps
-    its output (the input of lora_A) and its mask (bool on CUDA's fused dropout, the input dtype in the CPU
+    """Per token, what one LoRA-wrapped linear saves: peft casts the input to the adapter dtype, lora_A keeps
+    dropout's output (in the compute dtype under autocast), dropout its mask (bool on CUDA's fused dropout, the input dtype in the CPU
     kernel; none when no gradient flows to the input), lora_B keeps lora_A's r outputs."""
-    a = 4 if runtime.lora_dtype == "fp32" else DTYPE_BYTES[settings.precision]
+    c = DTYPE_BYTES[settings.precision]
+    a = 4 if runtime.lora_dtype == "fp32" else c  # the dtype the input is cast to, and dropout runs in
+    saved = c if runtime.autocast else a  # under autocast lora_A casts its input to the compute dtype and saves that
     mask = (1 if runtime.device == "cuda" else a) if settings.lora_dropout > 0 and input_requires_grad else 0
-    return fan_in * (a + mask) + settings.lora_r * a
+    return fan_in * (saved + mask) + settings.lora_r * saved
 
 
 def activation_parts_per_token(spec: ModelSpec, settings: Settings, runtime: Runtime,

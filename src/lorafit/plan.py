@@ -216,7 +216,10 @@ def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Sugges
         if fit:
             found.append(Suggestion(change="LoRA instead of full fine-tuning", settings=fit.settings,
                                     gpu=gpu.name, estimate=fit.estimate))
-    for bigger in sorted(hardware.catalog().values(), key=lambda g: (g.memory_gib, g.price_usd or 1e9)):
+    def size_then_price(g: GpuSpec) -> tuple[int, float, float]:
+        return round(g.memory_gib / 8), g.rent_usd_per_hour or 1e9, g.price_usd or 1e9
+
+    for bigger in sorted(hardware.catalog().values(), key=size_then_price):
         if bigger.kind == "apple" or bigger.memory_gib <= gpu.memory_gib:
             continue
         fit = best(candidates(request, bigger, seq_len))
