@@ -162,8 +162,8 @@ def paged(settings: Settings) -> bool:
 def lora_module_saved_bytes(fan_in: int, settings: Settings, runtime: Runtime,
                             input_requires_grad: bool = True) -> float:
     """Per token, what one LoRA-wrapped linear saves: peft casts the input to the adapter dtype, lora_A keeps
-    dropout's output (in the compute dtype under autocast), dropout its mask (bool on CUDA's fused dropout, the input dtype in the CPU
-    kernel; none when no gradient flows to the input), lora_B keeps lora_A's r outputs."""
+    dropout's output (in the compute dtype under autocast), dropout its mask (bool on CUDA's fused dropout, the
+    input dtype in the CPU kernel; none when no gradient flows to the input), lora_B keeps lora_A's r outputs."""
     c = DTYPE_BYTES[settings.precision]
     a = 4 if runtime.lora_dtype == "fp32" else c  # the dtype the input is cast to, and dropout runs in
     saved = c if runtime.autocast else a  # under autocast lora_A casts its input to the compute dtype and saves that

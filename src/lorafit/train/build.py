@@ -122,3 +122,86 @@ def prepare(model: PreTrainedModel, spec: ModelSpec, settings: Settings) -> PreT
     if settings.method == "full":
         return model
     return get_peft_model(model, lora_config(spec, settings))
+
+
+# --- shared checks and the optimizer (used by `lorafit train` and by the `--exact` trace) ---------------
+HF_OPTIMIZERS = {
+    "adamw": "adamw_torch",
+    "adamw_8bit": "adamw_bnb_8bit",
+    "paged_adamw_8bit": "paged_adamw_8bit",
+    "paged_adamw_32bit": "paged_adamw_32bit",
+    "sgd": "sgd",
+}
+
+
+def setup_error(spec: ModelSpec, what: str, error: BaseException) -> TrainError:
+    """One line a user can act on, for a model or option the set-up cannot build."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    detail = lines[0] if lines else type(error).__name__
+    if detail.endswith(":") and len(lines) > 1:  # "Class validation error for validator 'x':" + the reason
+        detail = f"{detail} {lines[1]}"
+    if len(detail) > 200 and ". " in detail:  # transformers explains at length; the first sentence says it
+        detail = detail.split(". ")[0] + "."
+    return TrainError(f"{spec.name} ({spec.architecture}): {what}: {detail}")
+
+
+def check_settings(spec: ModelSpec, settings: Settings) -> None:
+    """Refuse, before anything is built, what the set-up cannot run (Settings itself checks the rest)."""
+    import importlib.util
+
+    if settings.attn == "flash" and importlib.util.find_spec("flash_attn") is None:
+        raise TrainError("--attn flash needs the flash-attn package and a CUDA GPU; use --attn sdpa")
+
+
+def checked_hf_config(spec: ModelSpec, settings: Settings) -> PretrainedConfig:
+    """`hf_config`, with the settings checked and a transformers refusal turned into a TrainError."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    check_settings(spec, settings)
+    if spec.num_attention_heads % spec.num_key_value_heads:
+        raise TrainError(f"{spec.name}: num_attention_heads ({spec.num_attention_heads}) is not a multiple of "
+                         f"num_key_value_heads ({spec.num_key_value_heads}); attention cannot group the heads")
+    try:
+        return hf_config(spec, settings)
+    except (ValueError, TypeError, KeyError, AttributeError, StrictDataclassError) as error:
+        raise setup_error(spec, "transformers cannot build it from its config", error) from None
+
+
+def checked_prepare(model: PreTrainedModel, spec: ModelSpec, settings: Settings) -> PreTrainedModel:
+    """`prepare`, with peft's refusals (a LoRA target the model lacks, ...) turned into a TrainError."""
+    try:
+        return prepare(model, spec, settings)
+    except (ValueError, TypeError, KeyError) as error:
+        what = f"cannot add LoRA adapters for --lora-targets {settings.lora_targets}"
+        raise setup_error(spec, what, error) from None
+
+
+def build_optimizer(model: PreTrainedModel, settings: Settings, *, learning_rate: float = 2e-4,
+                    weight_decay: float = 0.0, **overrides: Any) -> torch.optim.Optimizer:
+    """The optimizer transformers.Trainer.create_optimizer builds for `settings.optimizer`.
+
+    The class and arguments come from `Trainer.get_optimizer_cls_and_kwargs`; the parameters are split into
+    decay / no-decay groups the way the Trainer splits them, and under an 8-bit bitsandbytes optimizer the
+    embeddings keep 32-bit state, as the Trainer registers them. `overrides` go to the optimizer (the trace
+    passes foreach=True to run the CUDA default on CPU tensors)."""
+    from torch import nn
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir="unused", optim=HF_OPTIMIZERS[settings.optimizer], report_to=[],
+                             learning_rate=learning_rate, weight_decay=weight_decay)
+    optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    optimizer = optimizer_cls(groups, **(kwargs | overrides))
+    if "bitsandbytes" in str(optimizer_cls) and kwargs.get("optim_bits") == 8:
+        import bitsandbytes
+
+        manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+        for module in model.modules():
+            if isinstance(module, nn.Embedding):
+                manager.register_module_override(module, "weight", {"optim_bits": 32})
+    return optimizer
