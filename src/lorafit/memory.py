@@ -213,6 +213,9 @@ def activation_parts_per_token(spec: ModelSpec, settings: Settings, runtime: Run
         attention = c * (q + kv_saved) + (4 + c) * heads * settings.seq_len + c * kv_saved
     else:
         attention = c * (q + 2 * kv_saved) + c * q + 4 * heads
+    if spec.architecture == "phi3":
+        # Phi-3's fused qkv_proj: v is a view of that output, so the saved v keeps all q + 2 kv columns alive
+        attention += c * (q + kv)
     mlp = {name: dims for name, dims in spec.mlp_linears().items() if name != "down_proj"}
     down = {"down_proj": spec.mlp_linears()["down_proj"]}
     experts = max(spec.num_experts_per_tok, 1) if spec.is_moe else 1
@@ -282,16 +285,27 @@ def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float
 
 
 def grad_buffer_bytes(spec: ModelSpec, settings: Settings) -> float:
-    """Backward through a layer holds a few gradients at once: hidden-sized ones in the compute dtype and,
-    at the MLP, the intermediate-sized gradient of down_proj's input - for LoRA also in the adapter's fp32."""
+    """What backward through one layer holds besides its saved tensors: the gradients in flight (hidden-sized
+    in the compute dtype; at the MLP the intermediate-sized gradient of down_proj's input, for LoRA also in the
+    adapter's fp32). The coefficients are those of the traced backward of the real step
+    (`python -m lorafit.trace.terms llama-2-7b --compare` and `qwen2.5-1.5b`, two shapes that separate the h
+    and I terms): LoRA (4 + c) x I, full fine-tuning 2c x I + 8c x h, per token."""
     c = DTYPE_BYTES[settings.precision]
-    wide = (4 + c) if settings.method != "full" else c
-    return (3 * c * spec.hidden_size + wide * spec.intermediate_size) * settings.tokens_per_micro_batch
+    h, inter = spec.hidden_size, spec.intermediate_size
+    per_token = (4 + c) * inter if settings.method != "full" else 2 * c * inter + 8 * c * h
+    return per_token * settings.tokens_per_micro_batch
 
 
 def recompute_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
-    """Backward of a checkpointed layer: its saved tensors, recomputed, plus the gradient buffers."""
-    return activation_bytes_per_layer(spec, settings, runtime) + grad_buffer_bytes(spec, settings)
+    """Backward of a checkpointed layer: its saved tensors, recomputed, plus what the recomputation and the
+    backward hold in flight. For LoRA that is more than without checkpointing (the recomputed forward's own
+    temporaries overlap the first gradients): 5c x I + 4c x h per token in the same traces."""
+    c = DTYPE_BYTES[settings.precision]
+    if settings.method == "full":
+        in_flight = grad_buffer_bytes(spec, settings)
+    else:
+        in_flight = (5 * c * spec.intermediate_size + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
+    return activation_bytes_per_layer(spec, settings, runtime) + in_flight
 
 
 def dequant_bytes(spec: ModelSpec, settings: Settings) -> float:
@@ -378,7 +392,8 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
     optimizer = optimizer_bytes(spec, settings, runtime) * o_share
     # Paged state lives in managed memory: not in torch's allocated/reserved figures.
     optimizer_counted = 0.0 if paged(settings) else optimizer
-    activations = activation_bytes(spec, settings, runtime) + head_saved_bytes(spec, settings)
+    layer_activations = activation_bytes(spec, settings, runtime)
+    activations = layer_activations + head_saved_bytes(spec, settings)
     gathered = gathered_layer_bytes(spec, settings, runtime)
     static = weights + adapters + optimizer_counted + gathered
 
@@ -392,17 +407,17 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
     # the two ends: the last layer (every activation alive, only the head's gradients new) or the first layer
     # (every layer's gradient alive, one layer's activations left). Embedding gradients come after that.
     grads_in_layers = gradients - (embedding_grad_bytes(spec, settings, runtime) * g_share)
-    # (LoRA's gradients are small: counted whole at both ends.)
-    grads_at_top = gradients if settings.grad_accum > 1 or settings.method != "full" else \
-        head_grad_bytes(spec, settings, runtime) * g_share
+    grads_at_top = gradients if settings.grad_accum > 1 else head_grad_bytes(spec, settings, runtime) * g_share
     # (checkpointed: the first layer's recomputed tensors are in layer_backward already)
     first_layer = 0.0 if settings.grad_ckpt else \
         activation_bytes_per_layer(spec, settings, runtime, input_requires_grad=settings.method == "full")
     phases = {
-        "loss (LM head backward)": (static + grads_in_forward + activations + loss + dequant,
+        # the LM head is not quantised: no dequantised weight lives during the loss
+        "loss (LM head backward)": (static + grads_in_forward + activations + loss,
                                     grads_in_forward, activations),
-        "backward through the last layers": (static + grads_at_top + activations + layer_backward + dequant,
-                                             grads_at_top, activations),
+        # by the last layer's backward the final norm has freed what it saved
+        "backward through the last layers": (static + grads_at_top + layer_activations + layer_backward + dequant,
+                                             grads_at_top, layer_activations),
         "backward through the first layer": (static + grads_in_layers + first_layer + layer_backward + dequant,
                                              grads_in_layers, first_layer),
         "optimizer step": (static + gradients + optimizer_step_temp_bytes(spec, settings, runtime), gradients, 0.0),
@@ -419,7 +434,7 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
         "activations": activations_now,
         "logits_and_loss": loss if phase.startswith("loss") else 0.0,
         "layer_backward": backward_now,
-        "dequant_buffer": dequant if not phase.startswith("optimizer") else 0.0,
+        "dequant_buffer": dequant if phase.startswith("backward") else 0.0,
         "optimizer_step_temp": transient if phase.startswith("optimizer") else 0.0,
         "sharded_gather": gathered,
     }

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafit.errors import TrainError
+from lorafit.train import hf_args
+from lorafit.train.hf_args import ATTN_IMPLEMENTATION
 
 if TYPE_CHECKING:
     import torch
@@ -18,9 +20,6 @@ if TYPE_CHECKING:
 
     from lorafit.models import ModelSpec
     from lorafit.schema import Settings
-
-ATTN_IMPLEMENTATION = {"sdpa": "sdpa", "flash": "flash_attention_2", "eager": "eager"}
-
 
 def compute_dtype(settings: Settings) -> torch.dtype:
     import torch
@@ -32,30 +31,18 @@ def quantization_config(settings: Settings) -> BitsAndBytesConfig | None:
     """bitsandbytes 4-bit NF4 (optionally double-quantised) or 8-bit for the frozen base of QLoRA."""
     from transformers import BitsAndBytesConfig
 
-    if settings.quant == "nf4":
-        return BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=settings.double_quant,
-            bnb_4bit_compute_dtype=compute_dtype(settings),
-            bnb_4bit_quant_storage="uint8",
-        )
-    if settings.quant == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    return None
+    kwargs = hf_args.bnb_kwargs(settings)
+    if kwargs is None:
+        return None
+    if "bnb_4bit_compute_dtype" in kwargs:
+        kwargs["bnb_4bit_compute_dtype"] = compute_dtype(settings)
+    return BitsAndBytesConfig(**kwargs)
 
 
 def lora_config(spec: ModelSpec, settings: Settings) -> LoraConfig:
     from peft import LoraConfig
 
-    return LoraConfig(
-        r=settings.lora_r,
-        lora_alpha=settings.lora_alpha,
-        lora_dropout=settings.lora_dropout,
-        target_modules=spec.lora_target_names(settings.lora_targets),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
+    return LoraConfig(**hf_args.lora_kwargs(spec, settings))
 
 
 def hf_config(spec: ModelSpec, settings: Settings) -> PretrainedConfig:
@@ -125,15 +112,6 @@ def prepare(model: PreTrainedModel, spec: ModelSpec, settings: Settings) -> PreT
 
 
 # --- shared checks and the optimizer (used by `lorafit train` and by the `--exact` trace) ---------------
-HF_OPTIMIZERS = {
-    "adamw": "adamw_torch",
-    "adamw_8bit": "adamw_bnb_8bit",
-    "paged_adamw_8bit": "paged_adamw_8bit",
-    "paged_adamw_32bit": "paged_adamw_32bit",
-    "sgd": "sgd",
-}
-
-
 def setup_error(spec: ModelSpec, what: str, error: BaseException) -> TrainError:
     """One line a user can act on, for a model or option the set-up cannot build."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
@@ -176,18 +154,19 @@ def checked_prepare(model: PreTrainedModel, spec: ModelSpec, settings: Settings)
         raise setup_error(spec, what, error) from None
 
 
-def build_optimizer(model: PreTrainedModel, settings: Settings, *, learning_rate: float = 2e-4,
+def build_optimizer(model: PreTrainedModel, settings: Settings, *, fused: bool = True, learning_rate: float = 2e-4,
                     weight_decay: float = 0.0, **overrides: Any) -> torch.optim.Optimizer:
     """The optimizer transformers.Trainer.create_optimizer builds for `settings.optimizer`.
 
-    The class and arguments come from `Trainer.get_optimizer_cls_and_kwargs`; the parameters are split into
-    decay / no-decay groups the way the Trainer splits them, and under an 8-bit bitsandbytes optimizer the
-    embeddings keep 32-bit state, as the Trainer registers them. `overrides` go to the optimizer (the trace
-    passes foreach=True to run the CUDA default on CPU tensors)."""
+    The name is the trainer's (`hf_args.optimizer_name`: AdamW fused unless `fused=False`); the class and
+    arguments come from `Trainer.get_optimizer_cls_and_kwargs`; the parameters are split into decay / no-decay
+    groups the way the Trainer splits them, and under an 8-bit bitsandbytes optimizer the embeddings keep
+    32-bit state, as the Trainer registers them. `overrides` go to the optimizer (the trace passes
+    foreach=True to run torch's CUDA default on CPU tensors)."""
     from torch import nn
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(output_dir="unused", optim=HF_OPTIMIZERS[settings.optimizer], report_to=[],
+    args = TrainingArguments(output_dir="unused", optim=hf_args.optimizer_name(settings, fused), report_to=[],
                              learning_rate=learning_rate, weight_decay=weight_decay)
     optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     decay = set(Trainer.get_decay_parameter_names(None, model))
@@ -197,11 +176,15 @@ def build_optimizer(model: PreTrainedModel, settings: Settings, *, learning_rate
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
     optimizer = optimizer_cls(groups, **(kwargs | overrides))
-    if "bitsandbytes" in str(optimizer_cls) and kwargs.get("optim_bits") == 8:
+    if "bitsandbytes" in str(optimizer_cls):
         import bitsandbytes
 
         manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
-        for module in model.modules():
-            if isinstance(module, nn.Embedding):
-                manager.register_module_override(module, "weight", {"optim_bits": 32})
+        # The manager is process-wide and keys overrides by parameter id and (group, index): start clean, so a
+        # model built earlier in this process (another trace) cannot hand its overrides to this one.
+        manager.initialize()
+        if kwargs.get("optim_bits") == 8:
+            for module in model.modules():
+                if isinstance(module, nn.Embedding):
+                    manager.register_module_override(module, "weight", {"optim_bits": 32})
     return optimizer

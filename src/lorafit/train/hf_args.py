@@ -1,0 +1,111 @@
+"""The one place where lorafit's names become transformers / peft / bitsandbytes argument names.
+
+`Settings` (what the planner and the memory model reason about) and `TrainConfig` (schedule, checkpoints)
+come in; plain dicts of library keyword arguments go out. No torch import here: `build.py` and the trace
+read the same tables, so the trained model and the traced one cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lorafit.models import ModelSpec
+    from lorafit.schema import Settings
+    from lorafit.train.config import TrainConfig
+
+# Settings.attn -> `attn_implementation` of from_pretrained.
+ATTN_IMPLEMENTATION = {"sdpa": "sdpa", "flash": "flash_attention_2", "eager": "eager"}
+
+# Settings.precision -> torch dtype name (`torch_dtype` of from_pretrained, bnb compute dtype).
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+# Settings.optimizer -> TrainingArguments.optim. The trace passes fused/foreach itself; the trainer runs
+# AdamW fused (`adamw_torch_fused`), which is what memory.Runtime(fused_optimizer=True) models.
+HF_OPTIMIZERS = {
+    "adamw": "adamw_torch",
+    "adamw_8bit": "adamw_bnb_8bit",
+    "paged_adamw_8bit": "paged_adamw_8bit",
+    "paged_adamw_32bit": "paged_adamw_32bit",
+    "sgd": "sgd",
+}
+FUSED_OPTIMIZERS = {"adamw_torch": "adamw_torch_fused"}
+
+# TrainConfig.lr_scheduler -> TrainingArguments.lr_scheduler_type (the names are the same).
+SCHEDULERS = {
+    "cosine": "cosine",
+    "linear": "linear",
+    "constant": "constant",
+    "constant_with_warmup": "constant_with_warmup",
+}
+
+
+def bnb_kwargs(settings: Settings) -> dict[str, Any] | None:
+    """BitsAndBytesConfig arguments: 4-bit NF4 (optionally double-quantised) or 8-bit, None for 16-bit."""
+    if settings.quant == "nf4":
+        return {
+            "load_in_4bit": True,
+            "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_use_double_quant": settings.double_quant,
+            "bnb_4bit_compute_dtype": DTYPE_NAMES[settings.precision],
+            "bnb_4bit_quant_storage": "uint8",
+        }
+    if settings.quant == "int8":
+        return {"load_in_8bit": True}
+    return None
+
+
+def lora_kwargs(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
+    """peft LoraConfig arguments."""
+    return {
+        "r": settings.lora_r,
+        "lora_alpha": settings.lora_alpha,
+        "lora_dropout": settings.lora_dropout,
+        "target_modules": spec.lora_target_names(settings.lora_targets),
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+    }
+
+
+def optimizer_name(settings: Settings, fused: bool = True) -> str:
+    name = HF_OPTIMIZERS[settings.optimizer]
+    return FUSED_OPTIMIZERS.get(name, name) if fused else name
+
+
+def training_kwargs(
+    config: TrainConfig, settings: Settings, *, output_dir: str, on_cuda: bool, eval_steps: int | None
+) -> dict[str, Any]:
+    """transformers.TrainingArguments for one run. Checkpoint rotation, gradient checkpointing, progress
+    and sampling are lorafit's own (atomic saves, build.prepare, its progress bar, a seeded sampler), so the
+    Trainer's versions stay off."""
+    return {
+        "output_dir": output_dir,
+        "per_device_train_batch_size": settings.micro_batch,
+        "per_device_eval_batch_size": settings.micro_batch,
+        "gradient_accumulation_steps": settings.grad_accum,
+        "bf16": settings.precision == "bf16",
+        "fp16": settings.precision == "fp16",
+        "optim": optimizer_name(settings),
+        "learning_rate": config.learning_rate,
+        "lr_scheduler_type": SCHEDULERS[config.lr_scheduler],
+        "warmup_steps": config.warmup_ratio,  # a float below 1 is a share of the steps in transformers 5
+        "weight_decay": config.weight_decay,
+        "max_grad_norm": config.max_grad_norm,
+        "num_train_epochs": config.epochs,
+        "max_steps": config.max_steps or -1,
+        "seed": config.seed,
+        "data_seed": config.seed,
+        "logging_steps": config.logging_steps,
+        "eval_strategy": "steps" if eval_steps else "no",
+        "eval_steps": eval_steps,
+        "save_strategy": "steps",
+        "save_steps": config.save_steps,
+        "save_total_limit": None,
+        "gradient_checkpointing": False,
+        "use_cpu": not on_cuda,
+        "report_to": "none",
+        "disable_tqdm": True,
+        "dataloader_pin_memory": on_cuda,
+        "remove_unused_columns": False,
+        "label_names": ["labels"],
+    }

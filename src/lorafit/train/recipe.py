@@ -1,0 +1,641 @@
+"""`lorafit train`, the recipe: config -> plan -> data -> model -> guarded Trainer -> the output folder.
+
+Read top to bottom it is the whole run. The components it calls: `lorafit.data` (loaders and checks),
+`lorafit.plan` / `lorafit.memory` (settings), `build` (model set-up shared with the trace), `examples`
+(templates and answer masks), `trainer` (the Trainer with atomic checkpoints), `guard` (out-of-memory),
+`checkpoints` (the run folder), `report` (loss curve and model card).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import random
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from rich.console import Console
+
+from lorafit.errors import DataError, InvalidConfig, TrainError
+from lorafit.schema import Plan, Settings
+from lorafit.train import checkpoints, examples, report
+from lorafit.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from lorafit.hardware import GpuSpec
+    from lorafit.models import ModelSpec
+    from lorafit.schema import TokenProfile
+
+METRICS = "metrics.jsonl"
+
+
+@dataclass
+class RunResult:
+    """What a finished run leaves in memory for the caller (the demo compares before and after)."""
+
+    output_dir: Path
+    plan: Plan
+    steps: int
+    train_loss: float | None
+    eval_before: float | None
+    eval_after: float | None
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    eval_conversations: list[list[dict[str, Any]]]
+    eval_examples: examples.Encoded
+
+
+def run(
+    config: TrainConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    console: Console | None = None,
+    build_model: Callable[[Path], None] | None = None,
+) -> RunResult:
+    """Train `config` into config.output_dir. `build_model(dir)` creates the base model first (the demo)."""
+    console = console or Console(highlight=False)
+    started = time.perf_counter()
+
+    # 1. Inputs that can be checked without torch: fail in a second, not after loading a model.
+    if config.model is None:
+        raise InvalidConfig("no model: set `model:` in the config or pass --model DIR (a local model directory)")
+    if config.data is None:
+        raise InvalidConfig("no data: set `data:` in the config or pass --data FILE")
+    model_dir = Path(config.model).expanduser().resolve()
+    data_path = Path(config.data).expanduser()
+    eval_path = Path(config.eval_data).expanduser() if config.eval_data else None
+    for path in (data_path, eval_path):
+        if path is not None and not path.exists():
+            raise DataError(f"no dataset at {path}")
+    if build_model is None:
+        _check_model(model_dir, config)
+        _model_spec(model_dir)
+    train_rows, eval_rows, data_format = _load_data(config, data_path, eval_path)
+
+    # 2. The output folder: a fresh run, the same run again (resume), or another run (refuse).
+    output_dir = Path(config.output_dir).expanduser()
+    data_files = [data_path] + ([eval_path] if eval_path else [])
+    fingerprint = config.fingerprint() | {"model": str(model_dir), "data_sha256": checkpoints.data_digest(data_files)}
+    start = checkpoints.begin(output_dir, fingerprint, resume=resume, overwrite=overwrite)
+    if start.note:
+        console.print(start.note)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path = output_dir / METRICS
+    if start.mode == "fresh":
+        metrics_path.unlink(missing_ok=True)
+        checkpoints.write_run_file(output_dir, {"fingerprint": fingerprint, "status": "started"})
+    if build_model is not None:
+        if not (model_dir / "config.json").is_file():
+            _quiet_libraries()
+            build_model(model_dir)
+        _check_model(model_dir, config)
+    spec = _model_spec(model_dir)
+
+    # 3. Libraries, device, tokenizer, data.
+    _quiet_libraries()
+    import torch
+
+    on_cuda = torch.cuda.is_available()
+    if not on_cuda:
+        torch.set_flush_denormal(True)  # tiny values in CPU matmuls are 10-100x slower unflushed
+    tokenizer = _load_tokenizer(model_dir, config)
+    if examples.ensure_chat_template(tokenizer):
+        console.print("the tokenizer has no chat template: using 'role: content' turns (saved with the adapter)")
+    examples.ensure_pad_token(tokenizer)
+    raw_text = data_format == "text"
+    encoded = examples.encode(train_rows, tokenizer, raw_text=raw_text, train_on_prompt=config.train_on_prompt)
+    encoded_eval = examples.encode(eval_rows, tokenizer, raw_text=raw_text, train_on_prompt=config.train_on_prompt)
+    profile = examples.token_profile(encoded, str(data_path), model_dir.name)
+
+    # 4. Settings: the plan for this device, the user's settings pinned; a resumed run keeps its own.
+    saved_plan = _saved_plan(output_dir) if start.mode == "resume" else None
+    plan = resolve_plan(config, spec, profile, encoded.lengths, saved_plan=saved_plan, on_cuda=on_cuda, console=console)
+    settings = plan.settings
+    _check_device(settings, on_cuda)
+    from lorafit.render import show_plan
+
+    show_plan(plan)
+    train_set = examples.cut(encoded, settings.seq_len)
+    eval_set = examples.cut(encoded_eval, settings.seq_len)
+    if train_set.truncated or train_set.dropped:
+        console.print(
+            f"seq_len {settings.seq_len}: {train_set.truncated} rows cut, {train_set.dropped} dropped "
+            "(no answer token left)"
+        )
+    if not train_set.input_ids:
+        raise DataError(f"no training row has an answer token within seq_len {settings.seq_len}")
+
+    # 5. The model, set up by the code the --exact trace runs too.
+    from lorafit.train import build
+
+    build.check_settings(spec, settings)
+    model = _load_model(model_dir, spec, settings, config, on_cuda)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    console.print(f"model: {spec.name}, {total:,} parameters, {trainable:,} trained ({settings.method})")
+
+    # 6. Everything needed to resume or to reproduce goes to disk before step 1.
+    _save_run(output_dir, config, plan, fingerprint, start.saved, status="training")
+    if start.mode == "resume" and start.checkpoint is not None:
+        checkpoints.keep_metrics_until(metrics_path, checkpoints.checkpoint_step(start.checkpoint) or 0)
+
+    # 7. Train, out-of-memory guarded.
+    outcome = _train_guarded(
+        config, spec, plan, model, tokenizer, train_set, eval_set, output_dir, start, on_cuda, console
+    )
+    plan, trainer = outcome.plan, outcome.trainer
+    settings = plan.settings
+
+    # 8. The output folder a person uses.
+    eval_before = outcome.eval_before if start.mode == "fresh" else (start.saved or {}).get("eval_before")
+    result = _write_outputs(
+        config,
+        plan,
+        trainer,
+        model,
+        tokenizer,
+        model_dir,
+        data_path,
+        output_dir,
+        len(train_set.input_ids),
+        len(eval_set.input_ids),
+        eval_before,
+        started,
+        console,
+    )
+    return RunResult(
+        output_dir,
+        plan,
+        trainer.state.global_step,
+        result["train_loss"],
+        eval_before,
+        result["eval_after"],
+        trainer.model,
+        tokenizer,
+        eval_rows,
+        eval_set,
+    )
+
+
+# --- inputs -------------------------------------------------------------------------------------------------
+def _check_model(model_dir: Path, config: TrainConfig) -> None:
+    from lorafit.train.build import check_model_dir
+
+    if not model_dir.is_dir():
+        raise TrainError(f"no model directory {model_dir}; pass a local Hugging Face model directory")
+    check_model_dir(model_dir, allow_pickle=config.allow_pickle)
+
+
+def _model_spec(model_dir: Path) -> ModelSpec:
+    from lorafit.models import from_config_json
+
+    return from_config_json(model_dir, name=model_dir.name)
+
+
+def _quiet_libraries() -> None:
+    """Our own progress bar and messages only: the libraries' bars and advice go."""
+    import os
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    warnings.filterwarnings("ignore", message=".*Paged optimizers are not supported on CPU.*")
+    warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered.*")
+
+
+def _load_tokenizer(model_dir: Path, config: TrainConfig) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(
+            model_dir, local_files_only=True, trust_remote_code=config.trust_remote_code
+        )
+    except (OSError, ValueError, TypeError) as error:
+        raise TrainError(f"cannot load the tokenizer from {model_dir}: {str(error).splitlines()[0]}") from None
+
+
+def _load_data(
+    config: TrainConfig, data_path: Path, eval_path: Path | None
+) -> tuple[list[list[dict[str, Any]]], list[list[dict[str, Any]]], str | None]:
+    """Train and eval conversations: the eval file, or a seeded share of the data held out."""
+    from lorafit.data import load_conversations
+
+    rows = load_conversations(data_path, config.data_format, config.data_mapping or None)
+    if eval_path is not None:
+        eval_rows = load_conversations(eval_path, config.data_format, config.data_mapping or None)
+        return list(rows), list(eval_rows), rows.format
+    count = int(config.eval_split) if config.eval_split >= 1 else round(len(rows) * config.eval_split)
+    count = min(max(count, 1), len(rows) - 1) if config.eval_split and len(rows) >= 2 else 0
+    order = list(range(len(rows)))
+    random.Random(config.seed).shuffle(order)
+    held = set(order[:count])
+    train = [row for index, row in enumerate(rows) if index not in held]
+    held_out = [row for index, row in enumerate(rows) if index in held]
+    return train, held_out, rows.format
+
+
+# --- settings -------------------------------------------------------------------------------------------------
+def detected_gpu() -> GpuSpec | None:
+    """The first local GPU as a catalog entry (or one known by its memory), None without one."""
+    from lorafit import hardware
+
+    machine = hardware.detect()
+    if not machine.gpus:
+        return None
+    found = machine.gpus[0]
+    if found.catalog_name:
+        return hardware.resolve(found.catalog_name)
+    return hardware.custom(found.memory_gib * 2**30 / 1e9).model_copy(update={"name": found.name})
+
+
+def resolve_plan(
+    config: TrainConfig,
+    spec: ModelSpec,
+    profile: TokenProfile,
+    lengths: list[int],
+    *,
+    saved_plan: Plan | None,
+    on_cuda: bool,
+    console: Console,
+    gpu: GpuSpec | None = None,
+) -> Plan:
+    """The settings this run uses, as a Plan. Fresh: `lorafit plan` for the detected device with the user's
+    settings pinned. Resumed: the run's saved plan. Where a setting then differs from the plan's (a user
+    override), the memory is estimated again with the same `memory.estimate()`."""
+    from lorafit import memory
+    from lorafit.plan import make_plan, resolve_seq_len
+    from lorafit.schema import PlanRequest
+
+    pinned = config.pinned_settings()
+    if not on_cuda and "precision" not in pinned:
+        pinned["precision"] = "fp32"
+        console.print("no GPU: training in fp32 on the CPU (bf16 there runs ~20x slower; set precision to override)")
+    gpu = gpu if gpu is not None else (detected_gpu() if on_cuda else None)
+    if saved_plan is not None:
+        plan = saved_plan
+    else:
+        request = PlanRequest(
+            model=spec,
+            gpu=gpu,
+            method=config.method,
+            seq_len=config.seq_len,
+            target_batch=config.batch_size,
+            tokens=profile,
+            epochs=config.epochs,
+            headroom=config.headroom,
+            pinned=pinned,
+        )
+        seq_len = resolve_seq_len(request)
+        plan = make_plan(request, truncated_rows=sum(1 for length in lengths if length > seq_len))
+    wanted = Settings.model_validate(plan.settings.model_dump() | pinned | {"method": config.method})
+    if wanted != plan.settings:
+        estimate = memory.estimate(spec, wanted, plan.gpu, config.headroom)
+        plan = plan.model_copy(update={"settings": wanted, "estimate": estimate})
+    return plan
+
+
+def _check_device(settings: Settings, on_cuda: bool) -> None:
+    if not on_cuda and settings.precision == "fp16":
+        raise TrainError("precision fp16 needs a CUDA GPU; on the CPU use fp32 (or bf16)")
+    if settings.n_gpus > 1:
+        raise TrainError(
+            f"lorafit train runs on one device; the plan asks for {settings.n_gpus} GPUs "
+            "(pin micro_batch / grad_accum for one)"
+        )
+
+
+def _saved_plan(output_dir: Path) -> Plan | None:
+    path = output_dir / "plan.json"
+    return Plan.load(path) if path.is_file() else None
+
+
+# --- model ----------------------------------------------------------------------------------------------------
+def _load_model(
+    model_dir: Path, spec: ModelSpec, settings: Settings, config: TrainConfig, on_cuda: bool
+) -> PreTrainedModel:
+    import torch
+    from transformers import set_seed
+
+    from lorafit.train import build
+
+    set_seed(config.seed)  # the adapters' random init: the same seed gives the same run
+    device_map = {"": torch.cuda.current_device()} if on_cuda and settings.quant != "none" else None
+    try:
+        model = build.load_model(
+            model_dir,
+            settings,
+            allow_pickle=config.allow_pickle,
+            trust_remote_code=config.trust_remote_code,
+            device_map=device_map,
+        )
+    except TrainError:
+        raise
+    except Exception as error:  # a corrupt weights file raises the safetensors / torch error types
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise TrainError(f"cannot load model from {model_dir}: {detail}") from None
+    _one_cpu_weight_format(model)
+    return build.checked_prepare(model, spec, settings)
+
+
+def _one_cpu_weight_format(model: PreTrainedModel) -> None:
+    """bitsandbytes repacks a 4-bit layer for its CPU inference kernel the first time the layer runs in eval
+    mode, and training then continues on the repacked weights, whose rounding differs. A run that evaluated
+    and a resumed one that has not would drift apart, so the trainer keeps the one format it loaded."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+# --- training -------------------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    trainer: Any
+    plan: Plan
+    eval_before: float | None
+
+
+def _train_guarded(
+    config: TrainConfig,
+    spec: ModelSpec,
+    plan: Plan,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    train_set: examples.Encoded,
+    eval_set: examples.Encoded,
+    output_dir: Path,
+    start: checkpoints.RunStart,
+    on_cuda: bool,
+    console: Console,
+) -> Outcome:
+    """Trainer.train, with the pre-flight before step 1 and the halve-and-continue retry on out-of-memory."""
+    import torch
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from lorafit import memory
+    from lorafit.train import guard
+    from lorafit.train.trainer import LorafitTrainer, RunCallback, StepWatch, TokenCountingCollator
+
+    train_list = [
+        {"input_ids": ids, "labels": labels} for ids, labels in zip(train_set.input_ids, train_set.labels, strict=True)
+    ]
+    eval_order = sorted(range(len(eval_set.input_ids)), key=lambda i: len(eval_set.input_ids[i]))
+    eval_list = [{"input_ids": eval_set.input_ids[i], "labels": eval_set.labels[i]} for i in eval_order]
+    lengths = train_set.lengths
+    collator = TokenCountingCollator(_collator(tokenizer, plan.settings, config, on_cuda))
+    eval_steps = (config.eval_steps or config.save_steps) if eval_list else None
+    watch = StepWatch()
+    fault = guard.injected_oom()
+    staging = checkpoints.staging_root(output_dir)
+    holder: dict[str, Any] = {}
+
+    def make_trainer(settings: Settings) -> LorafitTrainer:
+        from transformers import TrainingArguments
+
+        from lorafit.train import hf_args
+
+        arguments = TrainingArguments(
+            **hf_args.training_kwargs(config, settings, output_dir=str(staging), on_cuda=on_cuda, eval_steps=eval_steps)
+        )
+        callback = RunCallback(output_dir / METRICS, console, watch, lambda: holder["trainer"])
+        trainer = LorafitTrainer(
+            model=model,
+            args=arguments,
+            train_dataset=train_list,
+            eval_dataset=eval_list or None,
+            data_collator=collator,
+            processing_class=tokenizer,
+            callbacks=[callback],
+            run_dir=output_dir,
+            lengths=lengths,
+            group_by_length=_group_by_length(config, settings),
+            keep=config.save_total_limit,
+            fault=fault,
+            watch=watch,
+        )
+        trainer.remove_callback(PrinterCallback)
+        trainer.remove_callback(ProgressCallback)
+        holder["trainer"], holder["callback"] = trainer, callback
+        return trainer
+
+    settings = plan.settings
+    resume_from = start.checkpoint
+    trainer = make_trainer(settings)
+    eval_before = None
+    if start.mode == "fresh" and eval_list:
+        eval_before = float(trainer.evaluate()["eval_loss"])
+        console.print(f"eval loss before training: {eval_before:.4f} ({len(eval_list)} held-out rows)")
+        saved = checkpoints.read_run_file(output_dir) or {}
+        checkpoints.write_run_file(output_dir, saved | {"eval_before": eval_before})
+    if on_cuda:
+        longest = max(train_list, key=lambda row: len(row["input_ids"]))
+        checked = guard.preflight(trainer, longest, settings, guard.CudaProbe(config.headroom))
+        console.print(
+            f"pre-flight: {guard.PREFLIGHT_STEPS} steps at micro-batch {checked.settings.micro_batch} "
+            f"x {len(longest['input_ids'])} tokens peaked at {checked.peak_bytes / 2**30:.2f} GiB of "
+            f"{checked.budget_bytes / 2**30:.2f} GiB (plan: {plan.estimate.peak_reserved_gib:.2f} GiB)"
+        )
+        if checked.settings != settings:
+            settings = checked.settings
+            plan = _replan(plan, spec, settings, config, output_dir)
+            console.print(
+                f"pre-flight: micro-batch {settings.micro_batch} x grad-accum {settings.grad_accum} fits; using that"
+            )
+            trainer = make_trainer(settings)
+    else:
+        console.print("pre-flight memory check skipped: it measures CUDA memory and this run is on the CPU")
+
+    while True:
+        try:
+            trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+            return Outcome(trainer, plan, eval_before)
+        except Exception as error:
+            holder["callback"].close()
+            if not guard.is_out_of_memory(error):
+                raise
+            failed_step = trainer.state.global_step + 1
+            reduced = guard.smaller(settings)
+            if reduced is None:
+                raise TrainError(
+                    f"out of memory in step {failed_step} at micro-batch 1; lower seq_len or use a smaller "
+                    "method (qlora) or optimizer (paged_adamw_8bit)"
+                ) from None
+            if trainer.state.global_step == 0:
+                resume_from = start.checkpoint
+                where = "the start" if resume_from is None else resume_from.name
+            elif watch.in_optimizer_step:
+                resume_from = checkpoints.latest_checkpoint(output_dir)
+                where = resume_from.name if resume_from else "the start"
+            else:
+                resume_from = trainer.save_after_oom()
+                where = f"step {trainer.state.global_step}"
+            console.print(
+                f"[yellow]out of memory in step {failed_step} at micro-batch {settings.micro_batch}[/yellow]: "
+                f"continuing from {where} with micro-batch {reduced.micro_batch} x grad-accum "
+                f"{reduced.grad_accum} (same effective batch of {reduced.effective_batch})"
+            )
+            settings = reduced
+            plan = plan.model_copy(
+                update={"settings": settings, "estimate": memory.estimate(spec, settings, plan.gpu, config.headroom)}
+            )
+            _save_plan(output_dir, plan)
+            trainer.optimizer = None
+            del trainer
+            gc.collect()
+            if on_cuda:
+                torch.cuda.empty_cache()
+            trainer = make_trainer(settings)
+
+
+def _replan(plan: Plan, spec: ModelSpec, settings: Settings, config: TrainConfig, output_dir: Path) -> Plan:
+    from lorafit import memory
+
+    plan = plan.model_copy(
+        update={"settings": settings, "estimate": memory.estimate(spec, settings, plan.gpu, config.headroom)}
+    )
+    _save_plan(output_dir, plan)
+    return plan
+
+
+def _group_by_length(config: TrainConfig, settings: Settings) -> bool:
+    """auto: padding-free batches with flash attention (its kernels take packed rows exactly), else rows of
+    similar length together, so that padding to the longest in a batch wastes little compute."""
+    batching = config.batching
+    if batching == "auto":
+        batching = "padding_free" if settings.attn == "flash" else "length_grouped"
+    return batching == "length_grouped"
+
+
+def _collator(tokenizer: PreTrainedTokenizerBase, settings: Settings, config: TrainConfig, on_cuda: bool) -> Any:
+    from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
+
+    batching = config.batching
+    if batching == "padding_free" or (batching == "auto" and settings.attn == "flash"):
+        return DataCollatorWithFlattening(return_flash_attn_kwargs=settings.attn == "flash")
+    return DataCollatorForSeq2Seq(
+        tokenizer,
+        padding="longest",
+        label_pad_token_id=examples.IGNORE_INDEX,
+        pad_to_multiple_of=8 if on_cuda else None,
+        return_tensors="pt",
+    )
+
+
+# --- outputs --------------------------------------------------------------------------------------------------
+def _save_plan(output_dir: Path, plan: Plan) -> None:
+    checkpoints.write_atomic(output_dir / "plan.json", plan.to_json())
+    checkpoints.write_atomic(output_dir / "plan.yaml", plan.to_yaml())
+
+
+def resolved_config(config: TrainConfig, plan: Plan) -> TrainConfig:
+    """The config with every setting filled in from the plan: rerunning it needs no planning."""
+    from lorafit.train.config import SETTINGS_KEYS
+
+    settings = plan.settings.model_dump()
+    return config.model_copy(update={key: settings[key] for key in SETTINGS_KEYS})
+
+
+def _save_run(
+    output_dir: Path,
+    config: TrainConfig,
+    plan: Plan,
+    fingerprint: dict[str, Any],
+    saved: dict[str, Any] | None,
+    status: str,
+    **extra: Any,
+) -> None:
+    _save_plan(output_dir, plan)
+    resolved = resolved_config(config, plan).model_dump(mode="json")
+    checkpoints.write_atomic(output_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    kept = {key: value for key, value in (saved or {}).items() if key in ("eval_before",)}
+    checkpoints.write_run_file(output_dir, kept | {"fingerprint": fingerprint, "status": status} | extra)
+
+
+def _write_outputs(
+    config: TrainConfig,
+    plan: Plan,
+    trainer: Any,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    model_dir: Path,
+    data_path: Path,
+    output_dir: Path,
+    rows: int,
+    eval_rows: int,
+    eval_before: float | None,
+    started: float,
+    console: Console,
+) -> dict[str, Any]:
+    with contextlib.suppress(OSError):
+        checkpoints.staging_root(output_dir).rmdir()  # empty once every checkpoint is published
+    metrics = report.read_metrics(output_dir / METRICS)
+    losses = [record["loss"] for record in metrics if "loss" in record]
+    evals = [record["eval_loss"] for record in metrics if "eval_loss" in record]
+    train_loss = losses[-1] if losses else None
+    eval_after = evals[-1] if evals else None
+    trainer.model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    if config.method != "full":
+        _point_adapter_at(output_dir, model_dir)
+    seconds = time.perf_counter() - started
+    speeds = [record["tokens_per_s"] for record in metrics if "tokens_per_s" in record]
+    tokens_per_s = speeds[-1] if speeds else 0.0
+    report.plot_loss(
+        metrics, output_dir / "loss.png", f"{output_dir.name}: {plan.model.name}, {config.method}", eval_before
+    )
+    card = report.model_card(
+        run_name=str(output_dir),
+        base_model=str(model_dir),
+        method=config.method,
+        plan=plan,
+        data=str(data_path),
+        rows=rows,
+        eval_rows=eval_rows,
+        steps=trainer.state.global_step,
+        train_loss=train_loss,
+        eval_before=eval_before,
+        eval_after=eval_after,
+        seconds=seconds,
+        tokens_per_s=tokens_per_s,
+    )
+    checkpoints.write_atomic(output_dir / "README.md", card)
+    fingerprint = (checkpoints.read_run_file(output_dir) or {}).get("fingerprint", {})
+    _save_run(
+        output_dir,
+        config,
+        plan,
+        fingerprint,
+        {"eval_before": eval_before},
+        status="finished",
+        steps=trainer.state.global_step,
+        train_loss=train_loss,
+        eval_after=eval_after,
+    )
+    before = f"{eval_before:.4f} -> " if eval_before is not None else ""
+    after = f", eval loss {before}{eval_after:.4f}" if eval_after is not None else ""
+    loss_text = f", final loss {train_loss:.4f}" if train_loss is not None else ""
+    console.print(f"[green]done[/green]: {trainer.state.global_step} steps in {seconds:.0f} s{loss_text}{after}")
+    console.print(f"wrote {output_dir}: adapter/model, tokenizer, metrics.jsonl, loss.png, plan.json, README.md")
+    return {"train_loss": train_loss, "eval_after": eval_after}
+
+
+def _point_adapter_at(output_dir: Path, model_dir: Path) -> None:
+    """adapter_config.json names the base by absolute path, so PeftModel.from_pretrained finds it anywhere."""
+    import json
+
+    path = output_dir / "adapter_config.json"
+    data = json.loads(path.read_text())
+    data["base_model_name_or_path"] = str(model_dir)
+    checkpoints.write_atomic(path, json.dumps(data, indent=2, sort_keys=True))

@@ -1,0 +1,121 @@
+"""What a person reads after a run: the loss curve (loss.png) and the model card (README.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from lorafit.render import settings_line
+from lorafit.schema import Plan
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
+
+
+def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str, eval_before: float | None = None) -> None:
+    """Training loss per logged step and eval loss per eval step (the eval before training at step 0)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(r["step"], r["loss"]) for r in metrics if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in metrics if "eval_loss" in r]
+    if eval_before is not None:
+        evals = [(0, eval_before), *evals]
+    figure, axes = plt.subplots(figsize=(7, 4), dpi=120)
+    if train:
+        axes.plot(*zip(*train, strict=True), label="train loss", linewidth=1.2)
+    if evals:
+        axes.plot(*zip(*evals, strict=True), "o-", label="eval loss", linewidth=1.2, markersize=4)
+    axes.set_xlabel("optimizer step")
+    axes.set_ylabel("loss (answer tokens)")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    temporary = path.with_name(f".{path.name}.tmp.png")
+    figure.savefig(temporary)
+    plt.close(figure)
+    temporary.replace(path)
+
+
+def model_card(
+    *,
+    run_name: str,
+    base_model: str,
+    method: str,
+    plan: Plan,
+    data: str,
+    rows: int,
+    eval_rows: int,
+    steps: int,
+    train_loss: float | None,
+    eval_before: float | None,
+    eval_after: float | None,
+    seconds: float,
+    tokens_per_s: float,
+) -> str:
+    """A short README.md: what was trained on what, how well, and how to use it."""
+    settings = plan.settings
+    adapter = method != "full"
+    lines = [
+        f"# {run_name}",
+        "",
+        f"{'A LoRA adapter' if adapter else 'A fine-tuned model'} trained with lorafit ({method}) on `{base_model}`.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| base model | `{base_model}` |",
+        f"| data | `{data}` ({rows} training rows, {eval_rows} held out) |",
+        f"| settings | {settings_line(settings)} |",
+        f"| steps | {steps} (effective batch {settings.effective_batch} sequences) |",
+        f"| time | {seconds:.0f} s, {tokens_per_s:,.0f} trained tokens/s |",
+    ]
+    if train_loss is not None:
+        lines.append(f"| final training loss | {train_loss:.4f} |")
+    if eval_after is not None:
+        before = f"{eval_before:.4f} before training, " if eval_before is not None else ""
+        lines.append(f"| eval loss (held-out rows, answer tokens) | {before}{eval_after:.4f} after |")
+    lines += [
+        "",
+        "The loss curve is `loss.png`; every logged step is a line of `metrics.jsonl`. The settings "
+        "and the memory estimate are in `plan.json` / `plan.yaml`, the resolved config in `config.yaml`.",
+        "",
+        "## Use it",
+        "",
+    ]
+    if adapter:
+        lines += [
+            "```python",
+            "from peft import PeftModel",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f'base = AutoModelForCausalLM.from_pretrained("{base_model}")',
+            f'model = PeftModel.from_pretrained(base, "{run_name}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{run_name}")',
+            "```",
+        ]
+    else:
+        lines += [
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "",
+            f'model = AutoModelForCausalLM.from_pretrained("{run_name}")',
+            f'tokenizer = AutoTokenizer.from_pretrained("{run_name}")',
+            "```",
+        ]
+    lines += ["", f'or from the command line: `lorafit chat {run_name} --prompt "..."`', ""]
+    return "\n".join(lines)

@@ -1,0 +1,108 @@
+"""The `lorafit train` config file and `lorafit init`: validated with one-line errors, flags = keys."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lorafit.cli import main
+from lorafit.errors import InvalidConfig
+from lorafit.train.cli import RUN_FLAGS, train_command
+from lorafit.train.config import SETTINGS_KEYS, TrainConfig, load_config, starter_config
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_init_writes_a_commented_config_that_loads_as_the_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "run.yaml"
+    code, out, _ = run_cli(["init", str(path)], capsys)
+    assert code == 0 and "lorafit train" in out
+    text = path.read_text()
+    assert text.count("#") > 40  # every key is explained
+    assert load_config(path, {}) == TrainConfig()
+    keys = set(yaml.safe_load(text))
+    assert keys == set(TrainConfig.model_fields)  # no key missing from the starter, none made up
+
+
+def test_init_does_not_replace_a_file_without_force(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "mine.yaml"
+    path.write_text("model: mine\n")
+    code, _, err = run_cli(["init", str(path)], capsys)
+    assert code == 2 and "--force" in err
+    assert path.read_text() == "model: mine\n"
+    code, _, _ = run_cli(["init", str(path), "--force"], capsys)
+    assert code == 0 and path.read_text() == starter_config("mine.yaml")
+
+
+def test_every_flag_is_a_config_key() -> None:
+    flags = set(inspect.signature(train_command).parameters) - set(RUN_FLAGS)
+    assert flags <= set(TrainConfig.model_fields)
+    assert set(SETTINGS_KEYS) <= flags  # every Settings field can be pinned from the command line
+
+
+def test_flags_win_over_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("lora_r: 8\nlearning_rate: 0.001\n")
+    config = load_config(path, {"lora_r": 32, "seed": None})
+    assert (config.lora_r, config.learning_rate, config.seed) == (32, 0.001, 42)
+    assert config.pinned_settings() == {"lora_r": 32}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("lora_rank: 8\n", "unknown key 'lora_rank'; did you mean lora_r?"),
+        ("lora_r: -1\n", "lora_r: Input should be greater than 0"),
+        ("method: qlorra\n", "method: Input should be 'full', 'lora' or 'qlora'"),
+        ("method: qlora\nquant: none\n", "qlora needs a quantised base"),
+        ("eval_data: x.jsonl\neval_split: 0.1\n", "give eval_data or eval_split, not both"),
+        ("seed: 1\nmodel: a: b\n", "line 2: not valid YAML"),
+        ("- a list\n", "must hold a mapping"),
+    ],
+)
+def test_a_bad_config_is_one_line_naming_the_key(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(InvalidConfig) as error:
+        load_config(path, {})
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_a_bad_config_exits_2_from_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("lora_rank: 8\n")
+    code, _, err = run_cli(["train", str(path)], capsys)
+    assert code == 2 and err.count("\n") == 1 and "did you mean lora_r" in err
+    code, _, err = run_cli(["train", str(tmp_path / "missing.yaml")], capsys)
+    assert code == 2 and "lorafit init" in err
+
+
+def test_a_plan_is_a_config_with_every_setting_pinned(tmp_path: Path) -> None:
+    from lorafit import hardware
+    from lorafit.models import catalog
+    from lorafit.plan import make_plan
+    from lorafit.schema import PlanRequest
+
+    plan = make_plan(
+        PlanRequest(model=catalog()["llama-3.1-8b"], gpu=hardware.resolve("RTX 4090"), target_batch=32, epochs=2)
+    )
+    path = tmp_path / "plan.json"
+    path.write_text(plan.to_json())
+    config = load_config(path, {"model": "some/dir"})
+    settings = plan.settings.model_dump()
+    assert config.pinned_settings() == {key: settings[key] for key in SETTINGS_KEYS}
+    assert (config.method, config.batch_size, config.epochs, config.model) == (plan.settings.method, 32, 2, "some/dir")
