@@ -160,8 +160,8 @@ def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: f
     """Plain words for each choice, with the number that forced it."""
     s, card = chosen.settings, usable_gib(gpu, headroom)
     reasons = [
-        f"peak {chosen.estimate.peak_device_gib:.1f} GiB on the device (nvidia-smi) of {gpu.memory_gib:.1f} GiB; "
-        f"{headroom:.0%} kept free leaves {card:.1f} GiB",
+        f"peak {chosen.estimate.peak_device_gib:.2f} GiB on the device (nvidia-smi) of {gpu.memory_gib:.1f} GiB; "
+        f"{headroom:.0%} kept free leaves {card:.2f} GiB",
     ]
     if s.grad_ckpt:
         without = [c for c in found if not c.settings.grad_ckpt]
