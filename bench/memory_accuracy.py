@@ -845,6 +845,57 @@ def run_competitors(report: Report, mappings: dict[str, Mapping], rows: dict[str
     return [competitor.name for competitor in ready]
 
 
+EXACT = "lorafit --exact"
+# Runtime flags the trace reproduces (it runs lorafit's own code path: transformers 5, peft, bitsandbytes 0.50);
+# a row that needs any other flag ran code the trace does not, so the trace is not scored on it.
+EXACT_RUNTIME_FIELDS = {"fused_optimizer", "kbit_upcast", "autocast", "device"}
+
+
+def exact_reason(mapping: Mapping) -> str | None:
+    """Why the trace cannot reproduce this row's step, or None."""
+    defaults = Runtime()
+    other = [name for name in Runtime.model_fields if name not in EXACT_RUNTIME_FIELDS
+             and name not in ("cuda_context_gib", "nccl_gib")
+             and getattr(mapping.runtime, name) != getattr(defaults, name)]
+    if other:
+        return f"n/a: the row's stack differs from the traced code path ({', '.join(other)})"
+    if mapping.settings.n_gpus > 1:
+        return "n/a: the trace runs one GPU"
+    if mapping.settings.quant == "int8":
+        return "n/a: int8 is not traced"
+    return None
+
+
+def run_exact(report: Report, mappings: dict[str, Mapping]) -> list[str]:
+    """The `--exact` trace of each row's step, beside the analytic estimate, with the same device-side model."""
+    from lorafit.trace import exact_estimate
+
+    cache: dict[str, Any] = {}
+    for figure in report.figures:
+        mapping = mappings.get(figure.row_id)
+        if mapping is None:  # the rows measured on this machine were measured with the tracer itself
+            continue
+        if figure.row_id not in cache:
+            reason = exact_reason(mapping)
+            if reason:
+                cache[figure.row_id] = reason
+            else:
+                # flash-attn is not installed here; its kernel saves what sdpa's does (q, k, v, output, logsumexp)
+                settings = mapping.settings
+                if settings.attn == "flash":
+                    settings = settings.model_copy(update={"attn": "sdpa"})
+                try:
+                    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+                        warnings.simplefilter("ignore")
+                        cache[figure.row_id] = exact_estimate(mapping.spec, settings, runtime=mapping.runtime)
+                except Exception as error:  # a refusal of the tracer is a result to report
+                    cache[figure.row_id] = f"error: {type(error).__name__}: {str(error).splitlines()[0]}"
+        traced = cache[figure.row_id]
+        figure.competitors[EXACT] = traced if isinstance(traced, str) else \
+            float(getattr(traced, ESTIMATE_FIELD[figure.metric]) * GIB)
+    return [EXACT]
+
+
 # --- output ---------------------------------------------------------------------------------------------------
 def summary(errors: list[float]) -> dict[str, float | int]:
     absolute = [abs(error) for error in errors]
@@ -1004,6 +1055,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rows", help="comma-separated row ids (default: all)")
     parser.add_argument("--no-competitors", action="store_true", help="skip the other calculators")
     parser.add_argument("--no-cpu", action="store_true", help="skip the rows measured on this machine")
+    parser.add_argument("--no-exact", action="store_true", help="skip the --exact trace of each row")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     if not args.csv.is_file():
@@ -1020,7 +1072,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         cpu, report.cpu_rows = cpu_figures()
         report.figures.extend(cpu)
-    names = [] if args.no_competitors else run_competitors(report, mappings, {row.id: row for row in rows})
+    names = [] if args.no_exact else run_exact(report, mappings)
+    if not args.no_competitors:
+        names += run_competitors(report, mappings, {row.id: row for row in rows})
     totals = print_report(report, names, time.perf_counter() - start)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = to_json(report, totals)
