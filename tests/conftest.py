@@ -22,3 +22,16 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> None:
         if (module := sys.modules.get(module_name)) is not None:
             for flag in flags:
                 monkeypatch.setattr(module, flag, True)
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `lorafit ARGS`, run in this process."""
+    from lorafit.cli import main
+
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err

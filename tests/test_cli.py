@@ -12,21 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
 from lorafit import hardware, models
-from lorafit.cli import main
 
 LORAFIT = Path(sys.executable).with_name("lorafit")
 
 
-def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of `lorafit ARGS`, in-process."""
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exit_info:
-        code = exit_info.code if isinstance(exit_info.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
+run = run_cli
 
 
 def run_json(args: list[str], capsys: pytest.CaptureFixture[str]) -> object:

@@ -15,6 +15,7 @@ import yaml
 from lorafit import hardware, memory, models
 from lorafit import plan as planner
 from lorafit.cli import main
+from lorafit.errors import InvalidConfig
 from lorafit.hardware import GpuSpec
 from lorafit.schema import Plan, PlanRequest, Settings
 
@@ -282,7 +283,7 @@ def test_sequence_length_defaults_to_the_longest_row_and_is_capped() -> None:
     spec = models.resolve("llama-2-7b")
     assert planner.resolve_seq_len(ask()) == 2048
     assert planner.resolve_seq_len(ask(seq_len=512)) == 512
-    with pytest.raises(planner.InvalidConfig):
+    with pytest.raises(InvalidConfig):
         planner.resolve_seq_len(ask(seq_len=spec.max_position_embeddings + 1))
 
 

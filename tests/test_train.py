@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafit.cli import main
+from conftest import run_cli
 from lorafit.models import ModelSpec
 from lorafit.schema import Plan, Settings
 from lorafit.train import checkpoints
@@ -82,13 +82,7 @@ def lorafit(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
     from lorafit.train.guard import reset_injected_oom
 
     reset_injected_oom()
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return run_cli(args, capsys)
 
 
 def train_args(tiny: dict[str, Path], out: Path, *extra: str) -> list[str]:

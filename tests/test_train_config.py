@@ -8,20 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lorafit.cli import main
+from conftest import run_cli
 from lorafit.errors import InvalidConfig
 from lorafit.train.cli import RUN_FLAGS, train_command
 from lorafit.train.config import SETTINGS_KEYS, TrainConfig, load_config, starter_config
-
-
-def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_init_writes_a_commented_config_that_loads_as_the_defaults(

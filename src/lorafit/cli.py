@@ -17,7 +17,6 @@ from pydantic import ValidationError
 from lorafit import hardware, memory, models, render
 from lorafit.errors import LorafitError
 from lorafit.hardware import GpuSpec
-from lorafit.models import ModelSpec
 from lorafit.schema import PlanRequest, Settings, default_quant, one_line
 
 app = typer.Typer(
@@ -60,12 +59,6 @@ def _gpu(gpu: str | None, vram: float | None) -> GpuSpec | None:
     return None
 
 
-def _check_seq_len(spec: ModelSpec, seq_len: int | None) -> None:
-    if seq_len is not None and seq_len > spec.max_position_embeddings:
-        raise LorafitError(f"--seq-len {seq_len} is past {spec.name}'s maximum of "
-                           f"{spec.max_position_embeddings} tokens")
-
-
 def _settings(**values: object) -> Settings:
     """Settings from CLI values, filling quant from the method when not given."""
     given = {key: value for key, value in values.items() if value is not None}
@@ -105,7 +98,7 @@ def estimate(
 ) -> None:
     """Peak memory of one training step, as a breakdown, and whether it fits the GPU."""
     spec = models.resolve(model or DEFAULT_MODEL)
-    _check_seq_len(spec, seq_len)
+    spec.check_seq_len(seq_len)
     if not 0 <= headroom < 1:
         raise LorafitError(f"--headroom must be in [0, 1), got {headroom}")
     settings = _settings(method=method, precision=precision, quant=quant, double_quant=double_quant, lora_r=lora_r,
@@ -165,7 +158,7 @@ def plan(
     if target_batch <= 0 or epochs <= 0 or n_gpus <= 0:
         raise LorafitError("--target-batch, --epochs and --n-gpus must be positive")
     spec = models.resolve(model or DEFAULT_MODEL)
-    _check_seq_len(spec, seq_len)
+    spec.check_seq_len(seq_len)
     pinned = {key: value for key, value in dict(lora_r=lora_r, lora_targets=lora_targets, optimizer=optimizer,
                                                    micro_batch=micro_batch, grad_ckpt=grad_ckpt).items()
               if value is not None}

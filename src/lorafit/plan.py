@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lorafit import hardware
-from lorafit.errors import InvalidConfig
 from lorafit.hardware import GpuSpec
 from lorafit.memory import estimate
 from lorafit.models import ModelSpec
@@ -240,10 +239,8 @@ def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Sugges
 def resolve_seq_len(request: PlanRequest) -> int:
     """The user's length, else the data's longest row, else 2048; never past the model's maximum."""
     seq_len = request.seq_len or (request.tokens.max if request.tokens and request.tokens.max else DEFAULT_SEQ_LEN)
-    limit = request.model.max_position_embeddings
-    if request.seq_len and request.seq_len > limit:
-        raise InvalidConfig(f"--seq-len {request.seq_len} is past {request.model.name}'s maximum of {limit} tokens")
-    return min(seq_len, limit)
+    request.model.check_seq_len(request.seq_len)
+    return min(seq_len, request.model.max_position_embeddings)
 
 
 def tokens_per_epoch(request: PlanRequest) -> int:
