@@ -347,3 +347,13 @@ def test_a_config_with_missing_fields_is_refused_before_tracing(tmp_path: Path) 
 ])
 def test_an_option_the_set_up_refuses_is_one_line(settings: Settings, words: str) -> None:
     assert words in one_line_error(tiny(), settings)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_gemma2_soft_capping_and_post_norms_match_the_trace(checkpointing: bool) -> None:
+    """Gemma-2's post-attention/post-MLP norms, the tanh of its soft-capped scores and of its logits."""
+    spec = resolve("gemma-2-2b")
+    settings = Settings(method="qlora", micro_batch=2, seq_len=1024, grad_ckpt=checkpointing, attn="eager")
+    traced = exact_estimate(spec, settings).peak_allocated_gib
+    analytic = memory.estimate(spec, settings).peak_allocated_gib
+    assert analytic == pytest.approx(traced, rel=0.02), f"analytic {analytic} GiB, traced {traced} GiB"

@@ -209,8 +209,10 @@ def activation_parts_per_token(spec: ModelSpec, settings: Settings, runtime: Run
     out_proj = {"o_proj": attn_linears["o_proj"]}
     kv_saved = q if settings.attn == "eager" else kv  # eager repeats k/v to every head before the matmul
     if settings.attn == "eager":
-        # q and k for QK^T, fp32 softmax output, its bf16 cast for the AV matmul, v for the AV matmul
-        attention = c * (q + kv_saved) + (4 + c) * heads * settings.seq_len + c * kv_saved
+        # q and k for QK^T, fp32 softmax output, its bf16 cast for the AV matmul, v for the AV matmul; Gemma-2's
+        # soft-capping (tanh(scores / cap) x cap) also keeps the tanh output
+        scores = (4 + c + (c if spec.logit_softcapping else 0)) * heads * settings.seq_len
+        attention = c * (q + kv_saved) + scores + c * kv_saved
     else:
         attention = c * (q + 2 * kv_saved) + c * q + 4 * heads
     if spec.architecture == "phi3":
@@ -232,6 +234,9 @@ def activation_parts_per_token(spec: ModelSpec, settings: Settings, runtime: Run
         "gated_act": experts * gated,
         "down_input": experts * linear_inputs_grad(down, shared_input=False),
     }
+    if spec.norms_per_layer == 4 and spec.architecture == "gemma2":
+        # Gemma-2 normalises the attention and MLP outputs too, before adding them to the residual stream
+        parts["post_norms"] = 2 * (4 * h + 4 + (2 * h if full else 0))
     if runtime.bnb_saves_input and settings.quant != "none":
         # the tensors the base layers see: q/k/v share one input, gate/up another
         parts["bnb_inputs"] = c * (h + q + h + experts * inter)
@@ -281,7 +286,9 @@ def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float
     n, vocab = settings.tokens_per_micro_batch, spec.vocab_size
     if runtime.loss == "chunked":
         return 4 * vocab * n + 3 * 4 * vocab * min(n, 1024)
-    return 12 * vocab * n
+    # Gemma-2 soft-caps the logits (tanh(logits / 30) x 30) in the compute dtype: tanh keeps its output
+    softcap = DTYPE_BYTES[settings.precision] * vocab * n if spec.logit_softcapping else 0
+    return 12 * vocab * n + softcap
 
 
 def grad_buffer_bytes(spec: ModelSpec, settings: Settings) -> float:

@@ -82,6 +82,12 @@ class ModelSpec(BaseModel):
         return 4 if self.architecture == "gemma2" else 2
 
     @property
+    def logit_softcapping(self) -> bool:
+        """Gemma-2 soft-caps the attention scores and the final logits (attn_logit_softcapping 50,
+        final_logit_softcapping 30 in every Gemma-2 config.json)."""
+        return self.architecture == "gemma2"
+
+    @property
     def attention_implementations(self) -> tuple[str, ...]:
         """Attention kernels transformers offers for this architecture (5.x has no sdpa path for Gemma-2,
         whose logit soft-capping needs the eager or flash kernel)."""
