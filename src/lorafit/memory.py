@@ -234,7 +234,7 @@ def activation_parts_per_token(spec: ModelSpec, settings: Settings, runtime: Run
         "gated_act": experts * gated,
         "down_input": experts * linear_inputs_grad(down, shared_input=False),
     }
-    if spec.norms_per_layer == 4 and spec.architecture == "gemma2":
+    if spec.architecture == "gemma2":
         # Gemma-2 normalises the attention and MLP outputs too, before adding them to the residual stream
         parts["post_norms"] = 2 * (4 * h + 4 + (2 * h if full else 0))
     if runtime.bnb_saves_input and settings.quant != "none":
