@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-throughput bench-train bench-data bench-exact clean
+.PHONY: run test lint install bench-memory bench-litgpt bench-throughput bench-train bench-data bench-exact clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,17 @@ $(BENCH_STAMP): pyproject.toml | $(STAMP)
 
 bench-memory: $(BENCH_STAMP)
 	$(BIN)/python bench/memory_accuracy.py
+
+# litgpt's own training step, traced, against lorafit's litgpt runtime (the LGC rows' stack); litgpt and
+# Lightning at the versions of those runs, without their dependencies (the project's cover what the step imports)
+LITGPT_DIR := bench/out/litgpt
+$(LITGPT_DIR)/.installed: | $(BENCH_STAMP)
+	$(BIN)/pip install -q --no-deps --target $(LITGPT_DIR) litgpt==0.4.13 lightning==2.4.0 \
+		lightning-utilities==0.11.7 torchmetrics==1.4.1
+	touch $@
+
+bench-litgpt: $(LITGPT_DIR)/.installed
+	$(BIN)/python bench/litgpt_trace.py --json bench/out/litgpt_trace.json
 
 bench-throughput: $(STAMP)
 	$(BIN)/python bench/throughput_accuracy.py

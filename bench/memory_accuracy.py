@@ -308,7 +308,8 @@ TORCHTUNE = dict(loss="hf", lora_dtype="compute", kbit_upcast=False, fused_optim
 # litgpt (litgpt/finetune/lora.py @00af8b0d): `model(input_ids, lm_head_chunk_size=128)` and
 # `chunked_cross_entropy`; bf16-true builds adapters in bf16; torch.optim.AdamW (foreach); no kbit preparation;
 # QLoRA swaps the optimizer for bnb PagedAdamW (`instantiate_bnb_optimizer`), whose state is paged.
-LITGPT = dict(loss="chunked", lora_dtype="compute", kbit_upcast=False, fused_optimizer=False, autocast=False)
+LITGPT = dict(loss="chunked_compute", lora_dtype="compute", kbit_upcast=False, fused_optimizer=False, autocast=False,
+              untied_head=True, fused_qkv=True, keeps_previous_step=True)
 # HF Trainer / TRL SFTTrainer with peft (transformers 4.4x): fp32 logits for the loss, adapters autocast to fp32
 # by peft, default optim adamw_torch (the foreach step). TRL's peft_module_casting_to_bf16 puts embeddings and
 # lm_head back to bf16 after prepare_model_for_kbit_training under bf16=True, so no kbit fp32 upcast stays:
@@ -317,16 +318,17 @@ LITGPT = dict(loss="chunked", lora_dtype="compute", kbit_upcast=False, fused_opt
 HF_TRAINER = dict(loss="hf", lora_dtype="fp32", kbit_upcast=False, fused_optimizer=False)
 
 # What the quantised rows' stacks did beyond the framework defaults (Runtime flags in src/lorafit/memory.py):
-# - bitsandbytes before 0.45 (FMS rows: 0.43.3, stated in their notes; the litgpt rows are from 2024, before 0.45
-#   shipped) kept each 4-bit layer's input for backward in MatMul4Bit (`ctx.tensors = (A, B)`);
+# - litgpt (LGC rows, 2024) pinned bitsandbytes 0.42, whose MatMul4Bit kept each 4-bit layer's input as a ctx
+#   attribute (`ctx.tensors = (A, B)`; 0.43.2 keeps only the weight, so the FMS rows' 0.43.3 does not), under
+#   Lightning's BitsandbytesPrecision, which quantises the LM head too, from an fp16 copy (bench/litgpt_trace.py
+#   traces that step and checks these flags);
 # - TRL's SFTTrainer ran peft's prepare_model_for_kbit_training on a 4-bit model, then peft_module_casting_to_bf16
 #   put embeddings and head back to bf16 but kept every module with "norm" in its name in fp32: the fp32 norm
 #   weights promote the residual stream to fp32, so each checkpointed layer input is 4 bytes x hidden.
 #   fms-acceleration's accelerated-peft-bnb plugin (FMS-10) does its own preparation without dtype casts, so only
 #   the TRL baseline rows (FMS-06/07/09, framework_config baseline-peft-bnb) get fp32_norms (ROW_SETUP below).
 QUANTIZED_EXTRAS = {
-    "FMS": dict(bnb_saves_input=True),
-    "LGC": dict(bnb_saves_input=True),
+    "LGC": dict(bnb_saves_input=True, quantized_head=True, dequant_copies=2),
 }
 TRL_KBIT = dict(fp32_norms=True)
 
@@ -448,8 +450,11 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
         ],
     ),
     "LGC-10": dict(
-        settings=dict(lora_dropout=0.1, grad_accum=6, double_quant=False),
-        notes=["also adapts the 256k-vocabulary head (lora_head: true), not in lorafit's targets"],
+        settings=dict(lora_dropout=0.1, grad_accum=6, double_quant=False, attn="eager"),
+        notes=[
+            "also adapts the 256k-vocabulary head (lora_head: true), not in lorafit's targets",
+            "litgpt's attention takes its eager path for Gemma-2's soft-capping (no SDPA)",
+        ],
     ),
     "LGC-12": dict(
         settings=dict(lora_dropout=0.05, grad_accum=1),

@@ -141,8 +141,11 @@ def test_the_metric_picks_lorafits_figure(bench, tmp_path: Path) -> None:
     assert figures["allocated"].predicted_bytes == pytest.approx(result.peak_allocated_gib * 2**30)
     assert figures["reserved"].predicted_bytes == pytest.approx(result.peak_reserved_gib * 2**30)
     assert figures["reserved"].predicted_bytes > figures["allocated"].predicted_bytes
-    # the row's framework is litgpt: chunked loss, adapters in bf16; the stated maximum length is used, and said
-    assert mapping.runtime.loss == "chunked" and mapping.runtime.lora_dtype == "compute"
+    # the row's framework is litgpt: chunked loss in bf16, adapters in bf16, its fused qkv and its loop; the stated
+    # maximum length is used, and said
+    assert mapping.runtime.loss == "chunked_compute" and mapping.runtime.lora_dtype == "compute"
+    assert mapping.runtime.fused_qkv and mapping.runtime.keeps_previous_step and mapping.runtime.untied_head
+    assert not mapping.runtime.quantized_head  # a LoRA row: nothing is quantised
     assert mapping.settings.seq_len == 512 and any("stated maximum 512" in note for note in figures["reserved"].notes)
 
 

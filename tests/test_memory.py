@@ -241,8 +241,8 @@ def test_all_layers_activations(tiny: models.ModelSpec) -> None:
     # full fine-tuning: the embedding is trainable, so the first layer saves as much as the others
     assert memory.activation_bytes(tiny, full(), Runtime()) == pytest.approx(2 * 2712 * 64)
     # the final norm: fp32 input + rsqrt; training the head adds the bf16 normalised input twice
-    assert memory.head_saved_bytes(tiny, lora()) == (4 * 64 + 4) * 64
-    assert memory.head_saved_bytes(tiny, full()) == (4 * 64 + 4 + 2 * 2 * 64) * 64
+    assert memory.head_saved_bytes(tiny, lora(), memory.Runtime()) == (4 * 64 + 4) * 64
+    assert memory.head_saved_bytes(tiny, full(), memory.Runtime()) == (4 * 64 + 4 + 2 * 2 * 64) * 64
 
 
 def test_logits_and_loss_are_12_bytes_per_vocabulary_entry_and_token(tiny: models.ModelSpec) -> None:
@@ -256,6 +256,86 @@ def test_logits_and_loss_are_12_bytes_per_vocabulary_entry_and_token(tiny: model
 def test_dequantised_weight_is_the_largest_linear_in_bf16(tiny: models.ModelSpec) -> None:
     assert memory.dequant_bytes(tiny, lora(method="qlora", quant="nf4")) == 64 * 160 * 2
     assert memory.dequant_bytes(tiny, lora()) == 0
+
+
+# --- litgpt's step (bench/litgpt_trace.py traces the real one) --------------------------------------------------
+# litgpt 0.4 (the LGC rows): bf16 adapters, no autocast, its fused qkv with one LoRA, its loop holding the last
+# micro-batch's logits and loss, a separate head; with QLoRA, bitsandbytes 0.42 under Lightning
+LITGPT = Runtime(loss="chunked_compute", lora_dtype="compute", autocast=False, fused_optimizer=False,
+                 untied_head=True, fused_qkv=True, keeps_previous_step=True)
+LITGPT_QLORA = LITGPT.model_copy(update=dict(bnb_saves_input=True, quantized_head=True, dequant_copies=2))
+
+
+def test_litgpt_fused_qkv_has_one_dropout_and_keeps_the_padded_adapter_output(tiny: models.ModelSpec) -> None:
+    qv = memory.activation_parts_per_token(tiny, lora(lora_targets="qv"), LITGPT)
+    # one bf16 dropout output + bool mask of the 64 inputs, lora_A's 2 x 8 outputs (q and v), and the q (64) +
+    # v (32) adapter columns zero_pad's index_copy_ keeps
+    assert qv["qkv_inputs"] == 64 * (2 + 1) + 16 * 2 + (64 + 32) * 2  # 416
+    # q, k and v all adapted: no padding
+    attn = memory.activation_parts_per_token(tiny, lora(lora_targets="attn"), LITGPT)
+    assert attn["qkv_inputs"] == 64 * 3 + 24 * 2  # 240
+
+
+def test_litgpt_attention_repeats_k_and_v_and_without_groups_keeps_the_fused_output(tiny: models.ModelSpec) -> None:
+    # 2 kv heads for 4: k and v repeated to 4 heads and copied; q, k, v, output in bf16 and the fp32 logsumexp
+    grouped = memory.activation_parts_per_token(tiny, lora(lora_targets="qv"), LITGPT)
+    assert grouped["attention"] == 2 * 64 + 2 * 64 + 2 * 64 + 2 * 64 + 4 * 4  # 528
+    # 4 kv heads: v is a view of the fused qkv output (64 + 2 x 64 columns), which stays alive whole
+    mha = tiny.scaled(num_key_value_heads=4)
+    ungrouped = memory.activation_parts_per_token(mha, lora(lora_targets="qv"), LITGPT)
+    assert ungrouped["attention"] == 2 * 64 + 2 * 64 + 2 * (64 + 128) + 2 * 64 + 4 * 4  # 784
+
+
+def test_old_bitsandbytes_holds_every_layer_input_until_the_graph_goes(tiny: models.ModelSpec) -> None:
+    qlora = lora(method="qlora", quant="nf4", double_quant=False)
+    # per layer: the q/k/v input (64), o_proj's (64), gate/up's (64) and down's (160), bf16
+    assert memory.activation_parts_per_token(tiny, qlora, LITGPT_QLORA)["bnb_inputs"] == 2 * (64 + 64 + 64 + 160)
+    # the first layer's q/k/v input needs no gradient and is not kept; the quantised head keeps its 64 inputs
+    assert memory.bnb_held_bytes(tiny, qlora, LITGPT_QLORA) == (576 + 704 + 2 * 64) * 64  # 90112
+    assert memory.bnb_held_bytes(tiny, qlora, LITGPT) == 0  # bitsandbytes from 0.43.2 keeps only the weight
+    # the loop keeps the last micro-batch's bf16 logits (256 x 64 tokens) and that graph until the next forward
+    assert memory.previous_step_bytes(tiny, qlora, LITGPT_QLORA) == 2 * 256 * 64 + 90112
+    assert memory.previous_step_bytes(tiny, qlora, Runtime(bnb_saves_input=True)) == 0
+
+
+def test_litgpt_keeps_its_own_head_and_lightning_quantises_it(tiny: models.ModelSpec) -> None:
+    tied = tiny.scaled(tie_word_embeddings=True)  # 119104 - 16384 = 102720 parameters
+    assert memory.weights_bytes(tied, lora(), LITGPT) == (102720 + 16384) * 2
+    assert memory.weights_bytes(tiny, lora(), LITGPT) == 119104 * 2  # untied already
+    # nf4 without double quantisation for the 86016 linear weights and the 16384 of the head; the embedding
+    # and the norms (16384 + 320) in bf16: the same for a tied and an untied checkpoint
+    qlora = lora(method="qlora", quant="nf4", double_quant=False)
+    expected = (86016 + 16384) * (0.5 + 4 / 64) + (16384 + 320) * 2  # 91008
+    assert memory.weights_bytes(tied, qlora, LITGPT_QLORA) == pytest.approx(expected)
+    assert memory.weights_bytes(tiny, qlora, LITGPT_QLORA) == pytest.approx(expected)
+
+
+def test_litgpt_chunked_head_and_loss_in_bf16(tiny: models.ModelSpec) -> None:
+    one_chunk = dict(micro_batch=1, seq_len=64)  # 64 tokens, one 64-position chunk of the 128-position head
+    lora_settings, qlora = lora(**one_chunk), lora(method="qlora", quant="nf4", **one_chunk)
+    # loss: the bf16 logits and log-softmax of every token (2 x 2 x 256 x 64), one chunk's gradient and its
+    # log-softmax gradient (2 x 256 x 64 each), or instead of the latter the head's dequantised fp16 + bf16 copies
+    assert memory.logits_bytes(tiny, lora_settings, LITGPT) == 65536 + 32768 + 32768
+    assert memory.logits_bytes(tiny, qlora, LITGPT_QLORA) == 65536 + 32768 + 2 * 2 * 256 * 64
+    # the head's forward: the chunk's logits, or its dequantised copies while it runs
+    assert memory.head_forward_bytes(tiny, lora_settings, LITGPT) == 2 * 256 * 64
+    assert memory.head_forward_bytes(tiny, qlora, LITGPT_QLORA) == 2 * 2 * 256 * 64
+    # 512 tokens in 4 chunks: the first three chunks' logits, then the last one's dequantisation or output
+    long = lora(method="qlora", quant="nf4", micro_batch=1, seq_len=512)
+    assert memory.head_forward_bytes(tiny, long, LITGPT_QLORA) == 2 * 256 * 384 + max(65536, 32768 + 2 * 256 * 128)
+
+
+def test_litgpt_qlora_peaks_in_the_head_forward_with_the_previous_micro_batch(tiny: models.ModelSpec) -> None:
+    qlora = lora(method="qlora", quant="nf4", double_quant=False, lora_targets="qv", grad_accum=4,
+                 optimizer="paged_adamw_32bit")
+    parts, phase = memory.breakdown(tiny, qlora, LITGPT_QLORA)
+    assert phase == "forward through the LM head"
+    assert parts["previous_micro_batch"] == memory.previous_step_bytes(tiny, qlora, LITGPT_QLORA)
+    assert parts["logits_and_loss"] == memory.head_forward_bytes(tiny, qlora, LITGPT_QLORA)
+    assert parts["optimizer_states"] == 0  # paged
+    # without the loop holding the last micro-batch the same step peaks at the loss
+    _, phase = memory.breakdown(tiny, qlora, LITGPT_QLORA.model_copy(update={"keeps_previous_step": False}))
+    assert phase == "loss (LM head backward)"
 
 
 # --- the peak, summed ------------------------------------------------------------------------------------------

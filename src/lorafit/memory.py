@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from lorafit.hardware import GpuSpec
 from lorafit.models import ModelSpec
@@ -26,6 +26,7 @@ NF4_BLOCK = 64  # bitsandbytes blocksize for 4-bit weights
 NESTED_BLOCK = 256  # double quantisation groups 256 absmax values
 BNB_8BIT_MIN_SIZE = 4096  # bnb keeps 32-bit optimizer state for tensors smaller than this
 BNB_8BIT_BLOCK = 256
+HEAD_CHUNK = 128  # litgpt's lm_head_chunk_size: the LM head runs on 128 positions of every row at a time
 
 
 class Runtime(BaseModel):
@@ -34,7 +35,9 @@ class Runtime(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    loss: Literal["hf", "chunked"] = "hf"  # hf: fp32 copy of all logits; chunked: per-chunk upcast
+    # hf: fp32 copy of all logits; chunked: per-chunk fp32 upcast (torchtune); chunked_compute: the head runs in
+    # chunks whose logits stay in the compute dtype through the loss (litgpt)
+    loss: Literal["hf", "chunked", "chunked_compute"] = "hf"
     kbit_upcast: bool = False  # peft prepare_model_for_kbit_training: non-quantised params to fp32
     lora_dtype: Literal["fp32", "compute"] = "fp32"  # peft autocasts adapters to fp32 by default
     fused_optimizer: bool = True  # adamw_torch_fused: no param-sized temporaries in the step
@@ -48,8 +51,23 @@ class Runtime(BaseModel):
     # peft's kbit preparation followed by TRL's peft_module_casting_to_bf16 leaves the RMSNorm weights in fp32:
     # `weight * x.to(bf16)` then promotes every norm output, and with it the residual stream, to fp32
     fp32_norms: bool = False
-    # bitsandbytes < 0.45 kept each 4/8-bit layer's input for backward (`ctx.tensors = (A, B)`)
+    # bitsandbytes before 0.43.2 kept each 4/8-bit layer's input for backward as a ctx attribute
+    # (`ctx.tensors = (A, B)`): it lives as long as the graph does, not only until that layer's backward
     bnb_saves_input: bool = False
+    # litgpt's GPT has its own lm_head even where the checkpoint ties it to the embeddings
+    untied_head: bool = False
+    # Lightning's BitsandbytesPrecision (litgpt) converts every nn.Linear, the LM head too, and quantises from
+    # an fp16 copy: each dequantisation makes an fp16 weight and then its cast to the compute dtype, two
+    # copies at once
+    quantized_head: bool = False
+    dequant_copies: int = Field(default=1, ge=1)
+    # litgpt's fused qkv projection: one LoRA (one dropout) for all adapted q/k/v, k and v repeated to every
+    # head and copied, v a view of the fused output when there are as many kv heads as heads
+    fused_qkv: bool = False
+    # litgpt's loop keeps `logits` and `loss` of the last micro-batch until the next forward and loss replace
+    # them: its logits, and through the loss its graph (with the bnb inputs held there), live through the
+    # next forward
+    keeps_previous_step: bool = False
     # CUDA context, cuBLAS/cuDNN workspaces and the kernel images a training step loads (flash-attn, bnb, fused
     # optimizers): nvidia-smi minus reserved; see device_bytes for the measurement
     cuda_context_gib: float = 0.9
@@ -76,11 +94,16 @@ def weights_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> floa
     c = DTYPE_BYTES[settings.precision]
     if settings.method == "full" and runtime.amp_master_fp32:
         c = 4
+    head_copy = spec.embedding_params if runtime.untied_head and spec.tie_word_embeddings else 0
     if settings.quant == "none":
-        return spec.num_params * c
+        return (spec.num_params + head_copy) * c
     linear = spec.num_hidden_layers * spec.layer_linear_params
     rest = spec.num_params - linear
-    return quantized_weight_bytes(linear, settings) + rest * (4 if runtime.kbit_upcast else c)
+    if runtime.quantized_head:
+        # the head quantised like the layers; the embeddings stay in the compute dtype
+        head = spec.lm_head_params + head_copy
+        return quantized_weight_bytes(linear + head, settings) + (rest - spec.lm_head_params) * c
+    return quantized_weight_bytes(linear, settings) + (rest + head_copy) * (4 if runtime.kbit_upcast else c)
 
 
 def trainable_params(spec: ModelSpec, settings: Settings) -> int:
@@ -207,15 +230,18 @@ def activation_parts_per_token(spec: ModelSpec, settings: Settings, runtime: Run
     attn_linears = spec.attention_linears()
     qkv = {name: dims for name, dims in attn_linears.items() if name != "o_proj"}
     out_proj = {"o_proj": attn_linears["o_proj"]}
-    kv_saved = q if settings.attn == "eager" else kv  # eager repeats k/v to every head before the matmul
+    # eager (and litgpt always) repeats k/v to every head before the attention
+    kv_saved = q if settings.attn == "eager" or runtime.fused_qkv else kv
+    # litgpt without head groups: v is a view of the fused qkv output, which it keeps alive whole
+    v_saved = c * (q + 2 * kv) if runtime.fused_qkv and heads == spec.num_key_value_heads else c * kv_saved
     if settings.attn == "eager":
         # q and k for QK^T, fp32 softmax output, its bf16 cast for the AV matmul, v for the AV matmul; Gemma-2's
         # soft-capping (tanh(scores / cap) x cap) also keeps the tanh output
         scores = (4 + c + (c if spec.logit_softcapping else 0)) * heads * settings.seq_len
-        attention = c * (q + kv_saved) + scores + c * kv_saved
+        attention = c * (q + kv_saved) + scores + v_saved
     else:
-        attention = c * (q + 2 * kv_saved) + c * q + 4 * heads
-    if spec.architecture == "phi3":
+        attention = c * (q + kv_saved) + v_saved + c * q + 4 * heads
+    if spec.architecture == "phi3" and not runtime.fused_qkv:
         # Phi-3's fused qkv_proj: v is a view of that output, so the saved v keeps all q + 2 kv columns alive
         attention += c * (q + kv)
     mlp = {name: dims for name, dims in spec.mlp_linears().items() if name != "down_proj"}
@@ -224,7 +250,8 @@ def activation_parts_per_token(spec: ModelSpec, settings: Settings, runtime: Run
     gated = 3 * c * inter  # silu saves gate; the product saves silu(gate) and up
     parts = {
         "attn_norm": norm(),
-        "qkv_inputs": linear_inputs(qkv, shared_input=True),
+        "qkv_inputs": fused_qkv_lora_bytes(qkv, lora_names, settings, runtime, input_requires_grad)
+        if runtime.fused_qkv and not full else linear_inputs(qkv, shared_input=True),
         "attention": attention,
         # sdpa/flash return their output laid out as (batch, seq, heads, head_dim): the o_proj input is a view of
         # the output attention already saved, so a trainable o_proj saves nothing new
@@ -238,9 +265,46 @@ def activation_parts_per_token(spec: ModelSpec, settings: Settings, runtime: Run
         # Gemma-2 normalises the attention and MLP outputs too, before adding them to the residual stream
         parts["post_norms"] = 2 * (4 * h + 4 + (2 * h if full else 0))
     if runtime.bnb_saves_input and settings.quant != "none":
-        # the tensors the base layers see: q/k/v share one input, gate/up another
-        parts["bnb_inputs"] = c * (h + q + h + experts * inter)
+        parts["bnb_inputs"] = bnb_input_bytes_per_token(spec, settings, input_requires_grad)
     return parts
+
+
+def fused_qkv_lora_bytes(qkv: dict[str, tuple[int, int]], lora_names: set[str], settings: Settings,
+                         runtime: Runtime, input_requires_grad: bool) -> float:
+    """litgpt's LoRAQKVLinear: one dropout and one lora_A (r outputs per adapted projection) for all of q/k/v;
+    when some of them are not adapted, zero_pad's index_copy_ keeps the adapted outputs (c per column)."""
+    adapted = [name for name in qkv if name in lora_names]
+    if not adapted:
+        return 0.0
+    fan_in = next(iter(qkv.values()))[0]
+    ranked = settings.model_copy(update={"lora_r": settings.lora_r * len(adapted)})
+    saved = lora_module_saved_bytes(fan_in, ranked, runtime, input_requires_grad)
+    if len(adapted) < len(qkv):
+        saved += DTYPE_BYTES[settings.precision] * sum(qkv[name][1] for name in adapted)
+    return saved
+
+
+def bnb_input_bytes_per_token(spec: ModelSpec, settings: Settings, input_requires_grad: bool = True) -> float:
+    """The inputs old bitsandbytes keeps per layer: q/k/v share one (kept only if it needs a gradient, which
+    the first layer's does not under LoRA), gate/up another, o_proj and down_proj their own."""
+    c = DTYPE_BYTES[settings.precision]
+    h, q, inter = spec.hidden_size, spec.q_size, spec.intermediate_size
+    experts = max(spec.num_experts_per_tok, 1) if spec.is_moe else 1
+    qkv_input = h if input_requires_grad or settings.method == "full" else 0
+    return c * (qkv_input + q + h + experts * inter)
+
+
+def bnb_held_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """What old bitsandbytes' ctx attributes hold for one micro-batch, all layers and the quantised head:
+    alive until the graph is freed."""
+    if not runtime.bnb_saves_input or settings.quant == "none":
+        return 0.0
+    layers = spec.num_hidden_layers
+    per_token = bnb_input_bytes_per_token(spec, settings, input_requires_grad=False) + \
+        (layers - 1) * bnb_input_bytes_per_token(spec, settings)
+    if runtime.quantized_head:
+        per_token += DTYPE_BYTES[settings.precision] * spec.hidden_size
+    return per_token * settings.tokens_per_micro_batch
 
 
 def activation_bytes_per_layer(spec: ModelSpec, settings: Settings, runtime: Runtime,
@@ -270,11 +334,48 @@ def activation_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> f
     return first + (layers - 1) * rest
 
 
-def head_saved_bytes(spec: ModelSpec, settings: Settings) -> float:
-    """The final RMSNorm saves its fp32 input (and, training the head, the normalised bf16 input)."""
+def head_saved_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """The final RMSNorm saves its fp32 input (and, training the head, the normalised bf16 input); a quantised
+    head under old bitsandbytes keeps that normalised input too."""
     c = DTYPE_BYTES[settings.precision]
-    per_token = 4 * spec.hidden_size + 4 + (2 * c * spec.hidden_size if settings.method == "full" else 0)
+    per_token = 4 * spec.hidden_size + 4
+    if settings.method == "full":
+        per_token += 2 * c * spec.hidden_size
+    elif runtime.quantized_head and runtime.bnb_saves_input and settings.quant != "none":
+        per_token += c * spec.hidden_size
     return per_token * settings.tokens_per_micro_batch
+
+
+def head_chunk_tokens(settings: Settings) -> int:
+    return settings.micro_batch * min(settings.seq_len, HEAD_CHUNK)
+
+
+def head_dequant_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """A quantised head dequantises its whole (V x h) weight for every chunk, forward and backward."""
+    if not runtime.quantized_head or settings.quant == "none":
+        return 0.0
+    return runtime.dequant_copies * DTYPE_BYTES[settings.precision] * spec.vocab_size * spec.hidden_size
+
+
+def head_forward_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """The end of a chunked head's forward: the logits of the other chunks (compute dtype) and, for the last
+    chunk, its dequantised weight copies or the weight and the chunk's output."""
+    c, vocab = DTYPE_BYTES[settings.precision], spec.vocab_size
+    n, chunk = settings.tokens_per_micro_batch, head_chunk_tokens(settings)
+    dequant = head_dequant_bytes(spec, settings, runtime)
+    if not dequant:
+        return c * vocab * n
+    single = dequant / runtime.dequant_copies
+    return c * vocab * (n - chunk) + max(dequant, single + c * vocab * chunk)
+
+
+def previous_step_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """What a loop that keeps the last micro-batch's logits and loss holds through the next forward: those
+    logits (compute dtype, chunked) and what old bitsandbytes keeps in the graph the loss still references."""
+    if not runtime.keeps_previous_step:
+        return 0.0
+    logits = DTYPE_BYTES[settings.precision] * spec.vocab_size * settings.tokens_per_micro_batch
+    return logits + bnb_held_bytes(spec, settings, runtime)
 
 
 def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
@@ -286,6 +387,12 @@ def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float
     n, vocab = settings.tokens_per_micro_batch, spec.vocab_size
     if runtime.loss == "chunked":
         return 4 * vocab * n + 3 * 4 * vocab * min(n, 1024)
+    if runtime.loss == "chunked_compute":
+        # litgpt: the logits list and every chunk's log-softmax (compute dtype, no upcast); in backward one
+        # chunk's gradient, then the gradient of its log-softmax or the head's dequantised weight
+        c, chunk = DTYPE_BYTES[settings.precision], head_chunk_tokens(settings)
+        backward_chunk = max(c * vocab * chunk, head_dequant_bytes(spec, settings, runtime))
+        return 2 * c * vocab * n + c * vocab * chunk + backward_chunk
     # Gemma-2 soft-caps the logits (tanh(logits / 30) x 30) in the compute dtype: tanh keeps its output
     softcap = DTYPE_BYTES[settings.precision] * vocab * n if spec.logit_softcapping else 0
     return 12 * vocab * n + softcap
@@ -315,12 +422,12 @@ def recompute_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> fl
     return activation_bytes_per_layer(spec, settings, runtime) + in_flight
 
 
-def dequant_bytes(spec: ModelSpec, settings: Settings) -> float:
+def dequant_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime()) -> float:
     """bitsandbytes dequantises each 4/8-bit weight to the compute dtype for its matmul, one at a time."""
     if settings.quant == "none":
         return 0.0
     largest = max(fan_in * fan_out for _, fan_in, fan_out, _ in spec.layer_linears())
-    return largest * DTYPE_BYTES[settings.precision]
+    return largest * DTYPE_BYTES[settings.precision] * runtime.dequant_copies
 
 
 def optimizer_step_temp_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
@@ -400,7 +507,7 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
     # Paged state lives in managed memory: not in torch's allocated/reserved figures.
     optimizer_counted = 0.0 if paged(settings) else optimizer
     layer_activations = activation_bytes(spec, settings, runtime)
-    activations = layer_activations + head_saved_bytes(spec, settings)
+    activations = layer_activations + head_saved_bytes(spec, settings, runtime)
     gathered = gathered_layer_bytes(spec, settings, runtime)
     static = weights + adapters + optimizer_counted + gathered
 
@@ -409,7 +516,7 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
     loss = logits_bytes(spec, settings, runtime)
     layer_backward = recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else \
         grad_buffer_bytes(spec, settings)
-    dequant = dequant_bytes(spec, settings)
+    dequant = dequant_bytes(spec, settings, runtime)
     # Backward frees each layer's saved tensors as it produces that layer's gradients, so its peak is at one of
     # the two ends: the last layer (every activation alive, only the head's gradients new) or the first layer
     # (every layer's gradient alive, one layer's activations left). Embedding gradients come after that.
@@ -418,8 +525,11 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
     # (checkpointed: the first layer's recomputed tensors are in layer_backward already)
     first_layer = 0.0 if settings.grad_ckpt else \
         activation_bytes_per_layer(spec, settings, runtime, input_requires_grad=settings.method == "full")
+    if not settings.grad_ckpt and runtime.bnb_saves_input and settings.quant != "none":
+        # old bitsandbytes' ctx attributes outlive each layer's backward: the other layers' inputs are still held
+        own = bnb_input_bytes_per_token(spec, settings, settings.method == "full") * settings.tokens_per_micro_batch
+        first_layer += bnb_held_bytes(spec, settings, runtime) - own
     phases = {
-        # the LM head is not quantised: no dequantised weight lives during the loss
         "loss (LM head backward)": (static + grads_in_forward + activations + loss,
                                     grads_in_forward, activations),
         # by the last layer's backward the final norm has freed what it saved
@@ -429,6 +539,12 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
                                              grads_in_layers, first_layer),
         "optimizer step": (static + gradients + optimizer_step_temp_bytes(spec, settings, runtime), gradients, 0.0),
     }
+    previous = previous_step_bytes(spec, settings, runtime)
+    head_forward = head_forward_bytes(spec, settings, runtime)
+    if runtime.loss == "chunked_compute":
+        # the chunked head's forward, with the last micro-batch's logits (and graph) still held by the loop
+        phases["forward through the LM head"] = (static + grads_in_forward + activations + previous + head_forward,
+                                                 grads_in_forward, activations)
     phase = max(phases, key=lambda name: phases[name][0])
     _, grads_now, activations_now = phases[phase]
     backward_now = layer_backward if phase.startswith("backward") else 0.0
@@ -439,7 +555,8 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
         "gradients": grads_now,
         "optimizer_states": optimizer_counted,
         "activations": activations_now,
-        "logits_and_loss": loss if phase.startswith("loss") else 0.0,
+        "logits_and_loss": loss if phase.startswith("loss") else head_forward if phase.startswith("forward") else 0.0,
+        "previous_micro_batch": previous if phase.startswith("forward") else 0.0,
         "layer_backward": backward_now,
         "dequant_buffer": dequant if phase.startswith("backward") else 0.0,
         "optimizer_step_temp": transient if phase.startswith("optimizer") else 0.0,
@@ -455,7 +572,7 @@ def estimate(spec: ModelSpec, settings: Settings, gpu: GpuSpec | None = None, he
     allocated = sum(parts.values())
     transient = max(logits_bytes(spec, settings, runtime),
                     recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else 0.0,
-                    optimizer_step_temp_bytes(spec, settings, runtime)) + dequant_bytes(spec, settings)
+                    optimizer_step_temp_bytes(spec, settings, runtime)) + dequant_bytes(spec, settings, runtime)
     reserved = reserved_bytes(allocated, transient)
     paged_state = optimizer_bytes(spec, settings, runtime) * shard_factors(settings)[2] if paged(settings) else 0.0
     device = device_bytes(reserved, settings, runtime, paged_state)
