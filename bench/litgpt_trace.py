@@ -38,10 +38,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lorafit.memory import GIB, breakdown
 from lorafit.models import ModelSpec
 from lorafit.schema import Settings
-from lorafit.trace.model import cuda_kernel_choices
-from lorafit.trace.step import PAGED_MIN_NUMEL
+from lorafit.trace.model import cuda_kernel_choices, parameter_tensors
+from lorafit.trace.step import PAGED_MIN_NUMEL, watch_gradients
 from lorafit.trace.tracker import (
-    GRADIENTS,
     OPTIMIZER_STATES,
     PAGED_OPTIMIZER_STATES,
     PARAMETERS,
@@ -241,10 +240,9 @@ def trace_case(case: Case, shape: dict[str, int], settings: Settings, steps: int
     optimizer = torch.optim.AdamW(trainable, lr=2e-4, foreach=not quantized)
     tracker = LiveTensorTracker()
     optimizer.state = defaultdict(partial(_StateTags, tracker, quantized))
-    for tensor in list(model.parameters()) + list(model.buffers()):
+    for tensor in parameter_tensors(model):
         tracker.track(tensor, PARAMETERS)
-    for param in trainable:
-        param.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, GRADIENTS))
+    watch_gradients(model, tracker)
 
     def label(step: int, micro: int, stage: str) -> None:
         tracker.set_phase(Phase(step, micro, stage))

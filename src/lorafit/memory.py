@@ -264,7 +264,7 @@ def activation_parts_per_token(spec: ModelSpec, settings: Settings, runtime: Run
     if spec.architecture == "gemma2":
         # Gemma-2 normalises the attention and MLP outputs too, before adding them to the residual stream
         parts["post_norms"] = 2 * (4 * h + 4 + (2 * h if full else 0))
-    if runtime.bnb_saves_input and settings.quant != "none":
+    if keeps_bnb_inputs(settings, runtime):
         parts["bnb_inputs"] = bnb_input_bytes_per_token(spec, settings, input_requires_grad)
     return parts
 
@@ -284,6 +284,11 @@ def fused_qkv_lora_bytes(qkv: dict[str, tuple[int, int]], lora_names: set[str], 
     return saved
 
 
+def keeps_bnb_inputs(settings: Settings, runtime: Runtime) -> bool:
+    """Old bitsandbytes keeps the inputs of the layers it quantised; nothing is quantised without --quant."""
+    return runtime.bnb_saves_input and settings.quant != "none"
+
+
 def bnb_input_bytes_per_token(spec: ModelSpec, settings: Settings, input_requires_grad: bool = True) -> float:
     """The inputs old bitsandbytes keeps per layer: q/k/v share one (kept only if it needs a gradient, which
     the first layer's does not under LoRA), gate/up another, o_proj and down_proj their own."""
@@ -297,7 +302,7 @@ def bnb_input_bytes_per_token(spec: ModelSpec, settings: Settings, input_require
 def bnb_held_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     """What old bitsandbytes' ctx attributes hold for one micro-batch, all layers and the quantised head:
     alive until the graph is freed."""
-    if not runtime.bnb_saves_input or settings.quant == "none":
+    if not keeps_bnb_inputs(settings, runtime):
         return 0.0
     layers = spec.num_hidden_layers
     per_token = bnb_input_bytes_per_token(spec, settings, input_requires_grad=False) + \
@@ -341,7 +346,7 @@ def head_saved_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> f
     per_token = 4 * spec.hidden_size + 4
     if settings.method == "full":
         per_token += 2 * c * spec.hidden_size
-    elif runtime.quantized_head and runtime.bnb_saves_input and settings.quant != "none":
+    elif runtime.quantized_head and keeps_bnb_inputs(settings, runtime):
         per_token += c * spec.hidden_size
     return per_token * settings.tokens_per_micro_batch
 
@@ -525,9 +530,9 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
     # (checkpointed: the first layer's recomputed tensors are in layer_backward already)
     first_layer = 0.0 if settings.grad_ckpt else \
         activation_bytes_per_layer(spec, settings, runtime, input_requires_grad=settings.method == "full")
-    if not settings.grad_ckpt and runtime.bnb_saves_input and settings.quant != "none":
+    if not settings.grad_ckpt and keeps_bnb_inputs(settings, runtime):
         # old bitsandbytes' ctx attributes outlive each layer's backward: the other layers' inputs are still held
-        own = bnb_input_bytes_per_token(spec, settings, settings.method == "full") * settings.tokens_per_micro_batch
+        own = bnb_input_bytes_per_token(spec, settings, input_requires_grad=False) * settings.tokens_per_micro_batch
         first_layer += bnb_held_bytes(spec, settings, runtime) - own
     phases = {
         "loss (LM head backward)": (static + grads_in_forward + activations + loss,
