@@ -40,16 +40,33 @@ LAST_CPU_SECONDS = [0.0]  # user + system seconds of the last worker
 # ~100-300M parameters: (label, hidden, layers, heads, vocab, settings)
 REAL_CASES = [
     ("llama 134M qlora ckpt", 768, 12, 12, 32000, {"method": "qlora", "micro_batch": 2, "seq_len": 256}),
-    ("llama 134M lora no-ckpt", 768, 12, 12, 32000,
-     {"method": "lora", "quant": "none", "micro_batch": 1, "seq_len": 256, "grad_ckpt": False}),
-    ("llama 285M qlora ckpt 8-bit AdamW", 1024, 16, 16, 32000,
-     {"method": "qlora", "micro_batch": 1, "seq_len": 256, "optimizer": "adamw_8bit"}),
+    (
+        "llama 134M lora no-ckpt",
+        768,
+        12,
+        12,
+        32000,
+        {"method": "lora", "quant": "none", "micro_batch": 1, "seq_len": 256, "grad_ckpt": False},
+    ),
+    (
+        "llama 285M qlora ckpt 8-bit AdamW",
+        1024,
+        16,
+        16,
+        32000,
+        {"method": "qlora", "micro_batch": 1, "seq_len": 256, "optimizer": "adamw_8bit"},
+    ),
 ]
 
 
 def child_env() -> dict[str, str]:
-    return os.environ | {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1",
-                         "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
+    return os.environ | {
+        "OMP_NUM_THREADS": "2",
+        "MKL_NUM_THREADS": "2",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONWARNINGS": "ignore",
+    }
 
 
 def run_child(args: list[str]) -> tuple[dict, float, int]:
@@ -128,30 +145,37 @@ def worker_real(spec_json: str, settings_json: str) -> None:
         measured = real_step(Path(folder), spec, settings, before_steps=before_steps)
     stop.set()
     step_2_peak = max(snapshot.total_bytes for phase, snapshot in measured.phase_peaks.items() if phase.step == 2)
-    print(json.dumps({
-        "peak_bytes": measured.peak_bytes,
-        "phase": measured.peak_description,
-        "tracked_growth": measured.peak_bytes - measured.phase_starts[Phase(1, 1, "batch")].total_bytes,
-        "rss_growth": samples["max"] - samples["before"],
-        "step2_tracked_growth": step_2_peak - samples["step2_tracked_before"],
-        "step2_rss_growth": samples["step2_max"] - samples["step2_before"],
-        "params": measured.total_params,
-    }))
+    print(
+        json.dumps(
+            {
+                "peak_bytes": measured.peak_bytes,
+                "phase": measured.peak_description,
+                "tracked_growth": measured.peak_bytes - measured.phase_starts[Phase(1, 1, "batch")].total_bytes,
+                "rss_growth": samples["max"] - samples["before"],
+                "step2_tracked_growth": step_2_peak - samples["step2_tracked_before"],
+                "step2_rss_growth": samples["step2_max"] - samples["step2_before"],
+                "params": measured.total_params,
+            }
+        )
+    )
 
 
 # --- the report ---------------------------------------------------------------------------------------------
 def speed() -> None:
     print("1. `lorafit estimate --exact`, each in a fresh process with 2 threads (imports included)")
     print(f"machine load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (wall time counts the others)")
-    print(f"{'model':14} {'settings':58} {'wall s':>8} {'cpu s':>8} {'target':>7} {'peak RSS':>9} {'target':>7}  "
-          "estimate")
+    print(
+        f"{'model':14} {'settings':58} {'wall s':>8} {'cpu s':>8} {'target':>7} {'peak RSS':>9} {'target':>7}  estimate"
+    )
     for model, settings, target in SPEED_CASES:
         answer, seconds, rss = run_child(["--worker-estimate", model, json.dumps(settings)])
         cpu_seconds = LAST_CPU_SECONDS[0]
         verdict = "ok" if seconds < target and rss < RSS_TARGET_BYTES else "MISSED"
-        print(f"{model:14} {json.dumps(settings):58} {seconds:8.1f} {cpu_seconds:8.1f} {f'<{target}':>7} "
-              f"{rss / 10**9:8.2f}G "
-              f"{'<2G':>7}  {answer['allocated_gib']:.2f} GiB at {answer['phase']}  [{verdict}]")
+        print(
+            f"{model:14} {json.dumps(settings):58} {seconds:8.1f} {cpu_seconds:8.1f} {f'<{target}':>7} "
+            f"{rss / 10**9:8.2f}G "
+            f"{'<2G':>7}  {answer['allocated_gib']:.2f} GiB at {answer['phase']}  [{verdict}]"
+        )
 
 
 def real() -> None:
@@ -161,20 +185,30 @@ def real() -> None:
 
     print("\n2. trace against two real CPU steps (device='cpu' kernels); growth above what was alive before the")
     print("   steps (and before step 2), tracked tensors next to the process's resident set size")
-    print(f"{'case':34} {'params':>7} {'trace MiB':>10} {'real MiB':>9} {'diff':>7}  {'growth: tracked':>15} "
-          f"{'RSS':>7}  {'step 2: tracked':>15} {'RSS':>7}  peak phase")
+    print(
+        f"{'case':34} {'params':>7} {'trace MiB':>10} {'real MiB':>9} {'diff':>7}  {'growth: tracked':>15} "
+        f"{'RSS':>7}  {'step 2: tracked':>15} {'RSS':>7}  peak phase"
+    )
     for label, hidden, layers, heads, vocab, settings_kw in REAL_CASES:
-        spec = resolve("llama-2-7b").scaled(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                                            num_key_value_heads=heads, head_dim=hidden // heads, vocab_size=vocab,
-                                            intermediate_size=(hidden * 8 // 3 // 64 + 1) * 64)
+        spec = resolve("llama-2-7b").scaled(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=hidden // heads,
+            vocab_size=vocab,
+            intermediate_size=(hidden * 8 // 3 // 64 + 1) * 64,
+        )
         settings = Settings(**settings_kw)
         answer, _, _ = run_child(["--worker-real", spec.model_dump_json(), json.dumps(settings_kw)])
         traced = trace_step(spec, settings, device="cpu").peak_bytes
         diff = traced / answer["peak_bytes"] - 1
-        print(f"{label:34} {answer['params'] / 1e6:6.0f}M {traced / MIB:10.1f} {answer['peak_bytes'] / MIB:9.1f} "
-              f"{diff:+7.2%}  {answer['tracked_growth'] / MIB:15.1f} {answer['rss_growth'] / MIB:7.1f}  "
-              f"{answer['step2_tracked_growth'] / MIB:15.1f} {answer['step2_rss_growth'] / MIB:7.1f}  "
-              f"{answer['phase']}")
+        print(
+            f"{label:34} {answer['params'] / 1e6:6.0f}M {traced / MIB:10.1f} {answer['peak_bytes'] / MIB:9.1f} "
+            f"{diff:+7.2%}  {answer['tracked_growth'] / MIB:15.1f} {answer['rss_growth'] / MIB:7.1f}  "
+            f"{answer['step2_tracked_growth'] / MIB:15.1f} {answer['step2_rss_growth'] / MIB:7.1f}  "
+            f"{answer['phase']}"
+        )
 
 
 def main() -> None:

@@ -147,8 +147,9 @@ class Linear4bit042(torch.nn.Module):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = torch.nn.Parameter(torch.zeros(out_features * in_features // 2, dtype=torch.uint8),
-                                         requires_grad=False)
+        self.weight = torch.nn.Parameter(
+            torch.zeros(out_features * in_features // 2, dtype=torch.uint8), requires_grad=False
+        )
         self.absmax = torch.nn.Parameter(torch.zeros(out_features * in_features // 64), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,9 +171,13 @@ def narrowed(spec: ModelSpec, layers: int, scale: int) -> tuple[dict[str, int], 
     `scale` (heads and head groups kept)."""
     layers = layers or spec.num_hidden_layers
     head = max(spec.head_size // scale, 8)
-    small = spec.scaled(num_hidden_layers=layers, hidden_size=spec.hidden_size // scale,
-                        intermediate_size=spec.intermediate_size // scale, head_dim=head,
-                        vocab_size=spec.vocab_size // scale)
+    small = spec.scaled(
+        num_hidden_layers=layers,
+        hidden_size=spec.hidden_size // scale,
+        intermediate_size=spec.intermediate_size // scale,
+        head_dim=head,
+        vocab_size=spec.vocab_size // scale,
+    )
     shape = dict(
         n_layer=layers,
         n_head=small.num_attention_heads,
@@ -191,8 +196,12 @@ def build_model(lora: types.ModuleType, case: Case, shape: dict[str, int], seq_l
     settings = case.mapping.settings
     adapted = set(case.mapping.spec.lora_target_names(settings.lora_targets))
     config = lora.Config.from_name(
-        case.litgpt_name, **shape, lora_r=settings.lora_r, lora_alpha=2 * settings.lora_r,
-        lora_dropout=settings.lora_dropout, lora_head=case.lora_head,
+        case.litgpt_name,
+        **shape,
+        lora_r=settings.lora_r,
+        lora_alpha=2 * settings.lora_r,
+        lora_dropout=settings.lora_dropout,
+        lora_head=case.lora_head,
         lora_mlp=any(name in adapted for name in ("gate_proj", "up_proj", "down_proj")),
         **{f"lora_{flag}": name in adapted for name, flag in LORA_FLAGS.items()},
     )
@@ -284,11 +293,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parser.parse_args(argv)
     as_run = args.layers == 0 and args.scale == 1 and args.seq_len is None
     results = []
-    print("the trace of litgpt's step and lorafit's analytic estimate of the same step (allocated peak)"
-          + ("; the row's published figure beside them" if as_run else f"; {args.layers} layers, widths / "
-             f"{args.scale}: not comparable with the published figures"))
-    print(f"{'row':8} {'method':6} {'measured':>9} {'trace':>9} {'vs meas.':>9} {'lorafit':>9} {'vs trace':>9}"
-          "  trace peak / lorafit phase")
+    print(
+        "the trace of litgpt's step and lorafit's analytic estimate of the same step (allocated peak)"
+        + (
+            "; the row's published figure beside them"
+            if as_run
+            else f"; {args.layers} layers, widths / {args.scale}: not comparable with the published figures"
+        )
+    )
+    print(
+        f"{'row':8} {'method':6} {'measured':>9} {'trace':>9} {'vs meas.':>9} {'lorafit':>9} {'vs trace':>9}"
+        "  trace peak / lorafit phase"
+    )
     for case in cases(args.csv, set(args.rows.split(",")) if args.rows else None):
         shape, spec = narrowed(case.mapping.spec, args.layers, args.scale)
         settings = case.mapping.settings
@@ -301,13 +317,23 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         measured = case.row.peak * unit if as_run and case.row.peak else None
         versus_measured = f"{100 * (traced - measured) / measured:+8.1f}%" if measured else f"{'-':>9}"
         error = 100 * (predicted - traced) / traced
-        print(f"{case.row.id:8} {settings.method:6} "
-              + (f"{measured / unit:6.2f} {unit_name:>2}" if measured else f"{'-':>9}")
-              + f" {traced / unit:6.2f} {unit_name:>2} {versus_measured} {predicted / unit:6.2f} {unit_name:>2}"
-              f" {error:+8.1f}%  {phase.describe()} / {lorafit_phase}")
-        results.append(dict(row=case.row.id, measured_bytes=measured, trace_bytes=traced, lorafit_bytes=predicted,
-                            lorafit_vs_trace_pct=round(error, 2), trace_phase=phase.describe(),
-                            lorafit_phase=lorafit_phase))
+        print(
+            f"{case.row.id:8} {settings.method:6} "
+            + (f"{measured / unit:6.2f} {unit_name:>2}" if measured else f"{'-':>9}")
+            + f" {traced / unit:6.2f} {unit_name:>2} {versus_measured} {predicted / unit:6.2f} {unit_name:>2}"
+            f" {error:+8.1f}%  {phase.describe()} / {lorafit_phase}"
+        )
+        results.append(
+            dict(
+                row=case.row.id,
+                measured_bytes=measured,
+                trace_bytes=traced,
+                lorafit_bytes=predicted,
+                lorafit_vs_trace_pct=round(error, 2),
+                trace_phase=phase.describe(),
+                lorafit_phase=lorafit_phase,
+            )
+        )
     errors = sorted(abs(r["lorafit_vs_trace_pct"]) for r in results)
     if errors:
         print(f"lorafit against the trace: worst |error| {errors[-1]:.1f}% over {len(errors)} rows")

@@ -308,8 +308,16 @@ TORCHTUNE = dict(loss="hf", lora_dtype="compute", kbit_upcast=False, fused_optim
 # litgpt (litgpt/finetune/lora.py @00af8b0d): `model(input_ids, lm_head_chunk_size=128)` and
 # `chunked_cross_entropy`; bf16-true builds adapters in bf16; torch.optim.AdamW (foreach); no kbit preparation;
 # QLoRA swaps the optimizer for bnb PagedAdamW (`instantiate_bnb_optimizer`), whose state is paged.
-LITGPT = dict(loss="chunked_compute", lora_dtype="compute", kbit_upcast=False, fused_optimizer=False, autocast=False,
-              untied_head=True, fused_qkv=True, keeps_previous_step=True)
+LITGPT = dict(
+    loss="chunked_compute",
+    lora_dtype="compute",
+    kbit_upcast=False,
+    fused_optimizer=False,
+    autocast=False,
+    untied_head=True,
+    fused_qkv=True,
+    keeps_previous_step=True,
+)
 # HF Trainer / TRL SFTTrainer with peft (transformers 4.4x): fp32 logits for the loss, adapters autocast to fp32
 # by peft, default optim adamw_torch (the foreach step). TRL's peft_module_casting_to_bf16 puts embeddings and
 # lm_head back to bf16 after prepare_model_for_kbit_training under bf16=True, so no kbit fp32 upcast stays:
@@ -859,9 +867,13 @@ EXACT_RUNTIME_FIELDS = {"fused_optimizer", "kbit_upcast", "autocast", "device"}
 def exact_reason(mapping: Mapping) -> str | None:
     """Why the trace cannot reproduce this row's step, or None."""
     defaults = Runtime()
-    other = [name for name in Runtime.model_fields if name not in EXACT_RUNTIME_FIELDS
-             and name not in ("cuda_context_gib", "nccl_gib")
-             and getattr(mapping.runtime, name) != getattr(defaults, name)]
+    other = [
+        name
+        for name in Runtime.model_fields
+        if name not in EXACT_RUNTIME_FIELDS
+        and name not in ("cuda_context_gib", "nccl_gib")
+        and getattr(mapping.runtime, name) != getattr(defaults, name)
+    ]
     if other:
         return f"n/a: the row's stack differs from the traced code path ({', '.join(other)})"
     if mapping.settings.n_gpus > 1:
@@ -896,8 +908,9 @@ def run_exact(report: Report, mappings: dict[str, Mapping]) -> list[str]:
                 except Exception as error:  # a refusal of the tracer is a result to report
                     cache[figure.row_id] = f"error: {type(error).__name__}: {str(error).splitlines()[0]}"
         traced = cache[figure.row_id]
-        figure.competitors[EXACT] = traced if isinstance(traced, str) else \
-            float(getattr(traced, ESTIMATE_FIELD[figure.metric]) * GIB)
+        figure.competitors[EXACT] = (
+            traced if isinstance(traced, str) else float(getattr(traced, ESTIMATE_FIELD[figure.metric]) * GIB)
+        )
     return [EXACT]
 
 

@@ -29,14 +29,30 @@ ROWS: dict[str, tuple[str, str, dict, str]] = {
     "FMS-06": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=4), "fit"),
     "FMS-07": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=8), "check"),
     "FMS-10": ("llama-2-70b", "A100 80GB", dict(FMS, method="qlora", micro_batch=4), "reference"),
-    "TT-12": ("llama-3.1-8b", "RTX 4090", dict(method="qlora", micro_batch=2, seq_len=2048, grad_ckpt=False,
-                                               lora_r=8), "reference"),
-    "TT-10": ("llama-3.1-8b", "RTX 4090", dict(method="lora", quant="none", micro_batch=2, seq_len=2048,
-                                               grad_ckpt=False, lora_r=8), "reference"),
-    "TT-11": ("llama-3.1-8b", "RTX A6000", dict(method="lora", quant="none", micro_batch=2, seq_len=2048,
-                                                grad_ckpt=False, lora_r=8), "reference"),
-    "TT-01": ("llama-2-7b", "RTX 4090", dict(method="qlora", micro_batch=4, seq_len=2048, grad_ckpt=False,
-                                             lora_r=8), "reference"),
+    "TT-12": (
+        "llama-3.1-8b",
+        "RTX 4090",
+        dict(method="qlora", micro_batch=2, seq_len=2048, grad_ckpt=False, lora_r=8),
+        "reference",
+    ),
+    "TT-10": (
+        "llama-3.1-8b",
+        "RTX 4090",
+        dict(method="lora", quant="none", micro_batch=2, seq_len=2048, grad_ckpt=False, lora_r=8),
+        "reference",
+    ),
+    "TT-11": (
+        "llama-3.1-8b",
+        "RTX A6000",
+        dict(method="lora", quant="none", micro_batch=2, seq_len=2048, grad_ckpt=False, lora_r=8),
+        "reference",
+    ),
+    "TT-01": (
+        "llama-2-7b",
+        "RTX 4090",
+        dict(method="qlora", micro_batch=4, seq_len=2048, grad_ckpt=False, lora_r=8),
+        "reference",
+    ),
 }
 
 
@@ -57,8 +73,10 @@ def main() -> None:
         truth = measured[row_id]
         error = (predicted - truth) / truth
         errors.get(role, []).append(abs(error))
-        print(f"{row_id:8} {preset:16} {gpu_name:10} {fields['method']:6} {truth:10.0f} {predicted:9.0f} "
-              f"{error:+7.1%}  {role}")
+        print(
+            f"{row_id:8} {preset:16} {gpu_name:10} {fields['method']:6} {truth:10.0f} {predicted:9.0f} "
+            f"{error:+7.1%}  {role}"
+        )
     for role, values in errors.items():
         print(f"{role} rows: {len(values)}, median |error| {statistics.median(values):.1%}, worst {max(values):.1%}")
 

@@ -261,8 +261,15 @@ def test_dequantised_weight_is_the_largest_linear_in_bf16(tiny: models.ModelSpec
 # --- litgpt's step (bench/litgpt_trace.py traces the real one) --------------------------------------------------
 # litgpt 0.4 (the LGC rows): bf16 adapters, no autocast, its fused qkv with one LoRA, its loop holding the last
 # micro-batch's logits and loss, a separate head; with QLoRA, bitsandbytes 0.42 under Lightning
-LITGPT = Runtime(loss="chunked_compute", lora_dtype="compute", autocast=False, fused_optimizer=False,
-                 untied_head=True, fused_qkv=True, keeps_previous_step=True)
+LITGPT = Runtime(
+    loss="chunked_compute",
+    lora_dtype="compute",
+    autocast=False,
+    fused_optimizer=False,
+    untied_head=True,
+    fused_qkv=True,
+    keeps_previous_step=True,
+)
 LITGPT_QLORA = LITGPT.model_copy(update=dict(bnb_saves_input=True, quantized_head=True, dequant_copies=2))
 
 
@@ -326,8 +333,9 @@ def test_litgpt_chunked_head_and_loss_in_bf16(tiny: models.ModelSpec) -> None:
 
 
 def test_litgpt_qlora_peaks_in_the_head_forward_with_the_previous_micro_batch(tiny: models.ModelSpec) -> None:
-    qlora = lora(method="qlora", quant="nf4", double_quant=False, lora_targets="qv", grad_accum=4,
-                 optimizer="paged_adamw_32bit")
+    qlora = lora(
+        method="qlora", quant="nf4", double_quant=False, lora_targets="qv", grad_accum=4, optimizer="paged_adamw_32bit"
+    )
     parts, phase = memory.breakdown(tiny, qlora, LITGPT_QLORA)
     assert phase == "forward through the LM head"
     assert parts["previous_micro_batch"] == memory.previous_step_bytes(tiny, qlora, LITGPT_QLORA)
@@ -443,9 +451,9 @@ def test_checkpointing_lowers_activations_and_the_peak(llama7b: models.ModelSpec
         # a 7B full fine-tune peaks where every gradient and both Adam moments are alive (first layer's backward
         # or the optimizer step), which checkpointing does not change: it can only not make the peak higher
         assert on.peak_device_gib <= off.peak_device_gib
-        assert memory.activation_bytes(llama7b, on_settings := Settings(method="full", quant="none", grad_ckpt=True),
-                                       Runtime()) < memory.activation_bytes(
-            llama7b, on_settings.model_copy(update={"grad_ckpt": False}), Runtime())
+        assert memory.activation_bytes(
+            llama7b, on_settings := Settings(method="full", quant="none", grad_ckpt=True), Runtime()
+        ) < memory.activation_bytes(llama7b, on_settings.model_copy(update={"grad_ckpt": False}), Runtime())
     else:
         assert on.peak_device_gib < off.peak_device_gib
 

@@ -69,8 +69,11 @@ def test_7b_qlora_fits_a_4090_with_room(on_4090: Plan) -> None:
 
 
 def largest_checkpointed_micro_batch(card: str) -> int:
-    fitting = [batch for batch in (1, 2, 4, 8, 16)
-               if planner.make_plan(ask(gpu=card, pinned={"grad_ckpt": True, "micro_batch": batch})).fits]
+    fitting = [
+        batch
+        for batch in (1, 2, 4, 8, 16)
+        if planner.make_plan(ask(gpu=card, pinned={"grad_ckpt": True, "micro_batch": batch})).fits
+    ]
     return max(fitting, default=0)
 
 

@@ -34,8 +34,15 @@ GIB = 2**30
 
 def tiny(name: str = "llama-2-7b", **changes: int | bool) -> ModelSpec:
     """A 2-layer model of the named architecture: hidden 128, 4 heads of 32, 2 key/value heads."""
-    shape = dict(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, vocab_size=512)
+    shape = dict(
+        num_hidden_layers=2,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=512,
+    )
     return resolve(name).scaled(**(shape | changes))
 
 
@@ -57,10 +64,23 @@ def real_linear4bit(bias: bool, double_quant: bool) -> bnb.nn.Linear4bit:
     """A bitsandbytes Linear4bit quantised the way transformers loads one (Params4bit, then .to(device))."""
     torch.manual_seed(0)
     dense = torch.nn.Linear(IN, OUT, bias=bias, dtype=torch.bfloat16)
-    layer = bnb.nn.Linear4bit(IN, OUT, bias=bias, compute_dtype=torch.bfloat16,
-                              compress_statistics=double_quant, quant_type="nf4", quant_storage=torch.uint8)
-    layer.weight = bnb.nn.Params4bit(dense.weight.data, requires_grad=False, compress_statistics=double_quant,
-                                     quant_type="nf4", quant_storage=torch.uint8, module=layer)
+    layer = bnb.nn.Linear4bit(
+        IN,
+        OUT,
+        bias=bias,
+        compute_dtype=torch.bfloat16,
+        compress_statistics=double_quant,
+        quant_type="nf4",
+        quant_storage=torch.uint8,
+    )
+    layer.weight = bnb.nn.Params4bit(
+        dense.weight.data,
+        requires_grad=False,
+        compress_statistics=double_quant,
+        quant_type="nf4",
+        quant_storage=torch.uint8,
+        module=layer,
+    )
     if bias:
         layer.bias = torch.nn.Parameter(dense.bias.data)
     return layer.to("cpu")
@@ -80,8 +100,9 @@ def storage_of(layer: torch.nn.Module) -> list[tuple[int, str]]:
 def test_standin_holds_the_storage_of_a_real_linear4bit(bias: bool, double_quant: bool) -> None:
     real = real_linear4bit(bias, double_quant)
     assert real.weight.bnb_quantized
-    standin = Linear4bitStandIn(IN, OUT, bias, torch.bfloat16, weight_dtype=torch.bfloat16,
-                                compress_statistics=double_quant)
+    standin = Linear4bitStandIn(
+        IN, OUT, bias, torch.bfloat16, weight_dtype=torch.bfloat16, compress_statistics=double_quant
+    )
     assert storage_of(standin) == storage_of(real)
     # By hand: 64 000 weights at 4 bits = 32 000 bytes; 1000 absmax; the NF4 code book of 16 fp32.
     expected = [(32_000, "torch.uint8"), (64, "torch.float32")]
@@ -112,8 +133,7 @@ def forward_backward_bytes(layer: torch.nn.Module) -> tuple[list[tuple[int, str]
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    model = get_peft_model(_OneLinear(layer), LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1,
-                                                         target_modules=["proj"]))
+    model = get_peft_model(_OneLinear(layer), LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["proj"]))
     tracker = LiveTensorTracker()
     for tensor in [*layer_tensors(layer), *model.parameters()]:
         tracker.track(tensor, PARAMETERS)
@@ -136,8 +156,9 @@ def forward_backward_bytes(layer: torch.nn.Module) -> tuple[list[tuple[int, str]
 @pytest.mark.parametrize("double_quant", [True, False])
 def test_standin_saves_and_allocates_what_a_real_linear4bit_does_under_lora(double_quant: bool) -> None:
     real = forward_backward_bytes(real_linear4bit(True, double_quant))
-    standin = forward_backward_bytes(Linear4bitStandIn(IN, OUT, True, torch.bfloat16, weight_dtype=torch.bfloat16,
-                                                       compress_statistics=double_quant))
+    standin = forward_backward_bytes(
+        Linear4bitStandIn(IN, OUT, True, torch.bfloat16, weight_dtype=torch.bfloat16, compress_statistics=double_quant)
+    )
     assert standin == real
     saved, forward_peak, _ = real
     # peft keeps the dropped-out fp32 copy of the input for lora_A (3 x 7 x 320 x 4 bytes) and a mask for it.
@@ -149,18 +170,27 @@ def test_standin_saves_and_allocates_what_a_real_linear4bit_does_under_lora(doub
 # --- the trace against real CPU steps ---------------------------------------------------------------------
 REAL_CASES = {
     "qlora, checkpointing, 2 micro-batches": (
-        tiny(), Settings(method="qlora", seq_len=64, micro_batch=2, grad_accum=2)),
+        tiny(),
+        Settings(method="qlora", seq_len=64, micro_batch=2, grad_accum=2),
+    ),
     "qlora, fp32 absmax, 8-bit AdamW": (
-        tiny(), Settings(method="qlora", double_quant=False, grad_ckpt=False, optimizer="adamw_8bit",
-                         seq_len=96, micro_batch=1)),
+        tiny(),
+        Settings(
+            method="qlora", double_quant=False, grad_ckpt=False, optimizer="adamw_8bit", seq_len=96, micro_batch=1
+        ),
+    ),
     "lora on attention, no checkpointing": (
-        tiny(), Settings(method="lora", quant="none", lora_targets="attn", grad_ckpt=False, seq_len=64,
-                         micro_batch=3)),
+        tiny(),
+        Settings(method="lora", quant="none", lora_targets="attn", grad_ckpt=False, seq_len=64, micro_batch=3),
+    ),
     "full in fp32 (no autocast), checkpointing, AdamW": (
-        tiny(), Settings(method="full", quant="none", precision="fp32", seq_len=64, micro_batch=2)),
+        tiny(),
+        Settings(method="full", quant="none", precision="fp32", seq_len=64, micro_batch=2),
+    ),
     "qwen2 biases, qlora on q/v, paged 8-bit AdamW": (
         tiny("qwen2.5-0.5b", tie_word_embeddings=False),
-        Settings(method="qlora", lora_targets="qv", optimizer="paged_adamw_8bit", seq_len=64, micro_batch=2)),
+        Settings(method="qlora", lora_targets="qv", optimizer="paged_adamw_8bit", seq_len=64, micro_batch=2),
+    ),
 }
 
 
@@ -199,13 +229,21 @@ def test_qlora_parameters_are_counted_at_their_packed_size() -> None:
 
 
 # --- depth extrapolation ------------------------------------------------------------------------------------
-MID = resolve("llama-3.1-8b").scaled(num_hidden_layers=5, hidden_size=512, intermediate_size=1536,
-                                     num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=1024)
+MID = resolve("llama-3.1-8b").scaled(
+    num_hidden_layers=5,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=1024,
+)
 DEPTH_CASES = {
     "qlora, checkpointing (peak in a recomputed layer)": Settings(method="qlora", seq_len=512, micro_batch=2),
     "lora, no checkpointing": Settings(method="lora", quant="none", grad_ckpt=False, seq_len=256, micro_batch=2),
-    "full, 8-bit AdamW (peak at the end of backward)": Settings(method="full", quant="none", grad_ckpt=False,
-                                                                optimizer="adamw_8bit", seq_len=128),
+    "full, 8-bit AdamW (peak at the end of backward)": Settings(
+        method="full", quant="none", grad_ckpt=False, optimizer="adamw_8bit", seq_len=128
+    ),
 }
 
 
@@ -267,8 +305,16 @@ def grid() -> dict[str, tuple[str, Settings]]:
     ]
     return {
         f"{model} {method} b{batch} s{seq} {'ckpt' if ckpt else 'no-ckpt'} {targets}": (
-            model, Settings(method=method, quant="nf4" if method == "qlora" else "none", micro_batch=batch,
-                            seq_len=seq, grad_ckpt=ckpt, lora_targets=targets))
+            model,
+            Settings(
+                method=method,
+                quant="nf4" if method == "qlora" else "none",
+                micro_batch=batch,
+                seq_len=seq,
+                grad_ckpt=ckpt,
+                lora_targets=targets,
+            ),
+        )
         for model, method, batch, seq, ckpt, targets in rows
     }
 
@@ -285,13 +331,28 @@ def test_analytic_estimate_is_within_5_percent_of_the_trace(case: str) -> None:
     assert analytic == pytest.approx(traced, rel=0.05), f"analytic {analytic} GiB, traced {traced} GiB"
 
 
-SMALL = resolve("llama-2-7b").scaled(num_hidden_layers=2, hidden_size=256, intermediate_size=704,
-                                     num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=2048)
+SMALL = resolve("llama-2-7b").scaled(
+    num_hidden_layers=2,
+    hidden_size=256,
+    intermediate_size=704,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    vocab_size=2048,
+)
 SMALL_GRID = {
     f"{method} {'ckpt' if ckpt else 'no-ckpt'} {attn} {targets}": Settings(
-        method=method, quant="nf4" if method == "qlora" else "none", micro_batch=2, seq_len=256, grad_ckpt=ckpt,
-        attn=attn, lora_targets=targets)
-    for method in ("qlora", "lora", "full") for ckpt in (True, False) for attn in ("sdpa", "eager")
+        method=method,
+        quant="nf4" if method == "qlora" else "none",
+        micro_batch=2,
+        seq_len=256,
+        grad_ckpt=ckpt,
+        attn=attn,
+        lora_targets=targets,
+    )
+    for method in ("qlora", "lora", "full")
+    for ckpt in (True, False)
+    for attn in ("sdpa", "eager")
     for targets in (("all", "qv") if method != "full" else ("all",))
 }
 
@@ -303,8 +364,9 @@ def test_analytic_estimate_is_within_5_percent_of_the_trace_of_a_small_cpu_model
     runtime = memory.Runtime(device="cpu")
     traced = trace_depth(SMALL, settings, device="cpu").peak_bytes
     analytic = sum(memory.breakdown(SMALL, settings, runtime)[0].values())
-    assert analytic == pytest.approx(traced, rel=0.05), f"analytic {analytic / 2**20:.3f} MiB, traced " \
-                                                        f"{traced / 2**20:.3f} MiB"
+    assert analytic == pytest.approx(traced, rel=0.05), (
+        f"analytic {analytic / 2**20:.3f} MiB, traced {traced / 2**20:.3f} MiB"
+    )
 
 
 # --- bad input ----------------------------------------------------------------------------------------------
@@ -333,18 +395,27 @@ def test_heads_that_cannot_be_grouped_are_refused() -> None:
 
 
 def test_a_config_with_missing_fields_is_refused_before_tracing(tmp_path: Path) -> None:
-    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "vocab_size": 128, "max_position_embeddings": 256}  # no intermediate_size
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 128,
+        "max_position_embeddings": 256,
+    }  # no intermediate_size
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(LorafitError) as caught:
         exact_estimate(resolve(str(tmp_path)), Settings(seq_len=32))
     assert "intermediate_size" in str(caught.value) and "\n" not in str(caught.value)
 
 
-@pytest.mark.parametrize("settings, words", [
-    (Settings(seq_len=32, attn="flash"), "flash-attn"),
-    (Settings(seq_len=32, n_gpus=2, shard="zero3"), "single-GPU"),
-])
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        (Settings(seq_len=32, attn="flash"), "flash-attn"),
+        (Settings(seq_len=32, n_gpus=2, shard="zero3"), "single-GPU"),
+    ],
+)
 def test_an_option_the_set_up_refuses_is_one_line(settings: Settings, words: str) -> None:
     assert words in one_line_error(tiny(), settings)
 

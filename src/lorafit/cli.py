@@ -32,8 +32,10 @@ app = typer.Typer(
 DEFAULT_MODEL = "llama-2-7b"
 EMBEDDED_GPUS = ("RTX 4090", "RTX 4060 Ti 16GB")
 
-ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="preset, hub id of a preset, or local dir / "
-                                              "config.json (see `lorafit models`)")]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", "-m", help="preset, hub id of a preset, or local dir / config.json (see `lorafit models`)"),
+]
 GpuOpt = Annotated[str | None, typer.Option("--gpu", "-g", help="catalog GPU (see `lorafit gpus`); default: detected")]
 VramOpt = Annotated[float | None, typer.Option("--vram", help="a GPU known only by its memory, in GB as sold")]
 MethodOpt = Annotated[str, typer.Option("--method", help="full | lora | qlora")]
@@ -82,8 +84,9 @@ def estimate(
     lora_alpha: Annotated[int | None, typer.Option("--lora-alpha", help="default: 2 x r")] = None,
     lora_dropout: Annotated[float, typer.Option("--lora-dropout")] = 0.05,
     lora_targets: Annotated[str, typer.Option("--lora-targets", help="all | attn | qv")] = "all",
-    optimizer: Annotated[str, typer.Option(help="adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit | sgd")
-                         ] = "adamw",
+    optimizer: Annotated[
+        str, typer.Option(help="adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit | sgd")
+    ] = "adamw",
     micro_batch: Annotated[int, typer.Option("--micro-batch")] = 1,
     seq_len: Annotated[int, typer.Option("--seq-len")] = 2048,
     grad_ckpt: Annotated[bool, typer.Option("--grad-ckpt/--no-grad-ckpt")] = True,
@@ -101,13 +104,28 @@ def estimate(
     spec.check_seq_len(seq_len)
     if not 0 <= headroom < 1:
         raise LorafitError(f"--headroom must be in [0, 1), got {headroom}")
-    settings = _settings(method=method, precision=precision, quant=quant, double_quant=double_quant, lora_r=lora_r,
-                         lora_alpha=lora_alpha or 2 * lora_r, lora_dropout=lora_dropout, lora_targets=lora_targets,
-                         optimizer=optimizer, micro_batch=micro_batch, seq_len=seq_len, grad_ckpt=grad_ckpt,
-                         attn=attn, n_gpus=n_gpus, shard=shard)
+    settings = _settings(
+        method=method,
+        precision=precision,
+        quant=quant,
+        double_quant=double_quant,
+        lora_r=lora_r,
+        lora_alpha=lora_alpha or 2 * lora_r,
+        lora_dropout=lora_dropout,
+        lora_targets=lora_targets,
+        optimizer=optimizer,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        grad_ckpt=grad_ckpt,
+        attn=attn,
+        n_gpus=n_gpus,
+        shard=shard,
+    )
     if settings.attn not in spec.attention_implementations:
-        raise LorafitError(f"{spec.name} has no {settings.attn} attention in transformers; use --attn "
-                           f"{' or '.join(spec.attention_implementations)}")
+        raise LorafitError(
+            f"{spec.name} has no {settings.attn} attention in transformers; use --attn "
+            f"{' or '.join(spec.attention_implementations)}"
+        )
     target = _gpu(gpu, vram)
     if exact:
         from lorafit import trace
@@ -116,9 +134,15 @@ def estimate(
     else:
         result = memory.estimate(spec, settings, target, headroom)
     if as_json:
-        render.print_json(result.model_dump(mode="json") | {
-            "exact": exact, "model": spec.model_dump(mode="json"), "settings": settings.model_dump(mode="json"),
-            "gpu": target.model_dump(mode="json") if target else None})
+        render.print_json(
+            result.model_dump(mode="json")
+            | {
+                "exact": exact,
+                "model": spec.model_dump(mode="json"),
+                "settings": settings.model_dump(mode="json"),
+                "gpu": target.model_dump(mode="json") if target else None,
+            }
+        )
     else:
         render.show_estimate(spec, settings, result, target)
 
@@ -129,8 +153,7 @@ def plan(
     gpu: GpuOpt = None,
     vram: VramOpt = None,
     method: MethodOpt = "qlora",
-    seq_len: Annotated[int | None, typer.Option("--seq-len", help="default: the data's longest row, else 2048")
-                       ] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq-len", help="default: the data's longest row, else 2048")] = None,
     target_batch: Annotated[int, typer.Option("--target-batch", help="effective batch in sequences")] = 16,
     tokens: Annotated[int | None, typer.Option("--tokens", help="training tokens per epoch")] = None,
     epochs: Annotated[float, typer.Option()] = 3.0,
@@ -159,9 +182,13 @@ def plan(
         raise LorafitError("--target-batch, --epochs and --n-gpus must be positive")
     spec = models.resolve(model or DEFAULT_MODEL)
     spec.check_seq_len(seq_len)
-    pinned = {key: value for key, value in dict(lora_r=lora_r, lora_targets=lora_targets, optimizer=optimizer,
-                                                   micro_batch=micro_batch, grad_ckpt=grad_ckpt).items()
-              if value is not None}
+    pinned = {
+        key: value
+        for key, value in dict(
+            lora_r=lora_r, lora_targets=lora_targets, optimizer=optimizer, micro_batch=micro_batch, grad_ckpt=grad_ckpt
+        ).items()
+        if value is not None
+    }
     if lora_r is not None:
         pinned["lora_alpha"] = 2 * lora_r
     profile, truncated = None, None
@@ -172,27 +199,43 @@ def plan(
         profile = lengths.profile
         truncated = lengths.truncated_rows(seq_len or min(profile.max, spec.max_position_embeddings))
     try:
-        request = PlanRequest(model=spec, n_gpus=n_gpus, method=method, seq_len=seq_len, target_batch=target_batch,
-                              tokens=profile, tokens_per_epoch=tokens, epochs=epochs, headroom=headroom,
-                              kwh_price=kwh_price, pinned=pinned)
+        request = PlanRequest(
+            model=spec,
+            n_gpus=n_gpus,
+            method=method,
+            seq_len=seq_len,
+            target_batch=target_batch,
+            tokens=profile,
+            tokens_per_epoch=tokens,
+            epochs=epochs,
+            headroom=headroom,
+            kwh_price=kwh_price,
+            pinned=pinned,
+        )
     except ValidationError as error:
         raise LorafitError(one_line(error)) from None
     if compare:
         plans = planner.compare(request)
         best_any, best_under = planner.cheapest(plans), planner.cheapest(plans, max_price_hour)
         if as_json:
-            render.print_json({"plans": [p.model_dump(mode="json") for p in plans],
-                               "cheapest": best_any.gpu.name if best_any and best_any.gpu else None,
-                               "cheapest_under_price": best_under.gpu.name if best_under and best_under.gpu else None,
-                               "max_price_hour": max_price_hour})
+            render.print_json(
+                {
+                    "plans": [p.model_dump(mode="json") for p in plans],
+                    "cheapest": best_any.gpu.name if best_any and best_any.gpu else None,
+                    "cheapest_under_price": best_under.gpu.name if best_under and best_under.gpu else None,
+                    "max_price_hour": max_price_hour,
+                }
+            )
         else:
             render.show_compare(plans, best_any, best_under, max_price_hour)
         return
     target = _gpu(gpu, vram)
     if target is None and model is None:
         # The embedded default: a 7B model on a comfortable and on a tight consumer card.
-        plans = [planner.make_plan(request.model_copy(update={"gpu": hardware.resolve(name)}), truncated)
-                 for name in EMBEDDED_GPUS]
+        plans = [
+            planner.make_plan(request.model_copy(update={"gpu": hardware.resolve(name)}), truncated)
+            for name in EMBEDDED_GPUS
+        ]
         if as_json:
             render.print_json([p.model_dump(mode="json") for p in plans])
         else:

@@ -182,8 +182,9 @@ def paged(settings: Settings) -> bool:
 
 
 # --- activations --------------------------------------------------------------------------------------------
-def lora_module_saved_bytes(fan_in: int, settings: Settings, runtime: Runtime,
-                            input_requires_grad: bool = True) -> float:
+def lora_module_saved_bytes(
+    fan_in: int, settings: Settings, runtime: Runtime, input_requires_grad: bool = True
+) -> float:
     """Per token, what one LoRA-wrapped linear saves: peft casts the input to the adapter dtype, lora_A keeps
     dropout's output (in the compute dtype under autocast), dropout its mask (bool on CUDA's fused dropout, the
     input dtype in the CPU kernel; none when no gradient flows to the input), lora_B keeps lora_A's r outputs."""
@@ -194,8 +195,9 @@ def lora_module_saved_bytes(fan_in: int, settings: Settings, runtime: Runtime,
     return fan_in * (saved + mask) + settings.lora_r * saved
 
 
-def activation_parts_per_token(spec: ModelSpec, settings: Settings, runtime: Runtime,
-                               input_requires_grad: bool = True) -> dict[str, float]:
+def activation_parts_per_token(
+    spec: ModelSpec, settings: Settings, runtime: Runtime, input_requires_grad: bool = True
+) -> dict[str, float]:
     """Bytes one decoder layer saves for backward, per token, by sub-block (no checkpointing).
 
     RMSNorm (HF) upcasts to fp32 and saves that copy (4h) plus the rsqrt (4); with a trainable weight it also
@@ -217,15 +219,21 @@ def activation_parts_per_token(spec: ModelSpec, settings: Settings, runtime: Run
         if full:
             fan_ins = {fan_in for fan_in, _ in names.values()} if shared_input else [i for i, _ in names.values()]
             return sum(c * fan_in for fan_in in fan_ins)
-        return sum(lora_module_saved_bytes(fan_in, settings, runtime, input_requires_grad)
-                   for name, (fan_in, _) in names.items() if name in lora_names)
+        return sum(
+            lora_module_saved_bytes(fan_in, settings, runtime, input_requires_grad)
+            for name, (fan_in, _) in names.items()
+            if name in lora_names
+        )
 
     def linear_inputs_grad(names: dict[str, tuple[int, int]], shared_input: bool) -> float:
         """Past the first LoRA output everything downstream requires grad."""
         if full:
             return linear_inputs(names, shared_input)
-        return sum(lora_module_saved_bytes(fan_in, settings, runtime)
-                   for name, (fan_in, _) in names.items() if name in lora_names)
+        return sum(
+            lora_module_saved_bytes(fan_in, settings, runtime)
+            for name, (fan_in, _) in names.items()
+            if name in lora_names
+        )
 
     attn_linears = spec.attention_linears()
     qkv = {name: dims for name, dims in attn_linears.items() if name != "o_proj"}
@@ -251,7 +259,8 @@ def activation_parts_per_token(spec: ModelSpec, settings: Settings, runtime: Run
     parts = {
         "attn_norm": norm(),
         "qkv_inputs": fused_qkv_lora_bytes(qkv, lora_names, settings, runtime, input_requires_grad)
-        if runtime.fused_qkv and not full else linear_inputs(qkv, shared_input=True),
+        if runtime.fused_qkv and not full
+        else linear_inputs(qkv, shared_input=True),
         "attention": attention,
         # sdpa/flash return their output laid out as (batch, seq, heads, head_dim): the o_proj input is a view of
         # the output attention already saved, so a trainable o_proj saves nothing new
@@ -269,8 +278,13 @@ def activation_parts_per_token(spec: ModelSpec, settings: Settings, runtime: Run
     return parts
 
 
-def fused_qkv_lora_bytes(qkv: dict[str, tuple[int, int]], lora_names: set[str], settings: Settings,
-                         runtime: Runtime, input_requires_grad: bool) -> float:
+def fused_qkv_lora_bytes(
+    qkv: dict[str, tuple[int, int]],
+    lora_names: set[str],
+    settings: Settings,
+    runtime: Runtime,
+    input_requires_grad: bool,
+) -> float:
     """litgpt's LoRAQKVLinear: one dropout and one lora_A (r outputs per adapted projection) for all of q/k/v;
     when some of them are not adapted, zero_pad's index_copy_ keeps the adapted outputs (c per column)."""
     adapted = [name for name in qkv if name in lora_names]
@@ -305,15 +319,17 @@ def bnb_held_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> flo
     if not keeps_bnb_inputs(settings, runtime):
         return 0.0
     layers = spec.num_hidden_layers
-    per_token = bnb_input_bytes_per_token(spec, settings, input_requires_grad=False) + \
-        (layers - 1) * bnb_input_bytes_per_token(spec, settings)
+    per_token = bnb_input_bytes_per_token(spec, settings, input_requires_grad=False) + (
+        layers - 1
+    ) * bnb_input_bytes_per_token(spec, settings)
     if runtime.quantized_head:
         per_token += DTYPE_BYTES[settings.precision] * spec.hidden_size
     return per_token * settings.tokens_per_micro_batch
 
 
-def activation_bytes_per_layer(spec: ModelSpec, settings: Settings, runtime: Runtime,
-                               input_requires_grad: bool = True) -> float:
+def activation_bytes_per_layer(
+    spec: ModelSpec, settings: Settings, runtime: Runtime, input_requires_grad: bool = True
+) -> float:
     """Saved bytes of one decoder layer for one micro-batch, without checkpointing."""
     parts = activation_parts_per_token(spec, settings, runtime, input_requires_grad)
     return sum(parts.values()) * settings.tokens_per_micro_batch
@@ -519,8 +535,9 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
     # Gradients exist during the forward pass only from the second micro-batch of an accumulation on.
     grads_in_forward = gradients if settings.grad_accum > 1 else 0.0
     loss = logits_bytes(spec, settings, runtime)
-    layer_backward = recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else \
-        grad_buffer_bytes(spec, settings)
+    layer_backward = (
+        recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else grad_buffer_bytes(spec, settings)
+    )
     dequant = dequant_bytes(spec, settings, runtime)
     # Backward frees each layer's saved tensors as it produces that layer's gradients, so its peak is at one of
     # the two ends: the last layer (every activation alive, only the head's gradients new) or the first layer
@@ -528,28 +545,39 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
     grads_in_layers = gradients - (embedding_grad_bytes(spec, settings, runtime) * g_share)
     grads_at_top = gradients if settings.grad_accum > 1 else head_grad_bytes(spec, settings, runtime) * g_share
     # (checkpointed: the first layer's recomputed tensors are in layer_backward already)
-    first_layer = 0.0 if settings.grad_ckpt else \
-        activation_bytes_per_layer(spec, settings, runtime, input_requires_grad=settings.method == "full")
+    first_layer = (
+        0.0
+        if settings.grad_ckpt
+        else activation_bytes_per_layer(spec, settings, runtime, input_requires_grad=settings.method == "full")
+    )
     if not settings.grad_ckpt and keeps_bnb_inputs(settings, runtime):
         # old bitsandbytes' ctx attributes outlive each layer's backward: the other layers' inputs are still held
         own = bnb_input_bytes_per_token(spec, settings, input_requires_grad=False) * settings.tokens_per_micro_batch
         first_layer += bnb_held_bytes(spec, settings, runtime) - own
     phases = {
-        "loss (LM head backward)": (static + grads_in_forward + activations + loss,
-                                    grads_in_forward, activations),
+        "loss (LM head backward)": (static + grads_in_forward + activations + loss, grads_in_forward, activations),
         # by the last layer's backward the final norm has freed what it saved
-        "backward through the last layers": (static + grads_at_top + layer_activations + layer_backward + dequant,
-                                             grads_at_top, layer_activations),
-        "backward through the first layer": (static + grads_in_layers + first_layer + layer_backward + dequant,
-                                             grads_in_layers, first_layer),
+        "backward through the last layers": (
+            static + grads_at_top + layer_activations + layer_backward + dequant,
+            grads_at_top,
+            layer_activations,
+        ),
+        "backward through the first layer": (
+            static + grads_in_layers + first_layer + layer_backward + dequant,
+            grads_in_layers,
+            first_layer,
+        ),
         "optimizer step": (static + gradients + optimizer_step_temp_bytes(spec, settings, runtime), gradients, 0.0),
     }
     previous = previous_step_bytes(spec, settings, runtime)
     head_forward = head_forward_bytes(spec, settings, runtime)
     if runtime.loss == "chunked_compute":
         # the chunked head's forward, with the last micro-batch's logits (and graph) still held by the loop
-        phases["forward through the LM head"] = (static + grads_in_forward + activations + previous + head_forward,
-                                                 grads_in_forward, activations)
+        phases["forward through the LM head"] = (
+            static + grads_in_forward + activations + previous + head_forward,
+            grads_in_forward,
+            activations,
+        )
     phase = max(phases, key=lambda name: phases[name][0])
     _, grads_now, activations_now = phases[phase]
     backward_now = layer_backward if phase.startswith("backward") else 0.0
@@ -570,14 +598,17 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
     return parts, phase
 
 
-def estimate(spec: ModelSpec, settings: Settings, gpu: GpuSpec | None = None, headroom: float = 0.1,
-             runtime: Runtime = Runtime()) -> Estimate:
+def estimate(
+    spec: ModelSpec, settings: Settings, gpu: GpuSpec | None = None, headroom: float = 0.1, runtime: Runtime = Runtime()
+) -> Estimate:
     """Peak allocated, reserved and device memory of one training step, per GPU."""
     parts, phase = breakdown(spec, settings, runtime)
     allocated = sum(parts.values())
-    transient = max(logits_bytes(spec, settings, runtime),
-                    recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else 0.0,
-                    optimizer_step_temp_bytes(spec, settings, runtime)) + dequant_bytes(spec, settings, runtime)
+    transient = max(
+        logits_bytes(spec, settings, runtime),
+        recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else 0.0,
+        optimizer_step_temp_bytes(spec, settings, runtime),
+    ) + dequant_bytes(spec, settings, runtime)
     reserved = reserved_bytes(allocated, transient)
     paged_state = optimizer_bytes(spec, settings, runtime) * shard_factors(settings)[2] if paged(settings) else 0.0
     device = device_bytes(reserved, settings, runtime, paged_state)
@@ -603,8 +634,13 @@ def estimate(spec: ModelSpec, settings: Settings, gpu: GpuSpec | None = None, he
     )
 
 
-def device_side(allocated_bytes: float, transient_bytes: float, settings: Settings,
-                runtime: Runtime = Runtime(), paged_state_bytes: float = 0.0) -> tuple[float, float]:
+def device_side(
+    allocated_bytes: float,
+    transient_bytes: float,
+    settings: Settings,
+    runtime: Runtime = Runtime(),
+    paged_state_bytes: float = 0.0,
+) -> tuple[float, float]:
     """(reserved, device) bytes for an allocated peak: the same device-side model for the analytic estimate
     and the `--exact` trace."""
     reserved = reserved_bytes(allocated_bytes, transient_bytes)

@@ -197,8 +197,9 @@ class ModelSpec(BaseModel):
     def check_seq_len(self, seq_len: int | None) -> None:
         """Refuse a sequence length past what the model's positions cover."""
         if seq_len is not None and seq_len > self.max_position_embeddings:
-            raise InvalidConfig(f"--seq-len {seq_len} is past {self.name}'s maximum of "
-                                f"{self.max_position_embeddings} tokens")
+            raise InvalidConfig(
+                f"--seq-len {seq_len} is past {self.name}'s maximum of {self.max_position_embeddings} tokens"
+            )
 
     def scaled(self, **overrides: int | bool | str) -> ModelSpec:
         """A copy with some fields changed, for tiny test models (as litgpt's `Config.from_name(..., n_layer=2)`)."""

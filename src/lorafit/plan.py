@@ -39,8 +39,11 @@ def flops_per_token(spec: ModelSpec, settings: Settings) -> float:
 
     Backward costs one forward for the input gradients and, training the weights (full), one more for the weight
     gradients (LoRA: see LORA_BACKWARD_PASSES); checkpointing recomputes the forward once."""
-    matmul_params = spec.active_params - spec.embedding_params + (spec.vocab_size * spec.hidden_size
-                                                                  if spec.tie_word_embeddings else 0)
+    matmul_params = (
+        spec.active_params
+        - spec.embedding_params
+        + (spec.vocab_size * spec.hidden_size if spec.tie_word_embeddings else 0)
+    )
     forward = 2 * matmul_params + 2 * settings.seq_len * spec.q_size * spec.num_hidden_layers
     passes = 3.0 if settings.method == "full" else 2.0 + LORA_BACKWARD_PASSES
     if settings.grad_ckpt:
@@ -65,8 +68,9 @@ OPTIMIZER_TRAFFIC_BYTES = {"adamw": 24, "paged_adamw_32bit": 24, "adamw_8bit": 1
 
 def optimizer_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     """The optimizer step is memory-bound: it streams every trainable parameter's state once."""
-    trainable = spec.num_params if settings.method == "full" else spec.lora_params(settings.lora_r,
-                                                                                   settings.lora_targets)
+    trainable = (
+        spec.num_params if settings.method == "full" else spec.lora_params(settings.lora_r, settings.lora_targets)
+    )
     return trainable * OPTIMIZER_TRAFFIC_BYTES[settings.optimizer] / (gpu.bandwidth_gbs * 1e9)
 
 
@@ -99,30 +103,45 @@ def _micro_batches(target_batch: int, n_gpus: int) -> list[int]:
     return [b for b in range(per_gpu, 0, -1) if per_gpu % b == 0 and (b & (b - 1) == 0 or b == per_gpu)]
 
 
-def candidates(request: PlanRequest, gpu: GpuSpec | None, seq_len: int, n_gpus: int = 1,
-               shard: str = "none", method: str | None = None) -> list[Candidate]:
+def candidates(
+    request: PlanRequest,
+    gpu: GpuSpec | None,
+    seq_len: int,
+    n_gpus: int = 1,
+    shard: str = "none",
+    method: str | None = None,
+) -> list[Candidate]:
     """Every combination of the free settings, each with its estimate and speed."""
     method = method or request.method
     pinned = dict(request.pinned)
     pinned.pop("method", None)
-    base = {"method": method, "quant": pinned.pop("quant", default_quant(method)), "seq_len": seq_len,
-            "n_gpus": n_gpus, "shard": shard}
+    base = {
+        "method": method,
+        "quant": pinned.pop("quant", default_quant(method)),
+        "seq_len": seq_len,
+        "n_gpus": n_gpus,
+        "shard": shard,
+    }
     if "attn" not in pinned and "sdpa" not in request.model.attention_implementations:
         base["attn"] = request.model.attention_implementations[0]
     if gpu is not None and not gpu.supports_bf16 and "precision" not in pinned:
         base["precision"] = "fp16"
     free_ckpt = [pinned.pop("grad_ckpt")] if "grad_ckpt" in pinned else [False, True]
     free_opt = [pinned.pop("optimizer")] if "optimizer" in pinned else OPTIMIZERS[method]
-    batches = [pinned.pop("micro_batch")] if "micro_batch" in pinned else _micro_batches(request.target_batch,
-                                                                                         n_gpus)
+    batches = [pinned.pop("micro_batch")] if "micro_batch" in pinned else _micro_batches(request.target_batch, n_gpus)
     pinned_accum = pinned.pop("grad_accum", None)
     found = []
     for micro_batch in batches:
         accum = pinned_accum or max(request.target_batch // (micro_batch * n_gpus), 1)
         for ckpt in free_ckpt:
             for optimizer in free_opt:
-                settings = Settings(**(base | pinned | {"micro_batch": micro_batch, "grad_accum": accum,
-                                                        "grad_ckpt": ckpt, "optimizer": optimizer}))
+                settings = Settings(
+                    **(
+                        base
+                        | pinned
+                        | {"micro_batch": micro_batch, "grad_accum": accum, "grad_ckpt": ckpt, "optimizer": optimizer}
+                    )
+                )
                 peak = estimate(request.model, settings, gpu, request.headroom)
                 speed = tokens_per_second(request.model, settings, gpu) if gpu else 0.0
                 found.append(Candidate(settings, peak, speed))
@@ -166,30 +185,46 @@ def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: f
         without = [c for c in found if not c.settings.grad_ckpt]
         if without:
             least = smallest(without)
-            reasons.append(f"gradient checkpointing on: without it even micro-batch {least.settings.micro_batch} "
-                           f"needs {least.estimate.peak_device_gib:.1f} GiB and the card has {card:.1f}; it "
-                           "recomputes the forward pass in backward (about a third more compute)")
+            reasons.append(
+                f"gradient checkpointing on: without it even micro-batch {least.settings.micro_batch} "
+                f"needs {least.estimate.peak_device_gib:.1f} GiB and the card has {card:.1f}; it "
+                "recomputes the forward pass in backward (about a third more compute)"
+            )
     else:
         reasons.append("gradient checkpointing off: activations fit, so no forward pass is recomputed")
-    bigger = [c for c in found if c.settings.micro_batch == 2 * s.micro_batch and c.settings.grad_ckpt == s.grad_ckpt
-              and c.settings.optimizer == s.optimizer]
+    bigger = [
+        c
+        for c in found
+        if c.settings.micro_batch == 2 * s.micro_batch
+        and c.settings.grad_ckpt == s.grad_ckpt
+        and c.settings.optimizer == s.optimizer
+    ]
     accum = f"micro-batch {s.micro_batch} x gradient accumulation {s.grad_accum}"
     if s.n_gpus > 1:
         accum += f" x {s.n_gpus} GPUs"
     if bigger:
-        reasons.append(f"{accum} = effective batch {s.effective_batch}: micro-batch {2 * s.micro_batch} would need "
-                       f"{bigger[0].estimate.peak_device_gib:.1f} GiB")
+        reasons.append(
+            f"{accum} = effective batch {s.effective_batch}: micro-batch {2 * s.micro_batch} would need "
+            f"{bigger[0].estimate.peak_device_gib:.1f} GiB"
+        )
     else:
         reasons.append(f"{accum} = effective batch {s.effective_batch}")
     if s.optimizer != "adamw":
-        full = [c for c in found if c.settings.optimizer == "adamw" and c.settings.micro_batch == s.micro_batch
-                and c.settings.grad_ckpt == s.grad_ckpt]
+        full = [
+            c
+            for c in found
+            if c.settings.optimizer == "adamw"
+            and c.settings.micro_batch == s.micro_batch
+            and c.settings.grad_ckpt == s.grad_ckpt
+        ]
         need = f" (32-bit AdamW would need {full[0].estimate.peak_device_gib:.1f} GiB)" if full else ""
         reasons.append(f"optimizer {s.optimizer}: 8-bit states are a quarter of 32-bit ones{need}")
     if s.method == "qlora":
-        reasons.append("QLoRA: the frozen base is stored in 4-bit NF4"
-                       f"{' with double quantisation' if s.double_quant else ''}; only LoRA adapters "
-                       f"(r={s.lora_r}, {s.lora_targets} linear layers) train, in fp32")
+        reasons.append(
+            "QLoRA: the frozen base is stored in 4-bit NF4"
+            f"{' with double quantisation' if s.double_quant else ''}; only LoRA adapters "
+            f"(r={s.lora_r}, {s.lora_targets} linear layers) train, in fp32"
+        )
     return reasons
 
 
@@ -201,20 +236,39 @@ def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Sugges
     while length >= 128:
         fit = best(candidates(request, gpu, length))
         if fit:
-            found.append(Suggestion(change=f"sequence length {length} instead of {seq_len}",
-                                    settings=fit.settings, gpu=gpu.name, estimate=fit.estimate))
+            found.append(
+                Suggestion(
+                    change=f"sequence length {length} instead of {seq_len}",
+                    settings=fit.settings,
+                    gpu=gpu.name,
+                    estimate=fit.estimate,
+                )
+            )
             break
         length //= 2
     if request.method != "qlora" and "quant" not in request.pinned:
         fit = best(candidates(request, gpu, seq_len, method="qlora"))
         if fit:
-            found.append(Suggestion(change=f"QLoRA (4-bit base) instead of {request.method}",
-                                    settings=fit.settings, gpu=gpu.name, estimate=fit.estimate))
+            found.append(
+                Suggestion(
+                    change=f"QLoRA (4-bit base) instead of {request.method}",
+                    settings=fit.settings,
+                    gpu=gpu.name,
+                    estimate=fit.estimate,
+                )
+            )
     if request.method == "full":
         fit = best(candidates(request, gpu, seq_len, method="lora"))
         if fit:
-            found.append(Suggestion(change="LoRA instead of full fine-tuning", settings=fit.settings,
-                                    gpu=gpu.name, estimate=fit.estimate))
+            found.append(
+                Suggestion(
+                    change="LoRA instead of full fine-tuning",
+                    settings=fit.settings,
+                    gpu=gpu.name,
+                    estimate=fit.estimate,
+                )
+            )
+
     def size_then_price(g: GpuSpec) -> tuple[int, float, float]:
         return round(g.memory_gib / 8), g.rent_usd_per_hour or 1e9, g.price_usd or 1e9
 
@@ -223,14 +277,26 @@ def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Sugges
             continue
         fit = best(candidates(request, bigger, seq_len))
         if fit:
-            found.append(Suggestion(change=f"a GPU with more memory: {bigger.name} ({bigger.memory_gib:.0f} GiB)",
-                                    settings=fit.settings, gpu=bigger.name, estimate=fit.estimate))
+            found.append(
+                Suggestion(
+                    change=f"a GPU with more memory: {bigger.name} ({bigger.memory_gib:.0f} GiB)",
+                    settings=fit.settings,
+                    gpu=bigger.name,
+                    estimate=fit.estimate,
+                )
+            )
             break
     for n_gpus in (2, 4, 8):
         fit = best(candidates(request, gpu, seq_len, n_gpus=n_gpus, shard="zero3"))
         if fit:
-            found.append(Suggestion(change=f"{n_gpus}x {gpu.name} with ZeRO-3/FSDP sharding",
-                                    settings=fit.settings, gpu=gpu.name, estimate=fit.estimate))
+            found.append(
+                Suggestion(
+                    change=f"{n_gpus}x {gpu.name} with ZeRO-3/FSDP sharding",
+                    settings=fit.settings,
+                    gpu=gpu.name,
+                    estimate=fit.estimate,
+                )
+            )
             break
     return found
 
@@ -251,8 +317,9 @@ def tokens_per_epoch(request: PlanRequest) -> int:
     return DEFAULT_TOKENS_PER_EPOCH
 
 
-def costs(gpu: GpuSpec | None, n_gpus: int, hours: float, kwh_price: float
-          ) -> tuple[float | None, float | None, float | None]:
+def costs(
+    gpu: GpuSpec | None, n_gpus: int, hours: float, kwh_price: float
+) -> tuple[float | None, float | None, float | None]:
     """Renting vs owning: cloud price per hour, or board power x hours x electricity; break-even in runs."""
     if gpu is None:
         return None, None, None
@@ -268,8 +335,7 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
     """The fastest settings that fit `request.gpu`, with time and cost, or the smallest changes that fit."""
     seq_len = resolve_seq_len(request)
     gpu = request.gpu
-    found = candidates(request, gpu, seq_len, n_gpus=request.n_gpus,
-                       shard="zero3" if request.n_gpus > 1 else "none")
+    found = candidates(request, gpu, seq_len, n_gpus=request.n_gpus, shard="zero3" if request.n_gpus > 1 else "none")
     chosen = best(found) if gpu else None
     reasons: list[str] = []
     extra: list[Suggestion] = []
@@ -277,14 +343,17 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
         reasons = explain(chosen, found, gpu, request.headroom)
     elif gpu:
         chosen = smallest(found)
-        reasons = [f"does not fit: even the smallest configuration needs {chosen.estimate.peak_device_gib:.1f} GiB "
-                   f"and {gpu.name} has {usable_gib(gpu, request.headroom):.1f} GiB after "
-                   f"{request.headroom:.0%} headroom"]
+        reasons = [
+            f"does not fit: even the smallest configuration needs {chosen.estimate.peak_device_gib:.1f} GiB "
+            f"and {gpu.name} has {usable_gib(gpu, request.headroom):.1f} GiB after "
+            f"{request.headroom:.0%} headroom"
+        ]
         extra = suggestions(request, gpu, seq_len)
     else:
         modest = [c for c in found if c.settings.micro_batch <= 4] or found
-        chosen = max(modest, key=lambda c: (c.settings.grad_ckpt, c.settings.optimizer == "adamw",
-                                            c.settings.micro_batch))
+        chosen = max(
+            modest, key=lambda c: (c.settings.grad_ckpt, c.settings.optimizer == "adamw", c.settings.micro_batch)
+        )
         reasons = ["no GPU given or detected: settings are the defaults, memory is reported without a verdict"]
     if truncated_rows:
         reasons.append(f"sequence length {seq_len} truncates {truncated_rows} rows of the data")
@@ -293,13 +362,22 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
     hours = total_tokens / speed / 3600 if speed else 0.0
     cloud, local, break_even = costs(gpu, chosen.settings.n_gpus, hours, request.kwh_price)
     return Plan(
-        model=request.model, gpu=gpu, settings=chosen.settings, estimate=chosen.estimate,
-        target_batch=request.target_batch, epochs=request.epochs, tokens=request.tokens,
-        truncated_rows=truncated_rows, tokens_per_s=round(speed, 1), hours=round(hours, 3),
+        model=request.model,
+        gpu=gpu,
+        settings=chosen.settings,
+        estimate=chosen.estimate,
+        target_batch=request.target_batch,
+        epochs=request.epochs,
+        tokens=request.tokens,
+        truncated_rows=truncated_rows,
+        tokens_per_s=round(speed, 1),
+        hours=round(hours, 3),
         cost_cloud_usd=None if cloud is None else round(cloud, 2),
-        cost_local_usd=None if local is None else round(local, 2), kwh_price=request.kwh_price,
+        cost_local_usd=None if local is None else round(local, 2),
+        kwh_price=request.kwh_price,
         break_even_runs=None if break_even is None else round(break_even, 1),
-        reasons=reasons, suggestions=extra,
+        reasons=reasons,
+        suggestions=extra,
     )
 
 
@@ -315,7 +393,12 @@ def compare(request: PlanRequest, max_price_hour: float | None = None) -> list[P
 
 
 def cheapest(plans: list[Plan], max_usd_per_hour: float | None = None) -> Plan | None:
-    rentable = [p for p in plans if p.fits and p.cost_cloud_usd is not None and p.gpu
-                and (max_usd_per_hour is None or (p.gpu.rent_usd_per_hour or 0) <= max_usd_per_hour)]
+    rentable = [
+        p
+        for p in plans
+        if p.fits
+        and p.cost_cloud_usd is not None
+        and p.gpu
+        and (max_usd_per_hour is None or (p.gpu.rent_usd_per_hour or 0) <= max_usd_per_hour)
+    ]
     return min(rentable, key=lambda p: p.cost_cloud_usd) if rentable else None
-

@@ -36,9 +36,11 @@ def settings_line(settings: Settings) -> str:
     quant = f" {settings.quant}" if settings.quant != "none" else ""
     lora = f", LoRA r={settings.lora_r} on {settings.lora_targets}" if settings.method != "full" else ""
     gpus = f", {settings.n_gpus} GPUs {settings.shard}" if settings.n_gpus > 1 else ""
-    return (f"{settings.method}{quant} {settings.precision}{lora}, micro-batch {settings.micro_batch} x accumulation "
-            f"{settings.grad_accum}, seq {settings.seq_len}, checkpointing {'on' if settings.grad_ckpt else 'off'}, "
-            f"{settings.optimizer}, attention {settings.attn}{gpus}")
+    return (
+        f"{settings.method}{quant} {settings.precision}{lora}, micro-batch {settings.micro_batch} x accumulation "
+        f"{settings.grad_accum}, seq {settings.seq_len}, checkpointing {'on' if settings.grad_ckpt else 'off'}, "
+        f"{settings.optimizer}, attention {settings.attn}{gpus}"
+    )
 
 
 def estimate_table(result: Estimate, title: str) -> Table:
@@ -61,8 +63,10 @@ def verdict(fits: bool | None, gpu_name: str | None) -> str:
 
 
 def show_estimate(spec: ModelSpec, settings: Settings, result: Estimate, gpu: GpuSpec | None) -> None:
-    console.print(f"[bold]{spec.name}[/bold]  {spec.num_params / 1e9:.2f}B parameters, "
-                  f"{result.trainable_params / 1e6:,.1f}M trainable")
+    console.print(
+        f"[bold]{spec.name}[/bold]  {spec.num_params / 1e9:.2f}B parameters, "
+        f"{result.trainable_params / 1e6:,.1f}M trainable"
+    )
     console.print(settings_line(settings))
     console.print(estimate_table(result, f"peak memory per GPU, at the {result.peak_phase}"))
     console.print(verdict(result.fits, gpu.name if gpu else None))
@@ -71,25 +75,31 @@ def show_estimate(spec: ModelSpec, settings: Settings, result: Estimate, gpu: Gp
 def show_plan(plan: Plan) -> None:
     gpu = plan.gpu.name if plan.gpu else "no GPU"
     console.rule(f"[bold]{plan.model.name}[/bold] on {gpu}")
-    console.print(verdict(plan.estimate.fits, plan.gpu.name if plan.gpu else None)
-                  + f": {settings_line(plan.settings)}")
+    console.print(
+        verdict(plan.estimate.fits, plan.gpu.name if plan.gpu else None) + f": {settings_line(plan.settings)}"
+    )
     for reason in plan.reasons:
         console.print(f"  - {reason}")
     if plan.gpu and plan.fits:
         tokens = plan.tokens.total_tokens if plan.tokens else None
         source = f"{plan.tokens.source}" if plan.tokens else "an Alpaca-sized default dataset"
-        console.print(f"  time: {plan.tokens_per_s:,.0f} tokens/s -> {_hours(plan.hours)} for {plan.epochs:g} "
-                      f"epoch(s) of {source}" + (f" ({tokens:,} tokens)" if tokens else ""))
-        console.print(f"  cost: rented {_usd(plan.cost_cloud_usd)}, own card {_usd(plan.cost_local_usd)} of "
-                      f"electricity at ${plan.kwh_price}/kWh"
-                      + (f"; buying pays off after {plan.break_even_runs:,.0f} runs" if plan.break_even_runs else ""))
+        console.print(
+            f"  time: {plan.tokens_per_s:,.0f} tokens/s -> {_hours(plan.hours)} for {plan.epochs:g} "
+            f"epoch(s) of {source}" + (f" ({tokens:,} tokens)" if tokens else "")
+        )
+        console.print(
+            f"  cost: rented {_usd(plan.cost_cloud_usd)}, own card {_usd(plan.cost_local_usd)} of "
+            f"electricity at ${plan.kwh_price}/kWh"
+            + (f"; buying pays off after {plan.break_even_runs:,.0f} runs" if plan.break_even_runs else "")
+        )
     if plan.suggestions:
         table = Table(title="smallest changes that fit", header_style="bold")
         for column in ("change", "settings", "device peak"):
             table.add_column(column)
         for suggestion in plan.suggestions:
-            table.add_row(suggestion.change, settings_line(suggestion.settings),
-                          _gib(suggestion.estimate.peak_device_gib))
+            table.add_row(
+                suggestion.change, settings_line(suggestion.settings), _gib(suggestion.estimate.peak_device_gib)
+            )
         console.print(table)
     console.print(estimate_table(plan.estimate, f"peak memory per GPU, at the {plan.estimate.peak_phase}"))
 
@@ -99,11 +109,16 @@ def show_compare(plans: list[Plan], cheapest: Plan | None, cheapest_under: Plan 
     for column in ("GPU", "memory", "fits", "settings", "tokens/s", "time", "rented", "own card"):
         table.add_column(column)
     for plan in plans:
-        table.add_row(plan.gpu.name if plan.gpu else "-", f"{plan.gpu.memory_gib:.0f} GiB" if plan.gpu else "-",
-                      "yes" if plan.fits else "no",
-                      f"mb {plan.settings.micro_batch}, ckpt {'on' if plan.settings.grad_ckpt else 'off'}",
-                      f"{plan.tokens_per_s:,.0f}" if plan.fits else "-", _hours(plan.hours) if plan.fits else "-",
-                      _usd(plan.cost_cloud_usd) if plan.fits else "-", _usd(plan.cost_local_usd) if plan.fits else "-")
+        table.add_row(
+            plan.gpu.name if plan.gpu else "-",
+            f"{plan.gpu.memory_gib:.0f} GiB" if plan.gpu else "-",
+            "yes" if plan.fits else "no",
+            f"mb {plan.settings.micro_batch}, ckpt {'on' if plan.settings.grad_ckpt else 'off'}",
+            f"{plan.tokens_per_s:,.0f}" if plan.fits else "-",
+            _hours(plan.hours) if plan.fits else "-",
+            _usd(plan.cost_cloud_usd) if plan.fits else "-",
+            _usd(plan.cost_local_usd) if plan.fits else "-",
+        )
     console.print(table)
     if cheapest and cheapest.gpu:
         console.print(f"cheapest rented GPU that fits: {cheapest.gpu.name}, {_usd(cheapest.cost_cloud_usd)}")
@@ -116,9 +131,16 @@ def show_gpus(gpus: list[GpuSpec]) -> None:
     for column in ("GPU", "kind", "memory", "bf16 TFLOP/s", "GB/s", "W", "price", "rent/h"):
         table.add_column(column)
     for gpu in gpus:
-        table.add_row(gpu.name, gpu.kind, f"{gpu.memory_gib:.1f} GiB", f"{gpu.bf16_tflops:g}",
-                      f"{gpu.bandwidth_gbs:g}", f"{gpu.board_power_w:g}", _usd(gpu.price_usd),
-                      _usd(gpu.rent_usd_per_hour))
+        table.add_row(
+            gpu.name,
+            gpu.kind,
+            f"{gpu.memory_gib:.1f} GiB",
+            f"{gpu.bf16_tflops:g}",
+            f"{gpu.bandwidth_gbs:g}",
+            f"{gpu.board_power_w:g}",
+            _usd(gpu.price_usd),
+            _usd(gpu.rent_usd_per_hour),
+        )
     console.print(table)
 
 
@@ -127,8 +149,15 @@ def show_models(specs: list[ModelSpec]) -> None:
     for column in ("name", "hub id", "parameters", "layers", "hidden", "vocab", "max seq"):
         table.add_column(column)
     for spec in specs:
-        table.add_row(spec.name, spec.hf_id or "-", f"{spec.num_params / 1e9:.2f}B", str(spec.num_hidden_layers),
-                      str(spec.hidden_size), f"{spec.vocab_size:,}", f"{spec.max_position_embeddings:,}")
+        table.add_row(
+            spec.name,
+            spec.hf_id or "-",
+            f"{spec.num_params / 1e9:.2f}B",
+            str(spec.num_hidden_layers),
+            str(spec.hidden_size),
+            f"{spec.vocab_size:,}",
+            f"{spec.max_position_embeddings:,}",
+        )
     console.print(table)
 
 

@@ -61,9 +61,16 @@ class StepTrace:
         return max(excursions)
 
 
-def trace_step(spec: ModelSpec, settings: Settings, num_layers: int | None = None, *,
-               fused_optimizer: bool = True, kbit_upcast: bool = False, autocast: bool = True,
-               device: Literal["cuda", "cpu"] = "cuda") -> StepTrace:
+def trace_step(
+    spec: ModelSpec,
+    settings: Settings,
+    num_layers: int | None = None,
+    *,
+    fused_optimizer: bool = True,
+    kbit_upcast: bool = False,
+    autocast: bool = True,
+    device: Literal["cuda", "cpu"] = "cuda",
+) -> StepTrace:
     """Two training steps of `spec` (at `num_layers` decoder layers; default all) on fake tensors.
 
     Fake tensors have shapes, dtypes and storages but no data, so this costs the same for 7B and 70B. They
@@ -84,10 +91,12 @@ def trace_step(spec: ModelSpec, settings: Settings, num_layers: int | None = Non
     # tensors in __init__, which needs data and so runs outside the fake mode.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model, total_params = fake_model(depth_spec, settings, fake_mode, kbit_upcast=kbit_upcast)
-    optimizer = build.build_optimizer(model, settings, fused=fused_optimizer,
-                                      **optimizer_overrides(settings, fused_optimizer))
-    return _run(model, optimizer, depth_spec, settings, total_params, fake_mode, cuda=device == "cuda",
-                autocast=autocast)
+    optimizer = build.build_optimizer(
+        model, settings, fused=fused_optimizer, **optimizer_overrides(settings, fused_optimizer)
+    )
+    return _run(
+        model, optimizer, depth_spec, settings, total_params, fake_mode, cuda=device == "cuda", autocast=autocast
+    )
 
 
 def optimizer_overrides(settings: Settings, fused: bool) -> dict[str, bool]:
@@ -102,8 +111,17 @@ def check_traceable(settings: Settings) -> None:
         raise LorafitError("--exact traces a single-GPU step; for --n-gpus > 1 use the analytic estimate")
 
 
-def _run(model, optimizer, spec: ModelSpec, settings: Settings, total_params: int, mode=None,  # noqa: ANN001
-         cuda: bool = False, autocast: bool = True, before_steps: Callable[[], None] | None = None) -> StepTrace:
+def _run(
+    model,
+    optimizer,
+    spec: ModelSpec,
+    settings: Settings,
+    total_params: int,
+    mode=None,  # noqa: ANN001
+    cuda: bool = False,
+    autocast: bool = True,
+    before_steps: Callable[[], None] | None = None,
+) -> StepTrace:
     import contextlib
 
     from lorafit.trace.model import cuda_kernel_choices, eager_data_checks, parameter_tensors
@@ -118,8 +136,11 @@ def _run(model, optimizer, spec: ModelSpec, settings: Settings, total_params: in
     if before_steps is not None:
         before_steps()
     try:
-        with (mode if mode is not None else contextlib.nullcontext()), eager_data_checks(), \
-                (cuda_kernel_choices() if cuda else contextlib.nullcontext()):
+        with (
+            mode if mode is not None else contextlib.nullcontext(),
+            eager_data_checks(),
+            cuda_kernel_choices() if cuda else contextlib.nullcontext(),
+        ):
             run_training_steps(model, optimizer, settings, tracker, make_batch, autocast=autocast)
     except (RuntimeError, ValueError) as error:  # what the first training step of `lorafit train` would hit
         raise build.setup_error(spec, "the training step fails", error) from None
@@ -137,8 +158,16 @@ def _run(model, optimizer, spec: ModelSpec, settings: Settings, total_params: in
     )
 
 
-def real_step(model_dir: Path, spec: ModelSpec, settings: Settings, *, fused_optimizer: bool = True,
-              autocast: bool = True, seed: int = 0, before_steps: Callable[[], None] | None = None) -> StepTrace:
+def real_step(
+    model_dir: Path,
+    spec: ModelSpec,
+    settings: Settings,
+    *,
+    fused_optimizer: bool = True,
+    autocast: bool = True,
+    seed: int = 0,
+    before_steps: Callable[[], None] | None = None,
+) -> StepTrace:
     """The same two steps with real tensors on the CPU: the model loaded from `model_dir` the way `lorafit
     train` loads it (real bitsandbytes 4-bit, real peft), the optimizer built the same way, the same tracker.
     `before_steps` is called just before the first step (the benchmark samples the process's memory there)."""
@@ -152,8 +181,9 @@ def real_step(model_dir: Path, spec: ModelSpec, settings: Settings, *, fused_opt
     total_params = model.num_parameters()
     model.train()
     model = build.checked_prepare(model, spec, settings)
-    optimizer = build.build_optimizer(model, settings, fused=fused_optimizer,
-                                      **optimizer_overrides(settings, fused_optimizer))
+    optimizer = build.build_optimizer(
+        model, settings, fused=fused_optimizer, **optimizer_overrides(settings, fused_optimizer)
+    )
     return _run(model, optimizer, spec, settings, total_params, before_steps=before_steps, autocast=autocast)
 
 
@@ -189,16 +219,30 @@ def _line(at_a: float, at_b: float, a: int, b: int, depth: int) -> float:
     return at_a + (at_b - at_a) * (depth - a) / (b - a)
 
 
-def trace_depth(spec: ModelSpec, settings: Settings, *, fused_optimizer: bool = True, kbit_upcast: bool = False,
-                autocast: bool = True, device: Literal["cuda", "cpu"] = "cuda") -> DepthTrace:
+def trace_depth(
+    spec: ModelSpec,
+    settings: Settings,
+    *,
+    fused_optimizer: bool = True,
+    kbit_upcast: bool = False,
+    autocast: bool = True,
+    device: Literal["cuda", "cpu"] = "cuda",
+) -> DepthTrace:
     """The full-depth peak: traced directly for up to three layers, else extrapolated from depths 2 and 3."""
     depth = spec.num_hidden_layers
-    options = {"fused_optimizer": fused_optimizer, "kbit_upcast": kbit_upcast, "autocast": autocast,
-               "device": device}
+    options = {"fused_optimizer": fused_optimizer, "kbit_upcast": kbit_upcast, "autocast": autocast, "device": device}
     if depth <= max(TRACE_DEPTHS):
         trace = trace_step(spec, settings, **options)
-        return DepthTrace(depth, trace.peak_bytes, trace.peak_description, trace.breakdown, trace.paged_bytes,
-                          trace.trainable_params, trace.total_params, (trace,))
+        return DepthTrace(
+            depth,
+            trace.peak_bytes,
+            trace.peak_description,
+            trace.breakdown,
+            trace.paged_bytes,
+            trace.trainable_params,
+            trace.total_params,
+            (trace,),
+        )
     a, b = TRACE_DEPTHS
     small, large = (trace_step(spec, settings, n, **options) for n in TRACE_DEPTHS)
     by_class_small = {_phase_class(p, a): s for p, s in small.phase_peaks.items()}
@@ -210,8 +254,9 @@ def trace_depth(spec: ModelSpec, settings: Settings, *, fused_optimizer: bool = 
             continue
         total = _line(at_a.total_bytes, at_b.total_bytes, a, b, depth)
         if best is None or total > best[0]:
-            parts = {name: _line(at_a.by_category[name], at_b.by_category[name], a, b, depth)
-                     for name in at_a.by_category}
+            parts = {
+                name: _line(at_a.by_category[name], at_b.by_category[name], a, b, depth) for name in at_a.by_category
+            }
             best = (total, key, parts)
     if best is None:
         raise LorafitError("the traces at two depths share no phase; cannot extrapolate")
@@ -224,12 +269,25 @@ def trace_depth(spec: ModelSpec, settings: Settings, *, fused_optimizer: bool = 
     def count(field: str) -> int:
         return round(_line(getattr(small, field), getattr(large, field), a, b, depth))
 
-    return DepthTrace(depth, round(total), phase, {k: round(v) for k, v in parts.items()}, count("paged_bytes"),
-                      count("trainable_params"), count("total_params"), (small, large))
+    return DepthTrace(
+        depth,
+        round(total),
+        phase,
+        {k: round(v) for k, v in parts.items()},
+        count("paged_bytes"),
+        count("trainable_params"),
+        count("total_params"),
+        (small, large),
+    )
 
 
-def exact_estimate(spec: ModelSpec, settings: Settings, gpu: GpuSpec | None = None, headroom: float = 0.1,
-                   runtime: Runtime | None = None) -> Estimate:
+def exact_estimate(
+    spec: ModelSpec,
+    settings: Settings,
+    gpu: GpuSpec | None = None,
+    headroom: float = 0.1,
+    runtime: Runtime | None = None,
+) -> Estimate:
     """`lorafit estimate --exact`: peak memory of a training step from a trace of the real code path.
 
     peak_allocated is what the trace counts; reserved and device come from the same allocator and CUDA
@@ -238,10 +296,17 @@ def exact_estimate(spec: ModelSpec, settings: Settings, gpu: GpuSpec | None = No
     from lorafit.schema import Estimate
 
     runtime = runtime or memory.Runtime()
-    depth = trace_depth(spec, settings, fused_optimizer=runtime.fused_optimizer, kbit_upcast=runtime.kbit_upcast,
-                        autocast=runtime.autocast, device=runtime.device)
-    reserved, device = memory.device_side(depth.peak_bytes, depth.transient_bytes, settings, runtime,
-                                          paged_state_bytes=depth.paged_bytes)
+    depth = trace_depth(
+        spec,
+        settings,
+        fused_optimizer=runtime.fused_optimizer,
+        kbit_upcast=runtime.kbit_upcast,
+        autocast=runtime.autocast,
+        device=runtime.device,
+    )
+    reserved, device = memory.device_side(
+        depth.peak_bytes, depth.transient_bytes, settings, runtime, paged_state_bytes=depth.paged_bytes
+    )
     breakdown_gib = {name: round(value / GIB, 4) for name, value in depth.breakdown.items() if value > 0}
     breakdown_gib["allocator_reserve"] = round((reserved - depth.peak_bytes) / GIB, 4)
     breakdown_gib["cuda_context"] = round((device - reserved - depth.paged_bytes) / GIB, 4)

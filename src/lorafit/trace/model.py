@@ -32,8 +32,9 @@ def at_depth(spec: ModelSpec, num_layers: int) -> ModelSpec:
     return spec.model_copy(update={"num_hidden_layers": num_layers, "published_params": None})
 
 
-def fake_model(spec: ModelSpec, settings: Settings, fake_mode: FakeTensorMode, *,
-               kbit_upcast: bool = False) -> tuple[PreTrainedModel, int]:
+def fake_model(
+    spec: ModelSpec, settings: Settings, fake_mode: FakeTensorMode, *, kbit_upcast: bool = False
+) -> tuple[PreTrainedModel, int]:
     """The prepared training model with fake tensors, and its parameter count before quantisation."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoModelForCausalLM
@@ -42,8 +43,16 @@ def fake_model(spec: ModelSpec, settings: Settings, fake_mode: FakeTensorMode, *
     try:
         with fake_mode:
             model = AutoModelForCausalLM.from_config(config, dtype=build.compute_dtype(settings))
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError, ImportError,
-            StrictDataclassError) as error:
+    except (
+        ValueError,
+        TypeError,
+        KeyError,
+        AttributeError,
+        IndexError,
+        RuntimeError,
+        ImportError,
+        StrictDataclassError,
+    ) as error:
         raise build.setup_error(spec, "transformers cannot build it from its config", error) from None
     total_params = model.num_parameters()
     if settings.quant == "nf4":
@@ -56,8 +65,10 @@ def fake_model(spec: ModelSpec, settings: Settings, fake_mode: FakeTensorMode, *
             from peft import prepare_model_for_kbit_training
 
             model = prepare_model_for_kbit_training(
-                model, use_gradient_checkpointing=settings.grad_ckpt,
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+                model,
+                use_gradient_checkpointing=settings.grad_ckpt,
+                gradient_checkpointing_kwargs={"use_reentrant": False},
+            )
         model = build.checked_prepare(model, spec, settings)
     return model, total_params
 

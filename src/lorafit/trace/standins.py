@@ -19,9 +19,16 @@ CODE_4BIT = 16  # entries of the NF4 / FP4 code book (get_4bit_type)
 CODE_8BIT = 256  # entries of the dynamic map the nested absmax is quantised with (create_dynamic_map)
 
 
-def packed_4bit_tensors(out_features: int, in_features: int, *, dtype: torch.dtype, blocksize: int = 64,
-                        quant_type: str = "nf4", compress_statistics: bool = True,
-                        quant_storage: torch.dtype = torch.uint8) -> tuple[torch.Tensor, QuantState]:
+def packed_4bit_tensors(
+    out_features: int,
+    in_features: int,
+    *,
+    dtype: torch.dtype,
+    blocksize: int = 64,
+    quant_type: str = "nf4",
+    compress_statistics: bool = True,
+    quant_storage: torch.dtype = torch.uint8,
+) -> tuple[torch.Tensor, QuantState]:
     """The packed weight and quantisation state `bnb.functional.quantize_4bit` returns for an
     (out_features x in_features) weight, with zeros for values.
 
@@ -36,14 +43,26 @@ def packed_4bit_tensors(out_features: int, in_features: int, *, dtype: torch.dty
     shape = torch.Size((out_features, in_features))
     if not compress_statistics:
         absmax = torch.zeros(blocks, dtype=torch.float32)
-        return packed, QuantState(absmax=absmax, shape=shape, code=code, blocksize=blocksize,
-                                  quant_type=quant_type, dtype=dtype)
+        return packed, QuantState(
+            absmax=absmax, shape=shape, code=code, blocksize=blocksize, quant_type=quant_type, dtype=dtype
+        )
     nested_blocks = -(blocks // -NESTED_BLOCKSIZE)
-    nested = QuantState(absmax=torch.zeros(nested_blocks, dtype=torch.float32),
-                        code=torch.zeros(CODE_8BIT, dtype=torch.float32), blocksize=NESTED_BLOCKSIZE,
-                        dtype=torch.float32)
-    state = QuantState(absmax=torch.zeros(blocks, dtype=torch.uint8), shape=shape, code=code, blocksize=blocksize,
-                       quant_type=quant_type, dtype=dtype, offset=torch.zeros((), dtype=torch.float32), state2=nested)
+    nested = QuantState(
+        absmax=torch.zeros(nested_blocks, dtype=torch.float32),
+        code=torch.zeros(CODE_8BIT, dtype=torch.float32),
+        blocksize=NESTED_BLOCKSIZE,
+        dtype=torch.float32,
+    )
+    state = QuantState(
+        absmax=torch.zeros(blocks, dtype=torch.uint8),
+        shape=shape,
+        code=code,
+        blocksize=blocksize,
+        quant_type=quant_type,
+        dtype=dtype,
+        offset=torch.zeros((), dtype=torch.float32),
+        state2=nested,
+    )
     return packed, state
 
 
@@ -60,15 +79,31 @@ def quant_state_tensors(state: QuantState) -> list[torch.Tensor]:
 class Linear4bitStandIn(bnb.nn.Linear4bit):
     """A `bnb.nn.Linear4bit` built from shapes: same parameter storage, same forward and backward."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype | None,
-                 *, weight_dtype: torch.dtype, compress_statistics: bool = True, quant_type: str = "nf4",
-                 blocksize: int = 64, quant_storage: torch.dtype = torch.uint8) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        compute_dtype: torch.dtype | None,
+        *,
+        weight_dtype: torch.dtype,
+        compress_statistics: bool = True,
+        quant_type: str = "nf4",
+        blocksize: int = 64,
+        quant_storage: torch.dtype = torch.uint8,
+    ) -> None:
         torch.nn.Module.__init__(self)  # bnb's __init__ would build a Params4bit, which fake tensors can't be
         self.in_features = in_features
         self.out_features = out_features
-        packed, state = packed_4bit_tensors(out_features, in_features, dtype=weight_dtype, blocksize=blocksize,
-                                            quant_type=quant_type, compress_statistics=compress_statistics,
-                                            quant_storage=quant_storage)
+        packed, state = packed_4bit_tensors(
+            out_features,
+            in_features,
+            dtype=weight_dtype,
+            blocksize=blocksize,
+            quant_type=quant_type,
+            compress_statistics=compress_statistics,
+            quant_storage=quant_storage,
+        )
         self.weight = torch.nn.Parameter(packed, requires_grad=False)
         # The attributes Params4bit carries, which Linear4bit.forward and peft's dispatch read.
         self.weight.quant_state = state
@@ -90,10 +125,17 @@ class Linear4bitStandIn(bnb.nn.Linear4bit):
     @classmethod
     def like(cls, layer: bnb.nn.Linear4bit, weight_dtype: torch.dtype) -> Linear4bitStandIn:
         """A stand-in with the settings of an (unloaded, meta-device) Linear4bit that transformers made."""
-        return cls(layer.in_features, layer.out_features, layer.bias is not None, layer.compute_dtype,
-                   weight_dtype=weight_dtype, compress_statistics=layer.weight.compress_statistics,
-                   quant_type=layer.weight.quant_type, blocksize=layer.weight.blocksize,
-                   quant_storage=layer.quant_storage)
+        return cls(
+            layer.in_features,
+            layer.out_features,
+            layer.bias is not None,
+            layer.compute_dtype,
+            weight_dtype=weight_dtype,
+            compress_statistics=layer.weight.compress_statistics,
+            quant_type=layer.weight.quant_type,
+            blocksize=layer.weight.blocksize,
+            quant_storage=layer.quant_storage,
+        )
 
     def parameter_tensors(self) -> list[torch.Tensor]:
         return [self.weight, *quant_state_tensors(self.weight.quant_state)]

@@ -64,8 +64,9 @@ class PhaseLabels:
     def set(self, stage: str, layer: int | None = None) -> None:
         self.tracker.set_phase(Phase(self.step, self.micro_batch, stage, layer))
 
-    def _label_module(self, module: torch.nn.Module, name: str, layer: int | None = None,
-                      after: str | None = None) -> None:
+    def _label_module(
+        self, module: torch.nn.Module, name: str, layer: int | None = None, after: str | None = None
+    ) -> None:
         def before(_module, _args) -> None:  # noqa: ANN001
             if not in_backward():
                 self.set(f"forward: {name}", layer)
@@ -137,8 +138,7 @@ def watch_gradients(model: torch.nn.Module, tracker: LiveTensorTracker) -> None:
             param.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, GRADIENTS))
 
 
-def forward(model: torch.nn.Module, batch: dict[str, torch.Tensor], settings: Settings,
-            autocast: bool) -> torch.Tensor:
+def forward(model: torch.nn.Module, batch: dict[str, torch.Tensor], settings: Settings, autocast: bool) -> torch.Tensor:
     """The loss of one micro-batch, as the Trainer computes it.
 
     With bf16/fp16, transformers' Trainer hands the model to accelerate, which wraps its forward in
@@ -155,9 +155,15 @@ def forward(model: torch.nn.Module, batch: dict[str, torch.Tensor], settings: Se
     return convert_to_fp32(outputs).loss
 
 
-def run_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, settings: Settings,
-                       tracker: LiveTensorTracker, make_batch: Callable[[], dict[str, torch.Tensor]],
-                       steps: int = STEPS, autocast: bool = True) -> None:
+def run_training_steps(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    settings: Settings,
+    tracker: LiveTensorTracker,
+    make_batch: Callable[[], dict[str, torch.Tensor]],
+    steps: int = STEPS,
+    autocast: bool = True,
+) -> None:
     """Run `steps` optimizer steps under `tracker` (which must already count the model's tensors)."""
     labels = PhaseLabels(model, tracker)
     watch_gradients(model, tracker)
@@ -197,6 +203,7 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
 def token_batch(vocab_size: int, micro_batch: int, seq_len: int) -> Callable[[], dict[str, torch.Tensor]]:
     """input_ids and labels (a separate copy, as the causal-LM collators make). No attention mask: an all-ones
     mask is dropped by transformers, which then runs the same causal attention."""
+
     def make() -> dict[str, torch.Tensor]:
         input_ids = torch.randint(0, vocab_size, (micro_batch, seq_len))
         return {"input_ids": input_ids, "labels": input_ids.clone()}

@@ -54,8 +54,12 @@ def _saved(trace: StepTrace) -> int:
 
 
 def measure_terms(spec: ModelSpec, settings: Settings, runtime: memory.Runtime = memory.Runtime()) -> Terms:
-    options = {"fused_optimizer": runtime.fused_optimizer, "kbit_upcast": runtime.kbit_upcast,
-               "autocast": runtime.autocast, "device": runtime.device}
+    options = {
+        "fused_optimizer": runtime.fused_optimizer,
+        "kbit_upcast": runtime.kbit_upcast,
+        "autocast": runtime.autocast,
+        "device": runtime.device,
+    }
     two, three = trace_step(spec, settings, 2, **options), trace_step(spec, settings, 3, **options)
     tokens = settings.tokens_per_micro_batch
     last = three.num_layers - 1
@@ -65,8 +69,11 @@ def measure_terms(spec: ModelSpec, settings: Settings, runtime: memory.Runtime =
     else:
         backward = _peak(three, "backward: layer", last) - _start(three, "backward: layer", last)
         backward_analytic = memory.grad_buffer_bytes(spec, settings)
-    per_layer_analytic = (memory.checkpoint_bytes_per_layer(spec, settings, runtime) if settings.grad_ckpt
-                          else memory.activation_bytes_per_layer(spec, settings, runtime))
+    per_layer_analytic = (
+        memory.checkpoint_bytes_per_layer(spec, settings, runtime)
+        if settings.grad_ckpt
+        else memory.activation_bytes_per_layer(spec, settings, runtime)
+    )
     forward_layer = _peak(three, "forward: layer", last) - _start(three, "forward: layer", last)
     step_micro = 0
     optimizer = _peak(three, "optimizer step", micro=step_micro) - _start(three, "optimizer step", micro=step_micro)
@@ -106,8 +113,14 @@ def dequant_transient(in_features: int, out_features: int, double_quant: bool = 
     from lorafit.trace.tracker import PARAMETERS, LiveTensorTracker
 
     with FakeTensorMode():
-        layer = Linear4bitStandIn(in_features, out_features, False, torch.bfloat16, weight_dtype=torch.bfloat16,
-                                  compress_statistics=double_quant)
+        layer = Linear4bitStandIn(
+            in_features,
+            out_features,
+            False,
+            torch.bfloat16,
+            weight_dtype=torch.bfloat16,
+            compress_statistics=double_quant,
+        )
         x = torch.empty(1, 16, in_features, dtype=torch.bfloat16, requires_grad=True)
         tracker = LiveTensorTracker()
         for tensor in [*layer.parameter_tensors(), x]:
@@ -151,19 +164,24 @@ def forgotten(spec: ModelSpec, tokens: int = 2048) -> dict[str, float]:
     largest = max(((i, o) for _, i, o, _ in spec.layer_linears()), key=lambda dims: dims[0] * dims[1])
     loss_bytes = _at_depth(spec, qlora, loss_transient)
     return {
-        "peft prepare_model_for_kbit_training upcast": (_at_depth(spec, qlora, params, kbit_upcast=True)
-                                                       - _at_depth(spec, qlora, params)) / gib,
+        "peft prepare_model_for_kbit_training upcast": (
+            _at_depth(spec, qlora, params, kbit_upcast=True) - _at_depth(spec, qlora, params)
+        )
+        / gib,
         "loss and logits transient": loss_bytes / gib,
         "  the same, bytes per token per vocabulary entry": loss_bytes / tokens / spec.vocab_size,
         "LoRA dropout copies and masks (dropout 0.05 vs 0)": (
-            _at_depth(spec, qlora, saved) - _at_depth(spec, qlora.model_copy(update={"lora_dropout": 0.0}), saved))
+            _at_depth(spec, qlora, saved) - _at_depth(spec, qlora.model_copy(update={"lora_dropout": 0.0}), saved)
+        )
         / gib,
         "QLoRA dequantised weight, largest linear": dequant_transient(*largest) / gib,
         "foreach AdamW step temporaries (full fine-tuning)": _at_depth(spec, full, step_temp, fused_optimizer=False)
         / gib,
         "fused AdamW step temporaries (full fine-tuning)": _at_depth(spec, full, step_temp) / gib,
         "32-bit states under 8-bit AdamW (full fine-tuning)": _at_depth(
-            spec, full.model_copy(update={"optimizer": "adamw_8bit"}), states_over_8bit) / gib,
+            spec, full.model_copy(update={"optimizer": "adamw_8bit"}), states_over_8bit
+        )
+        / gib,
     }
 
 
@@ -172,14 +190,22 @@ def compare(spec: ModelSpec, settings: Settings, runtime: memory.Runtime = memor
     from lorafit.trace.api import trace_depth
 
     gib = 2**30
-    depth = trace_depth(spec, settings, fused_optimizer=runtime.fused_optimizer, kbit_upcast=runtime.kbit_upcast,
-                        autocast=runtime.autocast, device=runtime.device)
+    depth = trace_depth(
+        spec,
+        settings,
+        fused_optimizer=runtime.fused_optimizer,
+        kbit_upcast=runtime.kbit_upcast,
+        autocast=runtime.autocast,
+        device=runtime.device,
+    )
     parts, phase = memory.breakdown(spec, settings, runtime)
     analytic = sum(parts.values())
     traced = ", ".join(f"{k} {v / gib:.3f}" for k, v in depth.breakdown.items() if v)
     modelled = ", ".join(f"{k} {v / gib:.3f}" for k, v in parts.items() if v)
-    return (f"traced {depth.peak_bytes / gib:.3f} at {depth.peak_phase} [{traced}] | analytic {analytic / gib:.3f} "
-            f"({analytic / depth.peak_bytes - 1:+.1%}) at {phase} [{modelled}]")
+    return (
+        f"traced {depth.peak_bytes / gib:.3f} at {depth.peak_phase} [{traced}] | analytic {analytic / gib:.3f} "
+        f"({analytic / depth.peak_bytes - 1:+.1%}) at {phase} [{modelled}]"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -189,15 +215,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--forgotten", action="store_true", help="also measure what calculators forget")
     parser.add_argument("--compare", action="store_true", help="also compare each peak with memory.py's")
-    parser.add_argument("--no-autocast", action="store_true",
-                        help="a bf16 forward without autocast (stacks other than transformers' Trainer)")
+    parser.add_argument(
+        "--no-autocast",
+        action="store_true",
+        help="a bf16 forward without autocast (stacks other than transformers' Trainer)",
+    )
     args = parser.parse_args(argv)
     spec = resolve(args.model)
     runtime = memory.Runtime(autocast=not args.no_autocast)
-    print(f"{spec.name}, micro-batch {args.micro_batch} x {args.seq_len} tokens"
-          f"{', no autocast' if args.no_autocast else ''}; bytes per token (optimizer step: MiB), traced / memory.py")
-    header = ("settings", "saved/layer", "loss+logits", "layer backward", "fwd layer transient", "dequant",
-              "optimizer step")
+    print(
+        f"{spec.name}, micro-batch {args.micro_batch} x {args.seq_len} tokens"
+        f"{', no autocast' if args.no_autocast else ''}; bytes per token (optimizer step: MiB), traced / memory.py"
+    )
+    header = (
+        "settings",
+        "saved/layer",
+        "loss+logits",
+        "layer backward",
+        "fwd layer transient",
+        "dequant",
+        "optimizer step",
+    )
     print(" | ".join(header))
     for label, overrides in SETTINGS.items():
         settings = Settings(seq_len=args.seq_len, micro_batch=args.micro_batch, **overrides)

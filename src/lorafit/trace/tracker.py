@@ -202,8 +202,19 @@ def _bitsandbytes_expansions() -> dict[Any, Any]:
     if not hasattr(ops, "gemm_4bit"):  # before bitsandbytes 0.49 MatMul4Bit dequantised with visible ops
         return {}
 
-    def gemm_4bit(tracker: LiveTensorTracker, A, B, shapeB, absmax, blocksize, quant_type, bias=None,  # noqa: N803
-                  absmax_8bit=None, absmax_code=None, absmax_offset=None):
+    def gemm_4bit(
+        tracker: LiveTensorTracker,
+        A,
+        B,
+        shapeB,
+        absmax,
+        blocksize,
+        quant_type,
+        bias=None,  # noqa: N803
+        absmax_8bit=None,
+        absmax_code=None,
+        absmax_offset=None,
+    ):
         if absmax_8bit is not None:
             nested = ops.dequantize_blockwise.default(absmax_8bit, absmax, absmax_code, 256, torch.float32)
             tracker.track(nested)

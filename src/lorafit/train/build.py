@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from lorafit.models import ModelSpec
     from lorafit.schema import Settings
 
+
 def compute_dtype(settings: Settings) -> torch.dtype:
     import torch
 
@@ -71,8 +72,14 @@ def check_model_dir(model_dir: Path, allow_pickle: bool = False) -> None:
         )
 
 
-def load_model(model_dir: Path, settings: Settings, *, allow_pickle: bool = False,
-               trust_remote_code: bool = False, device_map: Any = None) -> PreTrainedModel:
+def load_model(
+    model_dir: Path,
+    settings: Settings,
+    *,
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    device_map: Any = None,
+) -> PreTrainedModel:
     """Load a local model with the quantisation, dtype and attention that `settings` names."""
     from transformers import AutoModelForCausalLM
 
@@ -137,8 +144,10 @@ def checked_hf_config(spec: ModelSpec, settings: Settings) -> PretrainedConfig:
 
     check_settings(spec, settings)
     if spec.num_attention_heads % spec.num_key_value_heads:
-        raise TrainError(f"{spec.name}: num_attention_heads ({spec.num_attention_heads}) is not a multiple of "
-                         f"num_key_value_heads ({spec.num_key_value_heads}); attention cannot group the heads")
+        raise TrainError(
+            f"{spec.name}: num_attention_heads ({spec.num_attention_heads}) is not a multiple of "
+            f"num_key_value_heads ({spec.num_key_value_heads}); attention cannot group the heads"
+        )
     try:
         return hf_config(spec, settings)
     except (ValueError, TypeError, KeyError, AttributeError, StrictDataclassError) as error:
@@ -154,8 +163,15 @@ def checked_prepare(model: PreTrainedModel, spec: ModelSpec, settings: Settings)
         raise setup_error(spec, what, error) from None
 
 
-def build_optimizer(model: PreTrainedModel, settings: Settings, *, fused: bool = True, learning_rate: float = 2e-4,
-                    weight_decay: float = 0.0, **overrides: Any) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: PreTrainedModel,
+    settings: Settings,
+    *,
+    fused: bool = True,
+    learning_rate: float = 2e-4,
+    weight_decay: float = 0.0,
+    **overrides: Any,
+) -> torch.optim.Optimizer:
     """The optimizer transformers.Trainer.create_optimizer builds for `settings.optimizer`.
 
     The name is the trainer's (`hf_args.optimizer_name`: AdamW fused unless `fused=False`); the class and
@@ -166,8 +182,13 @@ def build_optimizer(model: PreTrainedModel, settings: Settings, *, fused: bool =
     from torch import nn
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(output_dir="unused", optim=hf_args.optimizer_name(settings, fused), report_to=[],
-                             learning_rate=learning_rate, weight_decay=weight_decay)
+    args = TrainingArguments(
+        output_dir="unused",
+        optim=hf_args.optimizer_name(settings, fused),
+        report_to=[],
+        learning_rate=learning_rate,
+        weight_decay=weight_decay,
+    )
     optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
     decay = set(Trainer.get_decay_parameter_names(None, model))
     named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
