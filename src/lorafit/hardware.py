@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from lorafit.errors import UnknownGpu
+from lorafit.units import BYTES_PER_GIB
 
 GpuKind = Literal["consumer", "workstation", "datacenter", "apple"]
 
@@ -43,6 +44,11 @@ class GpuSpec(BaseModel):
     @property
     def supports_bf16(self) -> bool:
         return self.bf16_tflops > 0
+
+    def usable_gib(self, headroom: float) -> float:
+        """The memory a plan may fill: the share a process may take, less the headroom kept free. The one fits
+        rule of the project: an estimate fits when its device figure is at most this."""
+        return self.memory_gib * self.usable_fraction * (1 - headroom)
 
     def tflops(self, precision: str) -> float:
         """Dense tensor TFLOP/s for the compute dtype; fp32 training runs on TF32, about half the fp16 rate."""
@@ -125,7 +131,7 @@ class LocalMachine(BaseModel):
 
 def _ram_gib() -> float | None:
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / BYTES_PER_GIB
     except (ValueError, OSError, AttributeError):
         return None
 
@@ -155,8 +161,8 @@ def _nvml_gpus() -> list[DetectedGpu] | None:
         found.append(
             DetectedGpu(
                 name=name,
-                memory_gib=memory.total / 2**30,
-                free_gib=memory.free / 2**30,
+                memory_gib=memory.total / BYTES_PER_GIB,
+                free_gib=memory.free / BYTES_PER_GIB,
                 catalog_name=_catalog_name(name),
             )
         )
@@ -176,7 +182,10 @@ def _torch_gpus() -> list[DetectedGpu] | None:
         free, total = torch.cuda.mem_get_info(index)
         found.append(
             DetectedGpu(
-                name=props.name, memory_gib=total / 2**30, free_gib=free / 2**30, catalog_name=_catalog_name(props.name)
+                name=props.name,
+                memory_gib=total / BYTES_PER_GIB,
+                free_gib=free / BYTES_PER_GIB,
+                catalog_name=_catalog_name(props.name),
             )
         )
     return found

@@ -17,11 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from lorafit.hardware import GpuSpec
 from lorafit.models import ModelSpec
 from lorafit.schema import Estimate, Settings
+from lorafit.units import BYTES_PER_GIB as GIB
+from lorafit.units import DTYPE_BYTES, gib
 
-GIB = 2**30
-MIB = 2**20
-
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 NF4_BLOCK = 64  # bitsandbytes blocksize for 4-bit weights
 NESTED_BLOCK = 256  # double quantisation groups 256 absmax values
 BNB_8BIT_MIN_SIZE = 4096  # bnb keeps 32-bit optimizer state for tensors smaller than this
@@ -603,34 +601,59 @@ def estimate(
 ) -> Estimate:
     """Peak allocated, reserved and device memory of one training step, per GPU."""
     parts, phase = breakdown(spec, settings, runtime)
-    allocated = sum(parts.values())
     transient = max(
         logits_bytes(spec, settings, runtime),
         recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else 0.0,
         optimizer_step_temp_bytes(spec, settings, runtime),
     ) + dequant_bytes(spec, settings, runtime)
-    reserved = reserved_bytes(allocated, transient)
     paged_state = optimizer_bytes(spec, settings, runtime) * shard_factors(settings)[2] if paged(settings) else 0.0
-    device = device_bytes(reserved, settings, runtime, paged_state)
-    breakdown_gib = {name: round(value / GIB, 4) for name, value in parts.items() if value > 0}
-    breakdown_gib["allocator_reserve"] = round((reserved - allocated) / GIB, 4)
-    breakdown_gib["cuda_context"] = round((device - reserved - paged_state) / GIB, 4)
-    if paged_state:
-        breakdown_gib["paged_optimizer_states"] = round(paged_state / GIB, 4)
-    fits = None
-    if gpu is not None:
-        fits = device <= gpu.memory_gib * gpu.usable_fraction * GIB * (1 - headroom)
+    return assemble(
+        parts,
+        phase,
+        transient,
+        paged_state,
+        settings,
+        runtime,
+        gpu,
+        headroom,
+        trainable=trainable_params(spec, settings),
+        total=spec.num_params,
+    )
+
+
+def assemble(
+    parts: dict[str, float],
+    phase: str,
+    transient_bytes: float,
+    paged_state_bytes: float,
+    settings: Settings,
+    runtime: Runtime,
+    gpu: GpuSpec | None,
+    headroom: float,
+    *,
+    trainable: int,
+    total: int,
+) -> Estimate:
+    """An Estimate from the allocated peak's parts (bytes): the device side and the verdict added the same way
+    for the analytic estimate and the `--exact` trace."""
+    allocated = sum(parts.values())
+    reserved, device = device_side(allocated, transient_bytes, settings, runtime, paged_state_bytes)
+    breakdown_gib = {name: round(gib(value), 4) for name, value in parts.items() if value > 0}
+    breakdown_gib["allocator_reserve"] = round(gib(reserved - allocated), 4)
+    breakdown_gib["cuda_context"] = round(gib(device - reserved - paged_state_bytes), 4)
+    if paged_state_bytes:
+        breakdown_gib["paged_optimizer_states"] = round(gib(paged_state_bytes), 4)
     return Estimate(
-        peak_allocated_gib=round(allocated / GIB, 4),
-        peak_reserved_gib=round(reserved / GIB, 4),
-        peak_device_gib=round(device / GIB, 4),
+        peak_allocated_gib=round(gib(allocated), 4),
+        peak_reserved_gib=round(gib(reserved), 4),
+        peak_device_gib=round(gib(device), 4),
         breakdown_gib=breakdown_gib,
         peak_phase=phase,
         gpu_memory_gib=gpu.memory_gib * gpu.usable_fraction if gpu else None,
         headroom=headroom,
-        fits=fits,
-        trainable_params=trainable_params(spec, settings),
-        total_params=spec.num_params,
+        fits=None if gpu is None else gib(device) <= gpu.usable_gib(headroom),
+        trainable_params=trainable,
+        total_params=total,
     )
 
 

@@ -170,13 +170,9 @@ def smallest(found: list[Candidate]) -> Candidate:
 
 
 # --- explanations -------------------------------------------------------------------------------------------
-def usable_gib(gpu: GpuSpec, headroom: float) -> float:
-    return gpu.memory_gib * gpu.usable_fraction * (1 - headroom)
-
-
 def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: float) -> list[str]:
     """Plain words for each choice, with the number that forced it."""
-    s, card = chosen.settings, usable_gib(gpu, headroom)
+    s, card = chosen.settings, gpu.usable_gib(headroom)
     reasons = [
         f"peak {chosen.estimate.peak_device_gib:.2f} GiB on the device (nvidia-smi) of {gpu.memory_gib:.1f} GiB; "
         f"{headroom:.0%} kept free leaves {card:.2f} GiB",
@@ -345,7 +341,7 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
         chosen = smallest(found)
         reasons = [
             f"does not fit: even the smallest configuration needs {chosen.estimate.peak_device_gib:.1f} GiB "
-            f"and {gpu.name} has {usable_gib(gpu, request.headroom):.1f} GiB after "
+            f"and {gpu.name} has {gpu.usable_gib(request.headroom):.1f} GiB after "
             f"{request.headroom:.0%} headroom"
         ]
         extra = suggestions(request, gpu, seq_len)

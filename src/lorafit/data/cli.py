@@ -240,11 +240,10 @@ def render_convert(report: ConvertReport, console: Console) -> None:
 
 def write_atomically(path: Path, text: str) -> None:
     """Temp file next to the target, then rename: a reader never sees half a report."""
-    from lorafit.data.convert import atomic_writer
     from lorafit.errors import DataError
+    from lorafit.files import write_atomic
 
     try:
-        with atomic_writer(path) as handle:
-            handle.write(text)
+        write_atomic(path, text)
     except OSError as error:
         raise DataError(f"cannot write {path}: {error.strerror or error}") from None

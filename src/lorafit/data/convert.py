@@ -7,18 +7,16 @@ leaves half a file, and the input is never touched.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from lorafit.data.dataset import Dataset
 from lorafit.data.formats import TARGETS, Format, Target, from_messages
 from lorafit.data.problems import Problem
 from lorafit.errors import DataError
+from lorafit.files import atomic_writer
 
 
 @dataclass
@@ -91,24 +89,6 @@ def convert(
     except OSError as error:
         raise DataError(f"cannot write {output}: {error.strerror or error}") from None
     return report
-
-
-@contextmanager
-def atomic_writer(path: Path) -> Iterator[TextIO]:
-    """A text handle on a temp file beside `path`, renamed onto it only when the block ends without error."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(
-        "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
-    ) as handle:
-        try:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        except BaseException:
-            handle.close()
-            Path(handle.name).unlink(missing_ok=True)
-            raise
-    os.replace(handle.name, path)
 
 
 def _same_file(first: Path, second: Path) -> bool:

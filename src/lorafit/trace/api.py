@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from lorafit.schema import Estimate, Settings
     from lorafit.trace.tracker import Phase, Snapshot
 
-GIB = 2**30
 TRACE_DEPTHS = (2, 3)  # two depths fix each phase's line; with 2 and 3 the first and last layers differ
 
 
@@ -293,7 +292,6 @@ def exact_estimate(
     peak_allocated is what the trace counts; reserved and device come from the same allocator and CUDA
     context model as the analytic estimate (`memory.device_side`), fed with the step's largest transient."""
     from lorafit import memory
-    from lorafit.schema import Estimate
 
     runtime = runtime or memory.Runtime()
     depth = trace_depth(
@@ -304,26 +302,15 @@ def exact_estimate(
         autocast=runtime.autocast,
         device=runtime.device,
     )
-    reserved, device = memory.device_side(
-        depth.peak_bytes, depth.transient_bytes, settings, runtime, paged_state_bytes=depth.paged_bytes
-    )
-    breakdown_gib = {name: round(value / GIB, 4) for name, value in depth.breakdown.items() if value > 0}
-    breakdown_gib["allocator_reserve"] = round((reserved - depth.peak_bytes) / GIB, 4)
-    breakdown_gib["cuda_context"] = round((device - reserved - depth.paged_bytes) / GIB, 4)
-    if depth.paged_bytes:
-        breakdown_gib["paged_optimizer_states"] = round(depth.paged_bytes / GIB, 4)
-    fits = None
-    if gpu is not None:
-        fits = device <= gpu.memory_gib * gpu.usable_fraction * GIB * (1 - headroom)
-    return Estimate(
-        peak_allocated_gib=round(depth.peak_bytes / GIB, 4),
-        peak_reserved_gib=round(reserved / GIB, 4),
-        peak_device_gib=round(device / GIB, 4),
-        breakdown_gib=breakdown_gib,
-        peak_phase=depth.peak_phase,
-        gpu_memory_gib=gpu.memory_gib * gpu.usable_fraction if gpu else None,
-        headroom=headroom,
-        fits=fits,
-        trainable_params=depth.trainable_params,
-        total_params=depth.total_params,
+    return memory.assemble(
+        depth.breakdown,
+        depth.peak_phase,
+        depth.transient_bytes,
+        depth.paged_bytes,
+        settings,
+        runtime,
+        gpu,
+        headroom,
+        trainable=depth.trainable_params,
+        total=depth.total_params,
     )

@@ -21,6 +21,7 @@ from lorafit.models import ModelSpec, resolve
 from lorafit.schema import Settings
 from lorafit.trace.api import StepTrace, trace_step
 from lorafit.trace.tracker import ACTIVATIONS, Phase
+from lorafit.units import BYTES_PER_GIB
 
 STEP, MICRO = 2, 1  # read everything off the second step (optimizer states exist), first micro-batch
 
@@ -140,7 +141,7 @@ def _at_depth(spec: ModelSpec, settings: Settings, measure: Callable[[StepTrace]
 def forgotten(spec: ModelSpec, tokens: int = 2048) -> dict[str, float]:
     """What the real code path costs that back-of-the-envelope calculators leave out, in GiB at the model's
     full depth, micro-batch 1 x `tokens`; each is a difference of two traces or of two moments of one."""
-    gib = 2**30
+    gib = BYTES_PER_GIB
     start, lm_head = Phase(1, 1, "batch"), Phase(STEP, MICRO, "forward: LM head")
     loss, step = Phase(STEP, MICRO, "backward: loss"), Phase(STEP, 0, "optimizer step")
     qlora = Settings(method="qlora", seq_len=tokens, grad_ckpt=False)
@@ -189,7 +190,7 @@ def compare(spec: ModelSpec, settings: Settings, runtime: memory.Runtime = memor
     """One line: the traced peak (phase, categories) next to memory.py's (phase, parts), in GiB."""
     from lorafit.trace.api import trace_depth
 
-    gib = 2**30
+    gib = BYTES_PER_GIB
     depth = trace_depth(
         spec,
         settings,

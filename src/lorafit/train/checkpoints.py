@@ -8,7 +8,6 @@ is untouched. Pure Python: no torch here.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lorafit.errors import TrainError
+from lorafit.files import fsync_dir, write_atomic
 
 CHECKPOINTS = "checkpoints"
 STAGING = ".staging"
@@ -27,29 +27,7 @@ RUN_FILE = "lorafit-run.json"  # which run a folder holds, and the settings it t
 RUN_FILE_VERSION = 1
 
 
-# --- files that never end up half written ---------------------------------------------------------------
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in `path` durable (no-op where directories cannot be opened)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write a whole file or nothing: a temporary sibling, fsync, rename over the target."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    fsync_dir(path.parent)
-
-
+# --- files that never end up half written (lorafit.files writes single files) --------------------------
 def _fsync_tree(folder: Path) -> None:
     for path in folder.rglob("*"):
         if path.is_file():

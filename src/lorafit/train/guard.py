@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lorafit.errors import TrainError
+from lorafit.units import gib
 
 if TYPE_CHECKING:
     from lorafit.schema import Settings
@@ -179,10 +180,10 @@ def preflight(
             return PreflightResult(settings, peak, budget, halvings)
         reduced = smaller(settings)
         if reduced is None:
-            measured = "ran out of memory" if peak is None else f"needs {peak / 2**30:.1f} GiB"
+            measured = "ran out of memory" if peak is None else f"needs {gib(peak):.1f} GiB"
             raise TrainError(
                 f"does not fit: one step at micro-batch 1 of the longest row ({len(longest['input_ids'])} tokens) "
-                f"{measured} and {budget / 2**30:.1f} GiB are free after headroom; lower seq_len, use "
+                f"{measured} and {gib(budget):.1f} GiB are free after headroom; lower seq_len, use "
                 "method qlora, grad_ckpt: true, or a paged 8-bit optimizer"
             )
         settings = reduced

@@ -23,9 +23,11 @@ import yaml
 from rich.console import Console
 
 from lorafit.errors import DataError, InvalidConfig, TrainError
+from lorafit.files import write_atomic
 from lorafit.schema import Plan, Settings
 from lorafit.train import checkpoints, examples, report
 from lorafit.train.config import TrainConfig
+from lorafit.units import gib
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -444,8 +446,8 @@ def _train_guarded(
         checked = guard.preflight(trainer, longest, settings, guard.CudaProbe(config.headroom))
         console.print(
             f"pre-flight: {guard.PREFLIGHT_STEPS} steps at micro-batch {checked.settings.micro_batch} "
-            f"x {len(longest['input_ids'])} tokens peaked at {checked.peak_bytes / 2**30:.2f} GiB of "
-            f"{checked.budget_bytes / 2**30:.2f} GiB (plan: {plan.estimate.peak_reserved_gib:.2f} GiB)"
+            f"x {len(longest['input_ids'])} tokens peaked at {gib(checked.peak_bytes):.2f} GiB of "
+            f"{gib(checked.budget_bytes):.2f} GiB (plan: {plan.estimate.peak_reserved_gib:.2f} GiB)"
         )
         if checked.settings != settings:
             settings = checked.settings
@@ -535,8 +537,8 @@ def _collator(tokenizer: PreTrainedTokenizerBase, settings: Settings, config: Tr
 
 # --- outputs --------------------------------------------------------------------------------------------------
 def _save_plan(output_dir: Path, plan: Plan) -> None:
-    checkpoints.write_atomic(output_dir / "plan.json", plan.to_json())
-    checkpoints.write_atomic(output_dir / "plan.yaml", plan.to_yaml())
+    write_atomic(output_dir / "plan.json", plan.to_json())
+    write_atomic(output_dir / "plan.yaml", plan.to_yaml())
 
 
 def resolved_config(config: TrainConfig, plan: Plan) -> TrainConfig:
@@ -558,7 +560,7 @@ def _save_run(
 ) -> None:
     _save_plan(output_dir, plan)
     resolved = resolved_config(config, plan).model_dump(mode="json")
-    checkpoints.write_atomic(output_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    write_atomic(output_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
     kept = {key: value for key, value in (saved or {}).items() if key in ("eval_before",)}
     checkpoints.write_run_file(output_dir, kept | {"fingerprint": fingerprint, "status": status} | extra)
 
@@ -610,7 +612,7 @@ def _write_outputs(
         seconds=seconds,
         tokens_per_s=tokens_per_s,
     )
-    checkpoints.write_atomic(output_dir / "README.md", card)
+    write_atomic(output_dir / "README.md", card)
     fingerprint = (checkpoints.read_run_file(output_dir) or {}).get("fingerprint", {})
     _save_run(
         output_dir,
@@ -638,4 +640,4 @@ def _point_adapter_at(output_dir: Path, model_dir: Path) -> None:
     path = output_dir / "adapter_config.json"
     data = json.loads(path.read_text())
     data["base_model_name_or_path"] = str(model_dir)
-    checkpoints.write_atomic(path, json.dumps(data, indent=2, sort_keys=True))
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True))
