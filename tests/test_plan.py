@@ -62,7 +62,7 @@ def test_7b_qlora_fits_a_4090_with_room(on_4090: Plan) -> None:
     assert on_4090.fits and on_4090.method == "qlora" and on_4090.quant == "nf4"
     assert_verdict_follows_from_the_estimate(on_4090)
     assert on_4090.estimate.peak_device_gib < usable_gib(on_4090.gpu)
-    assert on_4090.micro_batch * on_4090.grad_accum == on_4090.target_batch == 16
+    assert on_4090.micro_batch * on_4090.grad_accum == on_4090.batch_size == 16
     # room: with checkpointing the card takes a typical micro-batch of 4 or more (the fastest plan may instead
     # spend that memory on skipping the recomputation)
     assert largest_checkpointed_micro_batch("RTX 4090") >= 4

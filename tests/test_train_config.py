@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import run_cli
+from lorafit import options
 from lorafit.errors import InvalidConfig
-from lorafit.train.cli import RUN_FLAGS, train_command
 from lorafit.train.config import SETTINGS_KEYS, TrainConfig, load_config, starter_config
 
 
@@ -37,10 +36,19 @@ def test_init_does_not_replace_a_file_without_force(tmp_path: Path, capsys: pyte
     assert code == 0 and path.read_text() == starter_config("mine.yaml")
 
 
-def test_every_flag_is_a_config_key() -> None:
-    flags = set(inspect.signature(train_command).parameters) - set(RUN_FLAGS)
-    assert flags <= set(TrainConfig.model_fields)
-    assert set(SETTINGS_KEYS) <= flags  # every Settings field can be pinned from the command line
+def test_every_config_key_is_a_flag_and_every_flag_but_the_switches_a_key() -> None:
+    import typer
+
+    from lorafit.cli import _register_subcommands, app
+
+    _register_subcommands()
+    train = typer.main.get_command(app).commands["train"]  # type: ignore[attr-defined]
+    flags = {param.name: param.opts for param in train.params if param.opts[0].startswith("--")}
+    switches = {o.name for o in options.OPTIONS if not o.config and "train" in o.commands}
+    assert set(flags) == set(TrainConfig.model_fields) | switches
+    for key, spellings in flags.items():
+        assert "--" + key.replace("_", "-") in spellings
+    assert set(SETTINGS_KEYS) <= set(TrainConfig.model_fields)  # every Settings field a single device has
 
 
 def test_flags_win_over_the_file(tmp_path: Path) -> None:
@@ -48,15 +56,23 @@ def test_flags_win_over_the_file(tmp_path: Path) -> None:
     path.write_text("lora_r: 8\nlearning_rate: 0.001\n")
     config = load_config(path, {"lora_r": 32, "seed": None})
     assert (config.lora_r, config.learning_rate, config.seed) == (32, 0.001, 42)
-    assert config.pinned_settings() == {"lora_r": 32}
+    pinned = config.pinned_settings()
+    assert pinned["lora_r"] == 32
+    assert not {"micro_batch", "grad_accum", "grad_ckpt", "optimizer", "seq_len"} & set(pinned)  # the plan's
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("lora_rank: 8\n", "unknown key 'lora_rank'; did you mean lora_r?"),
-        ("lora_r: -1\n", "lora_r: Input should be greater than 0"),
-        ("method: qlorra\n", "method: Input should be 'full', 'lora' or 'qlora'"),
+        ("lora_r: -1\n", "bad.yaml: lora_r -1: must be greater than 0"),
+        ("method: qlorra\n", "bad.yaml: method qlorra: must be one of qlora, lora, full"),
+        ("method: lora\nquant: int8\n", "method lora trains on 16-bit weights: quant must be none"),
+        ("micro_batch: 3\n", "micro_batch 3 does not divide batch_size 16"),
+        ("eval_split: 2.5\n", "eval_split 2.5: a share below 1 or a whole number of rows"),
+        ("output_dir: ''\n", "output_dir '': must not be empty"),
+        ("lora_alpha: 0\n", "lora_alpha 0: must be greater than 0"),
+        ("learning_rate: .nan\n", "learning_rate nan: must be a finite number"),
         ("method: qlora\nquant: none\n", "qlora needs a quantised base"),
         ("eval_data: x.jsonl\neval_split: 0.1\n", "give eval_data or eval_split, not both"),
         ("seed: 1\nmodel: a: b\n", "line 2: not valid YAML"),
@@ -88,7 +104,7 @@ def test_a_plan_is_a_config_with_every_setting_pinned(tmp_path: Path) -> None:
     from lorafit.schema import PlanRequest
 
     plan = make_plan(
-        PlanRequest(model=catalog()["llama-3.1-8b"], gpu=hardware.resolve("RTX 4090"), target_batch=32, epochs=2)
+        PlanRequest(model=catalog()["llama-3.1-8b"], gpu=hardware.resolve("RTX 4090"), batch_size=32, epochs=2)
     )
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())

@@ -6,18 +6,20 @@ modules import torch/transformers only inside their command functions, so `loraf
 
 from __future__ import annotations
 
-import sys
+import inspect
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import Annotated
+from typing import Any
 
 import typer
 from pydantic import ValidationError
 
-from lorafit import hardware, memory, models, render
+from lorafit import hardware, memory, models, options, render
 from lorafit.errors import LorafitError
 from lorafit.hardware import GpuSpec
-from lorafit.schema import PlanRequest, Settings, default_quant, one_line
+from lorafit.options import one_line
+from lorafit.schema import PLAN_REQUEST_KEYS, PlanRequest
 
 app = typer.Typer(
     name="lorafit",
@@ -25,26 +27,51 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: wraps to any terminal width instead of cutting long flags
 )
 
 
-# --- shared options -----------------------------------------------------------------------------------------
+# --- options, derived from lorafit.options -----------------------------------------------------------------
 DEFAULT_MODEL = "llama-2-7b"
 EMBEDDED_GPUS = ("RTX 4090", "RTX 4060 Ti 16GB")
-
-ModelOpt = Annotated[
-    str | None,
-    typer.Option("--model", "-m", help="preset, hub id of a preset, or local dir / config.json (see `lorafit models`)"),
-]
-GpuOpt = Annotated[str | None, typer.Option("--gpu", "-g", help="catalog GPU (see `lorafit gpus`); default: detected")]
-VramOpt = Annotated[float | None, typer.Option("--vram", help="a GPU known only by its memory, in GB as sold")]
-MethodOpt = Annotated[str, typer.Option("--method", help="full | lora | qlora")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="print one JSON object for programs")]
-HeadroomOpt = Annotated[float, typer.Option("--headroom", help="fraction of GPU memory kept free")]
-NGpusOpt = Annotated[int, typer.Option("--n-gpus", help="GPUs to train on")]
+SWITCHES = {option.name for option in options.OPTIONS if not option.config}
+METAVARS = {int: "INTEGER", float: "NUMBER", str: "TEXT", dict: "FIELD=COLUMN,..."}
 
 
-def _gpu(gpu: str | None, vram: float | None) -> GpuSpec | None:
+def _parameter(option: options.Option) -> inspect.Parameter:
+    """One typer option. Values arrive as text and are checked by `options.validate`, so that a flag, a YAML
+    key and a form field are refused with the same message."""
+    if option.is_bool:
+        off = option.off_flag or "--no-" + option.flag.removeprefix("--")
+        declarations = [option.flag] if not option.config else [f"{option.flag}/{off}"]
+        default, annotation, metavar = (False if not option.config else None), bool | None, None
+    else:
+        declarations = [option.flag]
+        default, annotation = None, str | None
+        metavar = "|".join(option.choices) if option.choices else METAVARS.get(option.type, "TEXT")
+    declarations += list(option.flags)
+    info = typer.Option(default, *declarations, help=option.help_text(), metavar=metavar, show_default=False)
+    return inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=annotation)
+
+
+def derived_options(command: options.Command) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command function (`def f(<arguments>, **values)`) a typer option for every setting of `command`."""
+
+    def attach(function: Callable[..., None]) -> Callable[..., None]:
+        own = [p for p in inspect.signature(function).parameters.values() if p.kind is not p.VAR_KEYWORD]
+        function.__signature__ = inspect.Signature(own + [_parameter(o) for o in options.for_command(command)])  # type: ignore[attr-defined]
+        return function
+
+    return attach
+
+
+def split(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(settings that were set, switches) of a command's keyword arguments."""
+    given = {key: value for key, value in values.items() if key not in SWITCHES and value is not None}
+    return given, {key: value for key, value in values.items() if key in SWITCHES}
+
+
+def target_gpu(gpu: str | None, vram: float | None) -> GpuSpec | None:
     """--gpu, else --vram, else the detected GPU (torch is not imported for this: NVML only)."""
     if gpu and vram:
         raise LorafitError("pass --gpu or --vram, not both")
@@ -52,92 +79,30 @@ def _gpu(gpu: str | None, vram: float | None) -> GpuSpec | None:
         return hardware.resolve(gpu)
     if vram is not None:
         return hardware.custom(vram)
-    detected = hardware.detect(use_torch=False).gpus
-    if detected:
-        found = detected[0]
-        if found.catalog_name:
-            return hardware.resolve(found.catalog_name)
-        return hardware.custom(found.memory_gib)
-    return None
-
-
-def _settings(**values: object) -> Settings:
-    """Settings from CLI values, filling quant from the method when not given."""
-    given = {key: value for key, value in values.items() if value is not None}
-    method = given.get("method", "qlora")
-    given.setdefault("quant", default_quant(method))  # type: ignore[arg-type]
-    try:
-        return Settings(**given)
-    except ValidationError as error:
-        raise LorafitError(one_line(error)) from None
+    return hardware.detected_gpu(use_torch=False)
 
 
 # --- commands -----------------------------------------------------------------------------------------------
 @app.command()
-def estimate(
-    model: ModelOpt = None,
-    method: MethodOpt = "qlora",
-    precision: Annotated[str, typer.Option(help="bf16 | fp16 | fp32")] = "bf16",
-    quant: Annotated[str | None, typer.Option(help="none | int8 | nf4 (default: nf4 for qlora)")] = None,
-    double_quant: Annotated[bool, typer.Option("--double-quant/--no-double-quant")] = True,
-    lora_r: Annotated[int, typer.Option("--lora-r")] = 16,
-    lora_alpha: Annotated[int | None, typer.Option("--lora-alpha", help="default: 2 x r")] = None,
-    lora_dropout: Annotated[float, typer.Option("--lora-dropout")] = 0.05,
-    lora_targets: Annotated[str, typer.Option("--lora-targets", help="all | attn | qv")] = "all",
-    optimizer: Annotated[
-        str, typer.Option(help="adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit | sgd")
-    ] = "adamw",
-    micro_batch: Annotated[int, typer.Option("--micro-batch")] = 1,
-    seq_len: Annotated[int, typer.Option("--seq-len")] = 2048,
-    grad_ckpt: Annotated[bool, typer.Option("--grad-ckpt/--no-grad-ckpt")] = True,
-    attn: Annotated[str, typer.Option(help="sdpa | flash | eager")] = "sdpa",
-    gpu: GpuOpt = None,
-    vram: VramOpt = None,
-    n_gpus: NGpusOpt = 1,
-    shard: Annotated[str, typer.Option(help="none | ddp | zero2 | zero3 | fsdp")] = "none",
-    headroom: HeadroomOpt = 0.1,
-    exact: Annotated[bool, typer.Option("--exact", help="trace the real training step on fake tensors")] = False,
-    as_json: JsonOpt = False,
-) -> None:
+@derived_options("estimate")
+def estimate(**values: Any) -> None:
     """Peak memory of one training step, as a breakdown, and whether it fits the GPU."""
-    spec = models.resolve(model or DEFAULT_MODEL)
-    spec.check_seq_len(seq_len)
-    if not 0 <= headroom < 1:
-        raise LorafitError(f"--headroom must be in [0, 1), got {headroom}")
-    settings = _settings(
-        method=method,
-        precision=precision,
-        quant=quant,
-        double_quant=double_quant,
-        lora_r=lora_r,
-        lora_alpha=lora_alpha or 2 * lora_r,
-        lora_dropout=lora_dropout,
-        lora_targets=lora_targets,
-        optimizer=optimizer,
-        micro_batch=micro_batch,
-        seq_len=seq_len,
-        grad_ckpt=grad_ckpt,
-        attn=attn,
-        n_gpus=n_gpus,
-        shard=shard,
-    )
-    if settings.attn not in spec.attention_implementations:
-        raise LorafitError(
-            f"{spec.name} has no {settings.attn} attention in transformers; use --attn "
-            f"{' or '.join(spec.attention_implementations)}"
-        )
-    target = _gpu(gpu, vram)
-    if exact:
+    given, switches = split(values)
+    request = options.validate("estimate", given, from_flags=given)
+    spec = models.resolve(request.model or DEFAULT_MODEL)
+    target = target_gpu(request.gpu, request.vram)
+    settings = options.settings_from(request.model_dump(), spec, target)
+    if switches["exact"]:
         from lorafit import trace
 
-        result = trace.exact_estimate(spec, settings, target, headroom)
+        result = trace.exact_estimate(spec, settings, target, request.headroom)
     else:
-        result = memory.estimate(spec, settings, target, headroom)
-    if as_json:
+        result = memory.estimate(spec, settings, target, request.headroom)
+    if switches["json"]:
         render.print_json(
             result.model_dump(mode="json")
             | {
-                "exact": exact,
+                "exact": switches["exact"],
                 "model": spec.model_dump(mode="json"),
                 "settings": settings.model_dump(mode="json"),
                 "gpu": target.model_dump(mode="json") if target else None,
@@ -148,89 +113,47 @@ def estimate(
 
 
 @app.command()
-def plan(
-    model: ModelOpt = None,
-    gpu: GpuOpt = None,
-    vram: VramOpt = None,
-    method: MethodOpt = "qlora",
-    seq_len: Annotated[int | None, typer.Option("--seq-len", help="default: the data's longest row, else 2048")] = None,
-    target_batch: Annotated[int, typer.Option("--target-batch", help="effective batch in sequences")] = 16,
-    tokens: Annotated[int | None, typer.Option("--tokens", help="training tokens per epoch")] = None,
-    epochs: Annotated[float, typer.Option()] = 3.0,
-    headroom: HeadroomOpt = 0.1,
-    kwh_price: Annotated[float, typer.Option("--kwh-price", help="electricity, USD per kWh")] = 0.30,
-    data: Annotated[Path | None, typer.Option("--data", help="dataset file: its real token counts")] = None,
-    tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="local tokenizer dir for --data")] = None,
-    n_gpus: NGpusOpt = 1,
-    lora_r: Annotated[int | None, typer.Option("--lora-r", help="pin the LoRA rank")] = None,
-    lora_targets: Annotated[str | None, typer.Option("--lora-targets", help="pin: all | attn | qv")] = None,
-    optimizer: Annotated[str | None, typer.Option(help="pin the optimizer")] = None,
-    micro_batch: Annotated[int | None, typer.Option("--micro-batch", help="pin the micro-batch")] = None,
-    grad_ckpt: Annotated[bool | None, typer.Option("--grad-ckpt/--no-grad-ckpt", help="pin checkpointing")] = None,
-    compare: Annotated[bool, typer.Option("--compare", help="rank catalog GPUs for this job")] = False,
-    max_price_hour: Annotated[float, typer.Option("--max-price-hour", help="with --compare: price cap")] = 1.0,
-    as_json: JsonOpt = False,
-) -> None:
+@derived_options("plan")
+def plan(**values: Any) -> None:
     """Will it fit, with which settings, how long, at what cost: the fastest configuration that fits."""
     from lorafit import plan as planner
 
-    if tokens is not None and tokens <= 0:
-        raise LorafitError(f"--tokens must be positive, got {tokens}")
-    if micro_batch is not None and micro_batch <= 0:
-        raise LorafitError(f"--micro-batch must be positive, got {micro_batch}")
-    if target_batch <= 0 or epochs <= 0 or n_gpus <= 0:
-        raise LorafitError("--target-batch, --epochs and --n-gpus must be positive")
-    spec = models.resolve(model or DEFAULT_MODEL)
-    spec.check_seq_len(seq_len)
-    pinned = {
-        key: value
-        for key, value in dict(
-            lora_r=lora_r, lora_targets=lora_targets, optimizer=optimizer, micro_batch=micro_batch, grad_ckpt=grad_ckpt
-        ).items()
-        if value is not None
-    }
-    if lora_r is not None:
-        pinned["lora_alpha"] = 2 * lora_r
+    given, switches = split(values)
+    asked = options.validate("plan", given, from_flags=given)
+    spec = models.resolve(asked.model or DEFAULT_MODEL)
+    pinned = {key: getattr(asked, key) for key in options.STEP_KEYS if key in given and key not in PLAN_REQUEST_KEYS}
     profile, truncated = None, None
-    if data is not None:
+    if asked.data is not None:
         from lorafit.data import length_profile
 
-        lengths = length_profile(data, tokenizer=tokenizer)
+        options.check_against({"seq_len": asked.seq_len}, spec)
+        lengths = length_profile(Path(asked.data), tokenizer=asked.tokenizer)
         profile = lengths.profile
-        truncated = lengths.truncated_rows(seq_len or min(profile.max, spec.max_position_embeddings))
-    try:
-        request = PlanRequest(
-            model=spec,
-            n_gpus=n_gpus,
-            method=method,
-            seq_len=seq_len,
-            target_batch=target_batch,
-            tokens=profile,
-            tokens_per_epoch=tokens,
-            epochs=epochs,
-            headroom=headroom,
-            kwh_price=kwh_price,
-            pinned=pinned,
-        )
-    except ValidationError as error:
-        raise LorafitError(one_line(error)) from None
-    if compare:
+        truncated = lengths.truncated_rows(asked.seq_len or min(profile.max, spec.max_position_embeddings))
+    request = PlanRequest(
+        model=spec,
+        tokens=profile,
+        pinned=pinned,
+        **{key: getattr(asked, key) for key in PLAN_REQUEST_KEYS if key in asked.model_fields_set},
+    )
+    as_json = switches["json"]
+    if switches["compare"]:
         plans = planner.compare(request)
-        best_any, best_under = planner.cheapest(plans), planner.cheapest(plans, max_price_hour)
+        best_any, best_under = planner.cheapest(plans), planner.cheapest(plans, asked.max_price_hour)
         if as_json:
             render.print_json(
                 {
                     "plans": [p.model_dump(mode="json") for p in plans],
                     "cheapest": best_any.gpu.name if best_any and best_any.gpu else None,
                     "cheapest_under_price": best_under.gpu.name if best_under and best_under.gpu else None,
-                    "max_price_hour": max_price_hour,
+                    "max_price_hour": asked.max_price_hour,
                 }
             )
         else:
-            render.show_compare(plans, best_any, best_under, max_price_hour)
+            render.show_compare(plans, best_any, best_under, asked.max_price_hour)
         return
-    target = _gpu(gpu, vram)
-    if target is None and model is None:
+    target = target_gpu(asked.gpu, asked.vram)
+    if target is None and asked.model is None:
         # The embedded default: a 7B model on a comfortable and on a tight consumer card.
         plans = [
             planner.make_plan(request.model_copy(update={"gpu": hardware.resolve(name)}), truncated)
@@ -254,34 +177,35 @@ def plan(
 
 
 @app.command()
-def gpus(
-    min_vram: Annotated[float, typer.Option("--min-vram", help="GiB")] = 0,
-    max_price_hour: Annotated[float | None, typer.Option("--max-price-hour", help="USD per hour")] = None,
-    as_json: JsonOpt = False,
-) -> None:
+@derived_options("gpus")
+def gpus(**values: Any) -> None:
     """The GPU catalog: memory, throughput, power and prices, each with its source."""
-    rows = hardware.gpus(min_vram, max_price_hour)
-    if as_json:
+    given, switches = split(values)
+    asked = options.validate("gpus", given, from_flags=given)
+    rows = hardware.gpus(asked.min_vram or 0, asked.max_price_hour)
+    if switches["json"]:
         render.print_json([gpu.model_dump(mode="json") for gpu in rows])
     else:
         render.show_gpus(rows)
 
 
 @app.command("models")
-def list_models(as_json: JsonOpt = False) -> None:
+@derived_options("models")
+def list_models(**values: Any) -> None:
     """The model presets (any local config.json of a supported architecture works too)."""
     specs = list(models.catalog().values())
-    if as_json:
+    if values["json"]:
         render.print_json([spec.model_dump(mode="json") | {"num_params": spec.num_params} for spec in specs])
     else:
         render.show_models(specs)
 
 
 @app.command()
-def detect(as_json: JsonOpt = False) -> None:
+@derived_options("detect")
+def detect(**values: Any) -> None:
     """The local GPUs, CPU and RAM. Works (and says so) on a machine without a GPU."""
     machine = hardware.detect()
-    if as_json:
+    if values["json"]:
         render.print_json(machine.model_dump(mode="json"))
     else:
         render.show_machine(machine)
@@ -308,14 +232,24 @@ def fail(message: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     _register_subcommands()
     try:
-        app(args=argv, standalone_mode=True)
+        code = app(args=argv, standalone_mode=False)
+    except typer.Abort:
+        typer.echo("lorafit: interrupted", err=True)
+        raise SystemExit(130) from None
+    except typer.TyperException as error:  # a usage error: an unknown flag, a missing value, a bad argument
+        context = getattr(error, "ctx", None)
+        if type(error).__name__ == "NoArgsIsHelpError" and context is not None:
+            typer.echo(context.get_help())
+            raise SystemExit(0) from None
+        fail(" ".join(error.format_message().split()) if hasattr(error, "format_message") else str(error))
     except LorafitError as error:
         fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
     except ValidationError as error:
         fail(one_line(error))
     except KeyboardInterrupt:
         typer.echo("lorafit: interrupted", err=True)
-        sys.exit(130)
+        raise SystemExit(130) from None
+    raise SystemExit(code if isinstance(code, int) else 0)  # as click's standalone mode ends
 
 
 if __name__ == "__main__":

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lorafit import hardware
+from lorafit import hardware, options
 from lorafit.hardware import GpuSpec
 from lorafit.memory import estimate
 from lorafit.models import ModelSpec
-from lorafit.schema import Estimate, Plan, PlanRequest, Settings, Suggestion, default_quant
+from lorafit.schema import Estimate, Plan, PlanRequest, Settings, Suggestion
 
 # A run when the user gives no data: Alpaca-sized (52k rows of ~300 tokens), three epochs.
 DEFAULT_TOKENS_PER_EPOCH = 15_000_000
@@ -97,9 +97,9 @@ OPTIMIZERS = {
 }
 
 
-def _micro_batches(target_batch: int, n_gpus: int) -> list[int]:
+def _micro_batches(batch_size: int, n_gpus: int) -> list[int]:
     """Micro-batches that divide the per-GPU share of the effective batch, largest first."""
-    per_gpu = max(target_batch // n_gpus, 1)
+    per_gpu = max(batch_size // n_gpus, 1)
     return [b for b in range(per_gpu, 0, -1) if per_gpu % b == 0 and (b & (b - 1) == 0 or b == per_gpu)]
 
 
@@ -115,30 +115,23 @@ def candidates(
     method = method or request.method
     pinned = dict(request.pinned)
     pinned.pop("method", None)
-    base = {
-        "method": method,
-        "quant": pinned.pop("quant", default_quant(method)),
-        "seq_len": seq_len,
-        "n_gpus": n_gpus,
-        "shard": shard,
-    }
-    if "attn" not in pinned and "sdpa" not in request.model.attention_implementations:
-        base["attn"] = request.model.attention_implementations[0]
-    if gpu is not None and not gpu.supports_bf16 and "precision" not in pinned:
-        base["precision"] = "fp16"
-    free_ckpt = [pinned.pop("grad_ckpt")] if "grad_ckpt" in pinned else [False, True]
-    free_opt = [pinned.pop("optimizer")] if "optimizer" in pinned else OPTIMIZERS[method]
-    batches = [pinned.pop("micro_batch")] if "micro_batch" in pinned else _micro_batches(request.target_batch, n_gpus)
-    pinned_accum = pinned.pop("grad_accum", None)
+    if method != request.method:
+        pinned.pop("quant", None)  # a suggested method brings its own base
+    fixed = {"method": method, "seq_len": seq_len, "n_gpus": n_gpus, "shard": pinned.pop("shard", shard)} | pinned
+    fixed |= options.step_defaults(fixed, request.model, gpu, on_cpu=request.device == "cpu")
+    free_ckpt = [fixed.pop("grad_ckpt")] if "grad_ckpt" in fixed else [False, True]
+    free_opt = [fixed.pop("optimizer")] if "optimizer" in fixed else OPTIMIZERS[method]
+    batch_size = request.effective_batch
+    batches = [fixed.pop("micro_batch")] if "micro_batch" in fixed else _micro_batches(batch_size, n_gpus)
+    pinned_accum = fixed.pop("grad_accum", None)
     found = []
     for micro_batch in batches:
-        accum = pinned_accum or max(request.target_batch // (micro_batch * n_gpus), 1)
+        accum = pinned_accum or max(batch_size // (micro_batch * n_gpus), 1)
         for ckpt in free_ckpt:
             for optimizer in free_opt:
                 settings = Settings(
                     **(
-                        base
-                        | pinned
+                        fixed
                         | {"micro_batch": micro_batch, "grad_accum": accum, "grad_ckpt": ckpt, "optimizer": optimizer}
                     )
                 )
@@ -154,15 +147,20 @@ SPEED_TIE = 0.01
 
 
 def best(found: list[Candidate]) -> Candidate | None:
-    """The fastest candidate that fits; among equals (within SPEED_TIE), the first optimizer of OPTIMIZERS,
-    then the smallest peak."""
+    """The fastest candidate that fits; among equals (within SPEED_TIE), the first optimizer of OPTIMIZERS (a
+    pinned one outside that list after them), then the smallest peak."""
     fitting = [c for c in found if c.estimate.fits]
     if not fitting:
         return None
-    order = {name: rank for rank, name in enumerate(OPTIMIZERS[fitting[0].settings.method])}
+    preference = OPTIMIZERS[fitting[0].settings.method]
     fastest = max(c.tokens_per_s for c in fitting)
     equal = [c for c in fitting if c.tokens_per_s >= fastest * (1 - SPEED_TIE)]
-    return min(equal, key=lambda c: (order[c.settings.optimizer], c.estimate.peak_device_gib))
+
+    def rank(c: Candidate) -> tuple[int, float]:
+        optimizer = c.settings.optimizer
+        return (preference.index(optimizer) if optimizer in preference else len(preference), c.estimate.peak_device_gib)
+
+    return min(equal, key=rank)
 
 
 def smallest(found: list[Candidate]) -> Candidate:
@@ -327,11 +325,25 @@ def costs(
     return cloud, local, break_even
 
 
+def automatic_choices(request: PlanRequest, settings: Settings) -> list[str]:
+    """Plain words for the settings nobody set that follow from the model, the GPU or the device."""
+    reasons = []
+    if "attn" not in request.pinned and settings.attn != options.BY_NAME["attn"].default:
+        reasons.append(f"attention {settings.attn}: {request.model.name} has no sdpa kernel in transformers")
+    if "precision" not in request.pinned and settings.precision == "fp32" and request.device == "cpu":
+        reasons.append("precision fp32: no GPU, training on the CPU (bf16 there runs ~20x slower)")
+    elif "precision" not in request.pinned and settings.precision == "fp16" and request.gpu:
+        reasons.append(f"precision fp16: the {request.gpu.name} has no bf16")
+    return reasons
+
+
 def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
     """The fastest settings that fit `request.gpu`, with time and cost, or the smallest changes that fit."""
     seq_len = resolve_seq_len(request)
     gpu = request.gpu
-    found = candidates(request, gpu, seq_len, n_gpus=request.n_gpus, shard="zero3" if request.n_gpus > 1 else "none")
+    options.check_against(request.pinned, request.model, gpu, on_cpu=request.device == "cpu")
+    shard = "zero3" if request.n_gpus > 1 else "none"
+    found = candidates(request, gpu, seq_len, n_gpus=request.n_gpus, shard=shard)
     chosen = best(found) if gpu else None
     reasons: list[str] = []
     extra: list[Suggestion] = []
@@ -351,6 +363,17 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
             modest, key=lambda c: (c.settings.grad_ckpt, c.settings.optimizer == "adamw", c.settings.micro_batch)
         )
         reasons = ["no GPU given or detected: settings are the defaults, memory is reported without a verdict"]
+    reasons += automatic_choices(request, chosen.settings)
+    batching = options.resolve_batching(request.batching, chosen.settings.attn)
+    if request.device is not None and request.batching == "auto":
+        reasons.append(
+            f"batching {batching}: "
+            + (
+                "flash attention takes packed rows exactly"
+                if batching == "padding_free"
+                else "rows of similar length together, so padding wastes little compute"
+            )
+        )
     if truncated_rows:
         reasons.append(f"sequence length {seq_len} truncates {truncated_rows} rows of the data")
     total_tokens = tokens_per_epoch(request) * request.epochs
@@ -362,8 +385,10 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
         gpu=gpu,
         settings=chosen.settings,
         estimate=chosen.estimate,
-        target_batch=request.target_batch,
+        batch_size=request.effective_batch,
         epochs=request.epochs,
+        batching=batching if request.device is not None else None,
+        device=request.device,
         tokens=request.tokens,
         truncated_rows=truncated_rows,
         tokens_per_s=round(speed, 1),

@@ -43,20 +43,34 @@ def settings_line(settings: Settings) -> str:
     )
 
 
-def estimate_table(result: Estimate, title: str) -> Table:
+# Parts of the estimate that only a CUDA device has: its caching allocator and its context.
+CUDA_ONLY_PARTS = ("allocator_reserve", "cuda_context", "paged_optimizer_states")
+
+
+def estimate_table(result: Estimate, title: str, on_cuda: bool = True) -> Table:
+    """The breakdown and the three peaks; on the CPU only the tensors themselves (no allocator reserve, no CUDA
+    context, no nvidia-smi figure)."""
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("part")
     table.add_column("GiB", justify="right")
     for name, gib in result.breakdown_gib.items():
-        table.add_row(name.replace("_", " "), f"{gib:.2f}")
+        if on_cuda or name not in CUDA_ONLY_PARTS:
+            table.add_row(name.replace("_", " "), f"{gib:.2f}")
     table.add_section()
+    if not on_cuda:
+        table.add_row(
+            "[bold]live tensors at the peak (CPU RAM)[/bold]", f"[bold]{result.peak_allocated_gib:.2f}[/bold]"
+        )
+        return table
     table.add_row("allocated (max_memory_allocated)", f"{result.peak_allocated_gib:.2f}")
     table.add_row("reserved (max_memory_reserved)", f"{result.peak_reserved_gib:.2f}")
     table.add_row("[bold]device (nvidia-smi)[/bold]", f"[bold]{result.peak_device_gib:.2f}[/bold]")
     return table
 
 
-def verdict(fits: bool | None, gpu_name: str | None) -> str:
+def verdict(fits: bool | None, gpu_name: str | None, on_cpu: bool = False) -> str:
+    if on_cpu:
+        return "training on the CPU (no GPU): no memory verdict"
     if fits is None:
         return "no GPU given: no verdict"
     return f"[green]fits[/green] on {gpu_name}" if fits else f"[red]does not fit[/red] on {gpu_name}"
@@ -72,22 +86,24 @@ def show_estimate(spec: ModelSpec, settings: Settings, result: Estimate, gpu: Gp
     console.print(verdict(result.fits, gpu.name if gpu else None))
 
 
-def show_plan(plan: Plan) -> None:
-    gpu = plan.gpu.name if plan.gpu else "no GPU"
-    console.rule(f"[bold]{plan.model.name}[/bold] on {gpu}")
-    console.print(
-        verdict(plan.estimate.fits, plan.gpu.name if plan.gpu else None) + f": {settings_line(plan.settings)}"
+def show_plan(plan: Plan, out: Console | None = None) -> None:
+    out = out or console
+    on_cpu = plan.device == "cpu"
+    gpu = plan.gpu.name if plan.gpu else "the CPU" if on_cpu else "no GPU"
+    out.rule(f"[bold]{plan.model.name}[/bold] on {gpu}")
+    out.print(
+        verdict(plan.estimate.fits, plan.gpu.name if plan.gpu else None, on_cpu) + f": {settings_line(plan.settings)}"
     )
     for reason in plan.reasons:
-        console.print(f"  - {reason}")
+        out.print(f"  - {reason}")
     if plan.gpu and plan.fits:
         tokens = plan.tokens.total_tokens if plan.tokens else None
         source = f"{plan.tokens.source}" if plan.tokens else "an Alpaca-sized default dataset"
-        console.print(
+        out.print(
             f"  time: {plan.tokens_per_s:,.0f} tokens/s -> {_hours(plan.hours)} for {plan.epochs:g} "
             f"epoch(s) of {source}" + (f" ({tokens:,} tokens)" if tokens else "")
         )
-        console.print(
+        out.print(
             f"  cost: rented {_usd(plan.cost_cloud_usd)}, own card {_usd(plan.cost_local_usd)} of "
             f"electricity at ${plan.kwh_price}/kWh"
             + (f"; buying pays off after {plan.break_even_runs:,.0f} runs" if plan.break_even_runs else "")
@@ -100,11 +116,12 @@ def show_plan(plan: Plan) -> None:
             table.add_row(
                 suggestion.change, settings_line(suggestion.settings), _gib(suggestion.estimate.peak_device_gib)
             )
-        console.print(table)
-    console.print(estimate_table(plan.estimate, f"peak memory per GPU, at the {plan.estimate.peak_phase}"))
+        out.print(table)
+    where = "in CPU RAM" if on_cpu else "per GPU"
+    out.print(estimate_table(plan.estimate, f"peak memory {where}, at the {plan.estimate.peak_phase}", not on_cpu))
 
 
-def show_compare(plans: list[Plan], cheapest: Plan | None, cheapest_under: Plan | None, cap: float) -> None:
+def show_compare(plans: list[Plan], cheapest: Plan | None, cheapest_under: Plan | None, cap: float | None) -> None:
     table = Table(title=f"{plans[0].model.name}: GPUs ranked for this job", header_style="bold")
     for column in ("GPU", "memory", "fits", "settings", "tokens/s", "time", "rented", "own card"):
         table.add_column(column)
@@ -120,10 +137,15 @@ def show_compare(plans: list[Plan], cheapest: Plan | None, cheapest_under: Plan 
             _usd(plan.cost_local_usd) if plan.fits else "-",
         )
     console.print(table)
-    if cheapest and cheapest.gpu:
-        console.print(f"cheapest rented GPU that fits: {cheapest.gpu.name}, {_usd(cheapest.cost_cloud_usd)}")
-    if cheapest_under and cheapest_under.gpu:
-        console.print(f"cheapest under ${cap:g}/hour: {cheapest_under.gpu.name}, {_usd(cheapest_under.cost_cloud_usd)}")
+    named = [("cheapest rented GPU that fits", cheapest)]
+    if cap is not None:
+        named.append((f"cheapest at most ${cap:g}/GPU-hour", cheapest_under))
+    for label, plan in named:
+        if plan is not None and plan.gpu is not None:
+            console.print(
+                f"{label}: {plan.gpu.name} at {_usd(plan.gpu.rent_usd_per_hour)}/hour, "
+                f"{_usd(plan.cost_cloud_usd)} for the whole run ({_hours(plan.hours)})"
+            )
 
 
 def show_gpus(gpus: list[GpuSpec]) -> None:

@@ -10,67 +10,30 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, create_model
 
+from lorafit import options
 from lorafit.errors import InvalidConfig
 from lorafit.hardware import GpuSpec
-from lorafit.models import LoraTargets, ModelSpec
+from lorafit.models import ModelSpec
+from lorafit.options import (  # noqa: F401 (the step's settings and their choices are part of the schema)
+    Attention,
+    Batching,
+    Method,
+    Optimizer,
+    Precision,
+    Quant,
+    Settings,
+    Shard,
+    default_quant,
+    one_line,
+)
 
-SCHEMA_VERSION = 1
-
-Method = Literal["full", "lora", "qlora"]
-Precision = Literal["bf16", "fp16", "fp32"]
-Quant = Literal["none", "int8", "nf4"]
-Optimizer = Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd"]
-Attention = Literal["sdpa", "flash", "eager"]
-Shard = Literal["none", "ddp", "zero2", "zero3", "fsdp"]
+SCHEMA_VERSION = 2  # 2: `batch_size` (was `target_batch`), `batching` and `device` recorded
 
 
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class Settings(Frozen):
-    """Every knob of one training step. memory.estimate() and the trainer read the same object."""
-
-    method: Method = "qlora"
-    precision: Precision = "bf16"
-    quant: Quant = Field(default="nf4", description="base-weight quantisation; qlora needs int8 or nf4")
-    double_quant: bool = True
-    lora_r: int = Field(default=16, gt=0)
-    lora_alpha: int = Field(default=32, gt=0)
-    lora_dropout: float = Field(default=0.05, ge=0, lt=1)
-    lora_targets: LoraTargets = "all"
-    optimizer: Optimizer = "adamw"
-    micro_batch: int = Field(default=1, gt=0)
-    grad_accum: int = Field(default=1, gt=0)
-    seq_len: int = Field(default=2048, gt=0)
-    grad_ckpt: bool = True
-    attn: Attention = "sdpa"
-    n_gpus: int = Field(default=1, gt=0)
-    shard: Shard = "none"
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Settings:
-        if self.method == "qlora" and self.quant == "none":
-            raise ValueError("qlora needs a quantised base (--quant nf4 or int8); for 16-bit weights use lora")
-        if self.method == "full" and self.quant != "none":
-            raise ValueError("full fine-tuning trains every weight and cannot use a quantised base (--quant none)")
-        if self.n_gpus == 1 and self.shard != "none":
-            raise ValueError(f"--shard {self.shard} needs --n-gpus > 1")
-        return self
-
-    @property
-    def effective_batch(self) -> int:
-        return self.micro_batch * self.grad_accum * self.n_gpus
-
-    @property
-    def tokens_per_micro_batch(self) -> int:
-        return self.micro_batch * self.seq_len
-
-
-def default_quant(method: Method) -> Quant:
-    return "nf4" if method == "qlora" else "none"
 
 
 class TokenProfile(Frozen):
@@ -104,21 +67,42 @@ class Estimate(Frozen):
     total_params: int
 
 
-class PlanRequest(Frozen):
+class _PlanRequestBase(Frozen):
     """What the user asked `lorafit plan` (or `lorafit train`, for the settings it leaves out)."""
 
     model: ModelSpec
     gpu: GpuSpec | None = None
-    n_gpus: int = Field(default=1, gt=0)
-    method: Method = "qlora"
-    seq_len: int | None = Field(default=None, gt=0, description="None: the data's longest row, else 2048")
-    target_batch: int = Field(default=16, gt=0, description="effective batch in sequences")
     tokens: TokenProfile | None = None
-    tokens_per_epoch: int | None = Field(default=None, gt=0)
-    epochs: float = Field(default=3.0, gt=0)
-    headroom: float = Field(default=0.1, ge=0, lt=1)
-    kwh_price: float = Field(default=0.30, ge=0, description="local electricity, USD per kWh")
+    device: Literal["cuda", "cpu"] | None = Field(default=None, description="where `train` runs; None: planning")
     pinned: dict[str, Any] = Field(default_factory=dict, description="Settings fields the user fixed")
+
+    @property
+    def effective_batch(self) -> int:
+        return options.batch_size_of(self.pinned | {"batch_size": self.batch_size, "n_gpus": self.n_gpus})
+
+
+# The request's own settings come from the one declaration (lorafit.options); the others are `pinned`.
+PLAN_REQUEST_KEYS = (
+    "method",
+    "seq_len",
+    "n_gpus",
+    "batch_size",
+    "tokens_per_epoch",
+    "epochs",
+    "headroom",
+    "kwh_price",
+    "batching",
+)
+PlanRequest = create_model(  # type: ignore[call-overload]
+    "PlanRequest",
+    __base__=_PlanRequestBase,
+    __doc__=_PlanRequestBase.__doc__,
+    **{
+        name: options.BY_NAME[name].field_info(optional=options.not_set_is_none(options.BY_NAME[name]))
+        for name in PLAN_REQUEST_KEYS
+    },
+)
+PlanRequest.__module__ = "lorafit.schema"
 
 
 class Suggestion(Frozen):
@@ -140,8 +124,10 @@ class Plan(Frozen):
     gpu: GpuSpec | None
     settings: Settings
     estimate: Estimate
-    target_batch: int
+    batch_size: int
     epochs: float
+    batching: Batching | None = Field(default=None, description="how `train` batches rows; None: not resolved")
+    device: Literal["cuda", "cpu"] | None = Field(default=None, description="where `train` ran; None: planning")
     tokens: TokenProfile | None = None
     truncated_rows: int | None = None
     tokens_per_s: float
@@ -216,16 +202,11 @@ class Plan(Frozen):
             raise InvalidConfig(f"cannot read plan {path}: {error}") from None
         if not isinstance(data, dict):
             raise InvalidConfig(f"{path} does not hold a plan (expected a mapping)")
+        if data.get("schema_version") == 1:  # a run saved before batch_size was one setting
+            data = data | {"schema_version": SCHEMA_VERSION, "batch_size": data.pop("target_batch", 16)}
         if data.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
             raise InvalidConfig(f"{path} has plan schema {data['schema_version']}; this lorafit reads {SCHEMA_VERSION}")
         try:
             return cls.model_validate(data)
         except ValidationError as error:
             raise InvalidConfig(f"{path}: {one_line(error)}") from None
-
-
-def one_line(error: ValidationError) -> str:
-    """The first problem of a pydantic error, as 'field.path: message'."""
-    problem = error.errors()[0]
-    where = ".".join(str(part) for part in problem["loc"]) or "value"
-    return f"{where}: {problem['msg']}"

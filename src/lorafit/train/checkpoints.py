@@ -150,12 +150,14 @@ def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     return [key for key in keys if saved.get(key) != current.get(key)]
 
 
-def begin(output_dir: Path, fingerprint: dict[str, Any], *, resume: bool, overwrite: bool) -> RunStart:
+def begin(
+    output_dir: Path, fingerprint: dict[str, Any], *, resume: bool, overwrite: bool, dry_run: bool = False
+) -> RunStart:
     """Decide fresh or resume, refusing to touch a folder that holds something else.
 
     Same run (same fingerprint) with a checkpoint: resume, as `--resume` does. Another run: refuse unless
     `--resume` (continue it with this command's settings) or `--overwrite` (delete it). A folder with files
-    that are not a lorafit run is never deleted."""
+    that are not a lorafit run is never deleted. `dry_run`: the same decision, with nothing deleted."""
     output_dir = Path(output_dir)
     if resume and overwrite:
         raise TrainError("--resume continues the run in the output dir and --overwrite deletes it; pick one")
@@ -172,6 +174,8 @@ def begin(output_dir: Path, fingerprint: dict[str, Any], *, resume: bool, overwr
             f"{output_dir} holds files that are not a lorafit run; lorafit will not write into or delete it, "
             "pick another --output-dir"
         )
+    if overwrite and dry_run:
+        return RunStart("fresh", note=f"--overwrite would delete the previous run in {output_dir}")
     if overwrite:
         for entry in entries:
             if entry.is_dir() and not entry.is_symlink():
@@ -179,7 +183,8 @@ def begin(output_dir: Path, fingerprint: dict[str, Any], *, resume: bool, overwr
             else:
                 entry.unlink()
         return RunStart("fresh", note=f"--overwrite: deleted the previous run in {output_dir}")
-    clean_partial(output_dir)
+    if not dry_run:
+        clean_partial(output_dir)
     checkpoint = latest_checkpoint(output_dir)
     changed = _differences(saved.get("fingerprint", {}), fingerprint)
     if changed and not resume and checkpoint is None and saved.get("status") != "finished":

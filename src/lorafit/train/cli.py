@@ -1,17 +1,17 @@
 """`lorafit train`, `lorafit init`, `lorafit chat` (alias `generate`). Parse, call the recipe, print.
 
-Every flag of `train` is a key of the config file (`lorafit.train.config.TrainConfig`) with dashes; a flag
-wins over the file. torch and transformers are imported inside the command functions only.
+The options of `train` and `chat` are derived from `lorafit.options` (every train option is a config key; a flag
+wins over the file). torch and transformers are imported inside the command functions only.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
-# Flags that are not config keys: what to do with the output folder, and the demo switch.
-RUN_FLAGS = ("config", "demo", "resume", "overwrite")
+from lorafit.cli import derived_options, split
 
 
 def register(app: typer.Typer) -> None:
@@ -21,69 +21,29 @@ def register(app: typer.Typer) -> None:
     app.command("generate", help="Same as `chat`.")(chat_command)
 
 
+@derived_options("train")
 def train_command(
     config: Path | None = typer.Argument(None, help="YAML config (see `lorafit init`), or a plan from `lorafit plan`"),
-    demo: bool = typer.Option(False, "--demo", help="Build a tiny model and fine-tune it on bundled data (CPU)"),
-    model: str | None = typer.Option(None, help="Local model directory (config.json + safetensors)"),
-    data: str | None = typer.Option(None, help="Dataset file or directory"),
-    data_format: str | None = typer.Option(None, help="alpaca | sharegpt | messages | prompt_completion | text"),
-    eval_data: str | None = typer.Option(None, help="Held-out dataset for eval loss"),
-    eval_split: float | None = typer.Option(None, help="Share (<1) or number of rows held out for eval loss"),
-    method: str | None = typer.Option(None, help="qlora | lora | full"),
-    output_dir: str | None = typer.Option(None, help="Where the adapter, metrics and checkpoints go"),
-    precision: str | None = typer.Option(None, help="bf16 | fp16 | fp32"),
-    quant: str | None = typer.Option(None, help="nf4 | int8 | none"),
-    double_quant: bool | None = typer.Option(
-        None, "--double-quant/--no-double-quant", help="Quantise the 4-bit scales too"
-    ),
-    lora_r: int | None = typer.Option(None, help="LoRA rank"),
-    lora_alpha: int | None = typer.Option(None, help="LoRA alpha"),
-    lora_dropout: float | None = typer.Option(None, help="LoRA dropout"),
-    lora_targets: str | None = typer.Option(None, help="all | attn | qv"),
-    optimizer: str | None = typer.Option(None, help="adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit | sgd"),
-    micro_batch: int | None = typer.Option(None, help="Sequences per forward pass"),
-    grad_accum: int | None = typer.Option(None, help="Micro-batches per optimizer step"),
-    seq_len: int | None = typer.Option(None, help="Longest sequence; longer rows are cut"),
-    grad_ckpt: bool | None = typer.Option(None, "--grad-ckpt/--no-grad-ckpt", help="Gradient checkpointing"),
-    attn: str | None = typer.Option(None, help="sdpa | flash | eager"),
-    batch_size: int | None = typer.Option(None, help="Effective batch in sequences"),
-    epochs: float | None = typer.Option(None, help="Passes over the data"),
-    max_steps: int | None = typer.Option(None, help="Optimizer steps (overrides epochs)"),
-    learning_rate: float | None = typer.Option(None, "--learning-rate", "--lr", help="Peak learning rate"),
-    lr_scheduler: str | None = typer.Option(None, help="cosine | linear | constant | constant_with_warmup"),
-    warmup_ratio: float | None = typer.Option(None, help="Share of steps spent warming up"),
-    weight_decay: float | None = typer.Option(None, help="AdamW weight decay"),
-    seed: int | None = typer.Option(None, help="Seed for data order, adapters and dropout"),
-    train_on_prompt: bool | None = typer.Option(
-        None, "--train-on-prompt/--answer-only", help="Loss on every token, or on the answers only (default)"
-    ),
-    batching: str | None = typer.Option(None, help="auto | length_grouped | padding_free | random"),
-    logging_steps: int | None = typer.Option(None, help="Steps between metrics.jsonl lines"),
-    eval_steps: int | None = typer.Option(None, help="Steps between eval-loss measurements"),
-    save_steps: int | None = typer.Option(None, help="Steps between checkpoints"),
-    save_total_limit: int | None = typer.Option(None, help="Checkpoints kept"),
-    allow_pickle: bool | None = typer.Option(None, "--allow-pickle", help="Load .bin (pickle) weights"),
-    trust_remote_code: bool | None = typer.Option(None, "--trust-remote-code", help="Run the model's own code"),
-    resume: bool = typer.Option(False, "--resume", help="Continue the run in --output-dir from its checkpoint"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Delete the run in --output-dir and start over"),
+    **values: Any,
 ) -> None:
     """Fine-tune; settings left out come from `lorafit plan` for this machine, and the run prints them."""
-    overrides = {key: value for key, value in locals().items() if key not in RUN_FLAGS and value is not None}
+    overrides, switches = split(values)
     from rich.console import Console
 
     console = Console(highlight=False, soft_wrap=True)
-    if demo:
+    run_switches = {"resume": switches["resume"], "overwrite": switches["overwrite"], "dry_run": switches["dry_run"]}
+    if switches["demo"]:
         if config is not None:
             raise typer.BadParameter("--demo brings its own config; pass flags to change it", param_hint="CONFIG")
         from lorafit.train.demo import run_demo
 
-        if not run_demo(overrides, resume=resume, overwrite=overwrite, console=console):
+        if not run_demo(overrides, console=console, **run_switches):
             raise typer.Exit(1)
         return
     from lorafit.train.config import load_config
     from lorafit.train.recipe import run
 
-    run(load_config(config, overrides), resume=resume, overwrite=overwrite, console=console)
+    run(load_config(config, overrides), console=console, **run_switches)
 
 
 def init_command(
@@ -97,16 +57,18 @@ def init_command(
     typer.echo(f"wrote {path}; set `model:` and `data:`, then run `lorafit train {path}`")
 
 
-def chat_command(
-    run_dir: Path = typer.Argument(..., help="A `lorafit train` output folder"),
-    prompt: str = typer.Option(..., "--prompt", "-p", help="The user message"),
-    max_new_tokens: int = typer.Option(64, help="Longest answer, in tokens"),
-    temperature: float = typer.Option(0.0, help="0: greedy (the same answer every time)"),
-    allow_pickle: bool = typer.Option(False, "--allow-pickle", help="Load .bin (pickle) base weights"),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run the model's own code"),
-) -> None:
+@derived_options("chat")
+def chat_command(run_dir: Path = typer.Argument(..., help="A `lorafit train` output folder"), **values: Any) -> None:
     """Load the run's base model and adapter and print its answer to PROMPT."""
+    from lorafit import options
+    from lorafit.errors import InvalidConfig
     from lorafit.train.chat import answer, load
 
-    model, tokenizer = load(run_dir, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
-    typer.echo(answer(model, tokenizer, prompt, max_new_tokens=max_new_tokens, temperature=temperature))
+    given, _ = split(values)
+    asked = options.validate("chat", given, from_flags=given)
+    if asked.prompt is None:
+        raise InvalidConfig("no prompt: pass --prompt TEXT")
+    model, tokenizer = load(run_dir, allow_pickle=asked.allow_pickle, trust_remote_code=asked.trust_remote_code)
+    typer.echo(
+        answer(model, tokenizer, asked.prompt, max_new_tokens=asked.max_new_tokens, temperature=asked.temperature)
+    )

@@ -240,13 +240,19 @@ def show(comparison: Comparison, console: Console) -> None:
     )
 
 
-def run_demo(overrides: dict[str, Any], *, resume: bool, overwrite: bool, console: Console) -> bool:
+def run_demo(
+    overrides: dict[str, Any], *, resume: bool, overwrite: bool, console: Console, dry_run: bool = False
+) -> bool:
     """Train the demo and show what changed; False if it did not learn by the stated margin."""
     from lorafit.train.recipe import run
 
     config = demo_config(overrides)
     console.rule("[bold]lorafit demo[/bold]: QLoRA on a tiny model, on the CPU")
-    result = run(config, resume=resume, overwrite=overwrite, console=console, build_model=build_demo_base)
+    result = run(
+        config, resume=resume, overwrite=overwrite, dry_run=dry_run, console=console, build_model=build_demo_base
+    )
+    if result is None:  # a dry run
+        return True
     comparison = compare(result)
     show(comparison, console)
     console.print(f'try it: lorafit chat {config.output_dir} --prompt "Which animal lives on Duvik?"')

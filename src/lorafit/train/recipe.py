@@ -60,33 +60,24 @@ def run(
     *,
     resume: bool = False,
     overwrite: bool = False,
+    dry_run: bool = False,
     console: Console | None = None,
     build_model: Callable[[Path], None] | None = None,
-) -> RunResult:
-    """Train `config` into config.output_dir. `build_model(dir)` creates the base model first (the demo)."""
+) -> RunResult | None:
+    """Train `config` into config.output_dir. `build_model(dir)` creates the base model first (the demo).
+    `dry_run`: check and resolve everything, print the plan and the resolved config, write nothing, return None."""
     console = console or Console(highlight=False)
     started = time.perf_counter()
+    if dry_run:
+        return _dry_run(config, resume=resume, overwrite=overwrite, console=console, build_model=build_model)
 
     # 1. Inputs that can be checked without torch: fail in a second, not after loading a model.
-    if config.model is None:
-        raise InvalidConfig("no model: set `model:` in the config or pass --model DIR (a local model directory)")
-    if config.data is None:
-        raise InvalidConfig("no data: set `data:` in the config or pass --data FILE")
-    model_dir = Path(config.model).expanduser().resolve()
-    data_path = Path(config.data).expanduser()
-    eval_path = Path(config.eval_data).expanduser() if config.eval_data else None
-    for path in (data_path, eval_path):
-        if path is not None and not path.exists():
-            raise DataError(f"no dataset at {path}")
-    if build_model is None:
-        _check_model(model_dir, config)
-        _model_spec(model_dir)
+    model_dir, data_path, eval_path = _inputs(config, check_model=build_model is None)
     train_rows, eval_rows, data_format = _load_data(config, data_path, eval_path)
 
     # 2. The output folder: a fresh run, the same run again (resume), or another run (refuse).
     output_dir = Path(config.output_dir).expanduser()
-    data_files = [data_path] + ([eval_path] if eval_path else [])
-    fingerprint = config.fingerprint() | {"model": str(model_dir), "data_sha256": checkpoints.data_digest(data_files)}
+    fingerprint = _fingerprint(config, model_dir, data_path, eval_path)
     start = checkpoints.begin(output_dir, fingerprint, resume=resume, overwrite=overwrite)
     if start.note:
         console.print(start.note)
@@ -109,14 +100,9 @@ def run(
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
         torch.set_flush_denormal(True)  # tiny values in CPU matmuls are 10-100x slower unflushed
-    tokenizer = _load_tokenizer(model_dir, config)
-    if examples.ensure_chat_template(tokenizer):
-        console.print("the tokenizer has no chat template: using 'role: content' turns (saved with the adapter)")
-    examples.ensure_pad_token(tokenizer)
-    raw_text = data_format == "text"
-    encoded = examples.encode(train_rows, tokenizer, raw_text=raw_text, train_on_prompt=config.train_on_prompt)
-    encoded_eval = examples.encode(eval_rows, tokenizer, raw_text=raw_text, train_on_prompt=config.train_on_prompt)
-    profile = examples.token_profile(encoded, str(data_path), model_dir.name)
+    tokenizer, encoded, encoded_eval, profile = _tokenized(
+        config, model_dir, train_rows, eval_rows, data_format, data_path, console
+    )
 
     # 4. Settings: the plan for this device, the user's settings pinned; a resumed run keeps its own.
     saved_plan = _saved_plan(output_dir) if start.mode == "resume" else None
@@ -125,7 +111,7 @@ def run(
     _check_device(settings, on_cuda)
     from lorafit.render import show_plan
 
-    show_plan(plan)
+    show_plan(plan, console)
     train_set = examples.cut(encoded, settings.seq_len)
     eval_set = examples.cut(encoded_eval, settings.seq_len)
     if train_set.truncated or train_set.dropped:
@@ -188,7 +174,115 @@ def run(
     )
 
 
+def _dry_run(
+    config: TrainConfig,
+    *,
+    resume: bool,
+    overwrite: bool,
+    console: Console,
+    build_model: Callable[[Path], None] | None,
+) -> None:
+    """What `run` checks and decides before it loads the model, with nothing written: the inputs, the output
+    folder (fresh, resumed or refused), the tokenized data, the plan for this device and the resolved config."""
+    import tempfile
+
+    from lorafit.render import show_plan
+    from lorafit.train import build
+
+    model_dir, data_path, eval_path = _inputs(config, check_model=build_model is None)
+    train_rows, eval_rows, data_format = _load_data(config, data_path, eval_path)
+    output_dir = Path(config.output_dir).expanduser()
+    fingerprint = _fingerprint(config, model_dir, data_path, eval_path)
+    start = checkpoints.begin(output_dir, fingerprint, resume=resume, overwrite=overwrite, dry_run=True)
+    _check_writable(output_dir)
+    _quiet_libraries()
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="lorafit-dry-run-") as scratch:
+        if build_model is not None and not (model_dir / "config.json").is_file():
+            model_dir = Path(scratch) / model_dir.name  # the demo's base model, built where nothing stays
+            build_model(model_dir)
+        _check_model(model_dir, config)
+        spec = _model_spec(model_dir)
+        _, encoded, _, profile = _tokenized(config, model_dir, train_rows, eval_rows, data_format, data_path, console)
+    saved_plan = _saved_plan(output_dir) if start.mode == "resume" else None
+    plan = resolve_plan(
+        config,
+        spec,
+        profile,
+        encoded.lengths,
+        saved_plan=saved_plan,
+        on_cuda=torch.cuda.is_available(),
+        console=console,
+    )
+    _check_device(plan.settings, plan.device == "cuda")
+    build.check_settings(spec, plan.settings)
+    show_plan(plan, console)
+    console.print("resolved config (`lorafit train` would run exactly this):")
+    console.print(yaml.safe_dump(resolved_config(config, plan).model_dump(mode="json"), sort_keys=False), end="")
+    what = start.note or ("resume" if start.mode == "resume" else f"a fresh run in {output_dir}")
+    console.print(f"dry run: {what}; nothing was written")
+
+
 # --- inputs -------------------------------------------------------------------------------------------------
+def _inputs(config: TrainConfig, *, check_model: bool) -> tuple[Path, Path, Path | None]:
+    """The model directory and data files, checked without torch: fail in a second, not after loading."""
+    if config.model is None:
+        raise InvalidConfig("no model: set `model:` in the config or pass --model DIR (a local model directory)")
+    if config.data is None:
+        raise InvalidConfig("no data: set `data:` in the config or pass --data FILE")
+    model_dir = Path(config.model).expanduser().resolve()
+    data_path = Path(config.data).expanduser()
+    eval_path = Path(config.eval_data).expanduser() if config.eval_data else None
+    for path in (data_path, eval_path):
+        if path is not None and not path.exists():
+            raise DataError(f"no dataset at {path}")
+    if check_model:
+        _check_model(model_dir, config)
+        _model_spec(model_dir)
+    return model_dir, data_path, eval_path
+
+
+def _fingerprint(config: TrainConfig, model_dir: Path, data_path: Path, eval_path: Path | None) -> dict[str, Any]:
+    data_files = [data_path] + ([eval_path] if eval_path else [])
+    return config.fingerprint() | {"model": str(model_dir), "data_sha256": checkpoints.data_digest(data_files)}
+
+
+def _check_writable(output_dir: Path) -> None:
+    """The output folder, or the nearest folder above it that exists, must take a new file: probed with a
+    temporary folder that is removed at once (permission bits say nothing for root, or under /proc)."""
+    import tempfile
+
+    existing = output_dir.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        with tempfile.TemporaryDirectory(dir=existing, prefix=".lorafit-probe-"):
+            pass
+    except OSError as error:
+        raise TrainError(f"--output-dir {output_dir}: cannot write in {existing} ({error.strerror or error})") from None
+
+
+def _tokenized(
+    config: TrainConfig,
+    model_dir: Path,
+    train_rows: list[list[dict[str, Any]]],
+    eval_rows: list[list[dict[str, Any]]],
+    data_format: str | None,
+    data_path: Path,
+    console: Console,
+) -> tuple[PreTrainedTokenizerBase, examples.Encoded, examples.Encoded, TokenProfile]:
+    """The model's tokenizer (with a chat template and a pad token) and the data encoded with it."""
+    tokenizer = _load_tokenizer(model_dir, config)
+    if examples.ensure_chat_template(tokenizer):
+        console.print("the tokenizer has no chat template: using 'role: content' turns (saved with the adapter)")
+    examples.ensure_pad_token(tokenizer)
+    raw_text = data_format == "text"
+    encoded = examples.encode(train_rows, tokenizer, raw_text=raw_text, train_on_prompt=config.train_on_prompt)
+    encoded_eval = examples.encode(eval_rows, tokenizer, raw_text=raw_text, train_on_prompt=config.train_on_prompt)
+    return tokenizer, encoded, encoded_eval, examples.token_profile(encoded, str(data_path), model_dir.name)
+
+
 def _check_model(model_dir: Path, config: TrainConfig) -> None:
     from lorafit.train.build import check_model_dir
 
@@ -240,6 +334,11 @@ def _load_data(
         eval_rows = load_conversations(eval_path, config.data_format, config.data_mapping or None)
         return list(rows), list(eval_rows), rows.format
     count = int(config.eval_split) if config.eval_split >= 1 else round(len(rows) * config.eval_split)
+    if count >= len(rows) and config.eval_split:
+        raise DataError(
+            f"eval_split {config.eval_split:g} holds out {count} of the data's {len(rows)} rows, leaving none to "
+            "train on; use a share below 1 or fewer rows"
+        )
     count = min(max(count, 1), len(rows) - 1) if config.eval_split and len(rows) >= 2 else 0
     order = list(range(len(rows)))
     random.Random(config.seed).shuffle(order)
@@ -250,19 +349,6 @@ def _load_data(
 
 
 # --- settings -------------------------------------------------------------------------------------------------
-def detected_gpu() -> GpuSpec | None:
-    """The first local GPU as a catalog entry (or one known by its memory), None without one."""
-    from lorafit import hardware
-
-    machine = hardware.detect()
-    if not machine.gpus:
-        return None
-    found = machine.gpus[0]
-    if found.catalog_name:
-        return hardware.resolve(found.catalog_name)
-    return hardware.custom(found.memory_gib * 2**30 / 1e9).model_copy(update={"name": found.name})
-
-
 def resolve_plan(
     config: TrainConfig,
     spec: ModelSpec,
@@ -275,29 +361,31 @@ def resolve_plan(
     gpu: GpuSpec | None = None,
 ) -> Plan:
     """The settings this run uses, as a Plan. Fresh: `lorafit plan` for the detected device with the user's
-    settings pinned. Resumed: the run's saved plan. Where a setting then differs from the plan's (a user
-    override), the memory is estimated again with the same `memory.estimate()`."""
-    from lorafit import memory
+    settings pinned, every automatic choice (device, GPU, precision, batching) made there and recorded. Resumed:
+    the run's saved plan. Where a setting then differs from the plan's (a user override), the memory is
+    estimated again with the same `memory.estimate()`."""
+    from lorafit import hardware, memory, options
     from lorafit.plan import make_plan, resolve_seq_len
     from lorafit.schema import PlanRequest
 
     pinned = config.pinned_settings()
-    if not on_cuda and "precision" not in pinned:
-        pinned["precision"] = "fp32"
-        console.print("no GPU: training in fp32 on the CPU (bf16 there runs ~20x slower; set precision to override)")
-    gpu = gpu if gpu is not None else (detected_gpu() if on_cuda else None)
+    device = "cuda" if on_cuda else "cpu"
+    gpu = gpu if gpu is not None else (hardware.detected_gpu() if on_cuda else None)
+    options.check_against(pinned, spec, gpu, on_cpu=not on_cuda)
     if saved_plan is not None:
         plan = saved_plan
     else:
         request = PlanRequest(
             model=spec,
             gpu=gpu,
+            device=device,
             method=config.method,
             seq_len=config.seq_len,
-            target_batch=config.batch_size,
+            batch_size=config.effective_batch_size,
             tokens=profile,
             epochs=config.epochs,
             headroom=config.headroom,
+            batching=config.batching,
             pinned=pinned,
         )
         seq_len = resolve_seq_len(request)
@@ -310,8 +398,6 @@ def resolve_plan(
 
 
 def _check_device(settings: Settings, on_cuda: bool) -> None:
-    if not on_cuda and settings.precision == "fp16":
-        raise TrainError("precision fp16 needs a CUDA GPU; on the CPU use fp32 (or bf16)")
     if settings.n_gpus > 1:
         raise TrainError(
             f"lorafit train runs on one device; the plan asks for {settings.n_gpus} GPUs "
@@ -396,7 +482,7 @@ def _train_guarded(
     eval_order = sorted(range(len(eval_set.input_ids)), key=lambda i: len(eval_set.input_ids[i]))
     eval_list = [{"input_ids": eval_set.input_ids[i], "labels": eval_set.labels[i]} for i in eval_order]
     lengths = train_set.lengths
-    collator = TokenCountingCollator(_collator(tokenizer, plan.settings, config, on_cuda))
+    collator = TokenCountingCollator(_collator(tokenizer, plan, on_cuda))
     eval_steps = (config.eval_steps or config.save_steps) if eval_list else None
     watch = StepWatch()
     fault = guard.injected_oom()
@@ -422,7 +508,7 @@ def _train_guarded(
             callbacks=[callback],
             run_dir=output_dir,
             lengths=lengths,
-            group_by_length=_group_by_length(config, settings),
+            group_by_length=plan.batching == "length_grouped",
             keep=config.save_total_limit,
             fault=fault,
             watch=watch,
@@ -511,21 +597,11 @@ def _replan(plan: Plan, spec: ModelSpec, settings: Settings, config: TrainConfig
     return plan
 
 
-def _group_by_length(config: TrainConfig, settings: Settings) -> bool:
-    """auto: padding-free batches with flash attention (its kernels take packed rows exactly), else rows of
-    similar length together, so that padding to the longest in a batch wastes little compute."""
-    batching = config.batching
-    if batching == "auto":
-        batching = "padding_free" if settings.attn == "flash" else "length_grouped"
-    return batching == "length_grouped"
-
-
-def _collator(tokenizer: PreTrainedTokenizerBase, settings: Settings, config: TrainConfig, on_cuda: bool) -> Any:
+def _collator(tokenizer: PreTrainedTokenizerBase, plan: Plan, on_cuda: bool) -> Any:
     from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening
 
-    batching = config.batching
-    if batching == "padding_free" or (batching == "auto" and settings.attn == "flash"):
-        return DataCollatorWithFlattening(return_flash_attn_kwargs=settings.attn == "flash")
+    if plan.batching == "padding_free":
+        return DataCollatorWithFlattening(return_flash_attn_kwargs=plan.settings.attn == "flash")
     return DataCollatorForSeq2Seq(
         tokenizer,
         padding="longest",

@@ -1,0 +1,965 @@
+"""Every setting of lorafit, declared once: its type, choices, default, unit, help and the rules that tie it to
+the others.
+
+Everything a user can set is derived from the table `OPTIONS` below: the `estimate`, `plan`, `train` and `chat`
+command-line options (`lorafit.cli.derived_options`), the `Settings` of one training step, the `train` config
+file and its commented starter (`TrainConfig`, `starter_yaml`), and the validation of all of them
+(`validate`), so that a combination is accepted or refused the same way, with the same one-line message, from
+flags, from a YAML file and from any later form. Pure Python: no torch here.
+
+`None` as a value means "not set": the command then uses the default, or, where `auto` says so, decides (the
+planner searches micro-batch, accumulation, checkpointing and the optimizer; some defaults follow from the model,
+the GPU or other settings, see `step_defaults`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from lorafit.errors import InvalidConfig
+from lorafit.models import LoraTargets
+
+if TYPE_CHECKING:
+    from lorafit.hardware import GpuSpec
+    from lorafit.models import ModelSpec
+
+Command = Literal["estimate", "plan", "train", "chat", "gpus", "models", "detect"]
+Method = Literal["qlora", "lora", "full"]
+Precision = Literal["bf16", "fp16", "fp32"]
+Quant = Literal["none", "int8", "nf4"]
+Optimizer = Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd"]
+Attention = Literal["sdpa", "flash", "eager"]
+Shard = Literal["none", "ddp", "zero2", "zero3", "fsdp"]
+DataFormat = Literal["alpaca", "sharegpt", "messages", "prompt_completion", "text"]
+Scheduler = Literal["cosine", "linear", "constant", "constant_with_warmup"]
+Batching = Literal["auto", "length_grouped", "padding_free", "random"]
+
+ESTIMATE_PLAN_TRAIN: tuple[Command, ...] = ("estimate", "plan", "train")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting. `name` is the config key and the Python name; the flag is `--name-with-dashes`."""
+
+    name: str
+    type: Any  # int, float, bool, str, dict, or a Literal of the choices
+    help: str
+    commands: tuple[Command, ...]
+    group: str
+    default: Any = None
+    auto: str = ""  # what "not set" means where it is not simply `default`
+    unit: str = ""
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    flags: tuple[str, ...] = ()  # more spellings, e.g. "-m", "--lr"
+    off_flag: str = ""  # a bool's "false" flag; default --no-NAME
+    step: bool = False  # a field of `Settings`, the knobs of one training step
+    config: bool = True  # False: a command switch (--json, --exact), not a setting a file can hold
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return get_args(self.type) if getattr(self.type, "__origin__", None) is Literal else ()
+
+    @property
+    def is_bool(self) -> bool:
+        return self.type is bool
+
+    def describe_default(self) -> str:
+        if self.auto:
+            return self.auto
+        if self.default is None:
+            return "not set"
+        if self.is_bool:
+            return "on" if self.default else "off"
+        return f"{self.default:g}" if isinstance(self.default, float) else str(self.default)
+
+    def help_text(self) -> str:
+        """What `--help` says: the help, the unit and the default (the choices are the flag's metavar)."""
+        text = self.help + (f", in {self.unit}" if self.unit else "")
+        default = self.describe_default()
+        return text if default == "not set" else f"{text} [default: {default}]"
+
+    def field_info(self, *, optional: bool) -> tuple[Any, Any]:
+        """(annotation, pydantic Field) of this option in a model; `optional`: None means not set."""
+        bounds = {key: getattr(self, key) for key in ("gt", "ge", "lt", "le") if getattr(self, key) is not None}
+        if self.type is float:
+            bounds["allow_inf_nan"] = False
+        if self.type is str:
+            bounds["min_length"] = 1
+        annotation = self.type | None if optional else self.type
+        default = None if optional else self.default
+        if self.type is dict:
+            annotation = dict[str, str] | None if optional else dict[str, str]
+            return annotation, Field(default_factory=dict) if not optional else Field(default=None)
+        return annotation, Field(default=default, description=self.help_text(), **bounds)
+
+
+# --- the table ----------------------------------------------------------------------------------------------
+OPTIONS: tuple[Option, ...] = (
+    # what to fine-tune, on what
+    Option(
+        "model",
+        str,
+        "catalog preset or hub id (see `lorafit models`), or a local model directory or config.json;"
+        " `train` needs a local directory (config.json + safetensors)",
+        ESTIMATE_PLAN_TRAIN,
+        "model",
+        auto="llama-2-7b for estimate and plan; train needs one",
+        flags=("-m",),
+    ),
+    Option(
+        "gpu",
+        str,
+        "catalog GPU (see `lorafit gpus`)",
+        ("estimate", "plan"),
+        "model",
+        auto="the detected GPU",
+        flags=("-g",),
+    ),
+    Option(
+        "vram",
+        float,
+        "a GPU known only by its memory, as sold: a '24 GB' card has 24 GiB (nvidia-smi shows about that)",
+        ("estimate", "plan"),
+        "model",
+        unit="GB as sold",
+        gt=0,
+        le=2048,
+    ),
+    Option(
+        "tokenizer",
+        str,
+        "local tokenizer directory to count the tokens of --data",
+        ("plan",),
+        "model",
+        auto="a character estimate",
+    ),
+    Option(
+        "data",
+        str,
+        "dataset file or directory (JSONL, JSON, CSV, Parquet, text): plan counts its tokens, train trains on it",
+        ("plan", "train"),
+        "model",
+    ),
+    Option(
+        "headroom", float, "share of the GPU's memory kept free", ESTIMATE_PLAN_TRAIN, "model", default=0.1, ge=0, lt=1
+    ),
+    # one training step (the fields of Settings)
+    Option(
+        "method",
+        Method,
+        "qlora: 4-bit base + LoRA; lora: 16-bit base + LoRA; full: every weight",
+        ESTIMATE_PLAN_TRAIN,
+        "step",
+        default="qlora",
+        step=True,
+    ),
+    Option(
+        "precision",
+        Precision,
+        "compute dtype",
+        ESTIMATE_PLAN_TRAIN,
+        "step",
+        default="bf16",
+        step=True,
+        auto="bf16; fp16 on a GPU without bf16; fp32 when training on the CPU",
+    ),
+    Option(
+        "quant",
+        Quant,
+        "base-weight quantisation: qlora needs nf4 or int8, lora and full none",
+        ESTIMATE_PLAN_TRAIN,
+        "step",
+        step=True,
+        auto="nf4 for qlora, else none",
+    ),
+    Option(
+        "double_quant",
+        bool,
+        "quantise the 4-bit scales too (saves ~0.4 bit per weight)",
+        ESTIMATE_PLAN_TRAIN,
+        "step",
+        default=True,
+        step=True,
+    ),
+    Option("lora_r", int, "LoRA adapter rank", ESTIMATE_PLAN_TRAIN, "step", default=16, gt=0, le=4096, step=True),
+    Option(
+        "lora_alpha",
+        int,
+        "LoRA scale: alpha / r multiplies the update",
+        ESTIMATE_PLAN_TRAIN,
+        "step",
+        gt=0,
+        step=True,
+        auto="2 x lora_r",
+    ),
+    Option(
+        "lora_dropout",
+        float,
+        "dropout on the adapter input",
+        ESTIMATE_PLAN_TRAIN,
+        "step",
+        default=0.05,
+        ge=0,
+        lt=1,
+        step=True,
+    ),
+    Option(
+        "lora_targets",
+        LoraTargets,
+        "which linear layers get adapters",
+        ESTIMATE_PLAN_TRAIN,
+        "step",
+        default="all",
+        step=True,
+    ),
+    Option(
+        "optimizer",
+        Optimizer,
+        "optimizer (8-bit states are a quarter of 32-bit ones)",
+        ESTIMATE_PLAN_TRAIN,
+        "step",
+        default="adamw",
+        step=True,
+        auto="adamw; plan and train: the planner's choice",
+    ),
+    Option(
+        "micro_batch",
+        int,
+        "sequences per forward pass",
+        ESTIMATE_PLAN_TRAIN,
+        "step",
+        default=1,
+        gt=0,
+        le=65536,
+        step=True,
+        auto="1; plan and train: the planner's choice",
+    ),
+    Option(
+        "grad_accum",
+        int,
+        "micro-batches per optimizer step",
+        ESTIMATE_PLAN_TRAIN,
+        "step",
+        default=1,
+        gt=0,
+        le=65536,
+        step=True,
+        auto="1; plan and train: batch_size / (micro_batch x n_gpus)",
+    ),
+    Option(
+        "seq_len",
+        int,
+        "longest sequence in tokens; longer rows are cut",
+        ESTIMATE_PLAN_TRAIN,
+        "step",
+        default=2048,
+        gt=0,
+        le=1 << 22,
+        step=True,
+        auto="2048; plan and train: the data's longest row",
+    ),
+    Option(
+        "grad_ckpt",
+        bool,
+        "gradient checkpointing: recompute activations in backward (less memory, about a third more compute)",
+        ESTIMATE_PLAN_TRAIN,
+        "step",
+        default=True,
+        step=True,
+        auto="on; plan and train: the planner's choice",
+    ),
+    Option(
+        "attn",
+        Attention,
+        "attention kernel",
+        ESTIMATE_PLAN_TRAIN,
+        "step",
+        default="sdpa",
+        step=True,
+        auto="sdpa where the model has it, else its own kernel (eager for Gemma-2)",
+    ),
+    Option("n_gpus", int, "GPUs to train on", ("estimate", "plan"), "step", default=1, gt=0, le=4096, step=True),
+    Option(
+        "shard",
+        Shard,
+        "how several GPUs share the model",
+        ("estimate", "plan"),
+        "step",
+        default="none",
+        step=True,
+        auto="none; plan: zero3 for several GPUs",
+    ),
+    # the whole job
+    Option(
+        "batch_size",
+        int,
+        "effective batch in sequences: micro_batch x grad_accum x n_gpus",
+        ("plan", "train"),
+        "job",
+        gt=0,
+        le=1 << 20,
+        auto="16, or micro_batch x grad_accum (x n_gpus) when both are set",
+        flags=("--target-batch",),
+    ),
+    Option("epochs", float, "passes over the data", ("plan", "train"), "job", default=3.0, gt=0, le=10000),
+    Option("max_steps", int, "optimizer steps; overrides epochs", ("train",), "job", gt=0),
+    Option(
+        "tokens_per_epoch",
+        int,
+        "training tokens per epoch",
+        ("plan",),
+        "job",
+        gt=0,
+        flags=("--tokens",),
+        auto="the data's, else an Alpaca-sized 15M",
+    ),
+    Option(
+        "kwh_price",
+        float,
+        "electricity price for the own-card cost",
+        ("plan",),
+        "job",
+        default=0.30,
+        ge=0,
+        le=100,
+        unit="USD per kWh",
+    ),
+    Option(
+        "max_price_hour",
+        float,
+        "a cap on the rental price: `gpus` lists only the GPUs under it, `plan --compare` also names the cheapest "
+        "under it",
+        ("plan", "gpus"),
+        "job",
+        ge=0,
+        unit="USD per GPU-hour",
+        auto="no cap",
+    ),
+    Option(
+        "min_vram",
+        float,
+        "only GPUs with at least this much memory, as sold (a '24 GB' card counts as 24)",
+        ("gpus",),
+        "job",
+        ge=0,
+        le=4096,
+        unit="GB as sold",
+        auto="no minimum",
+    ),
+    # data for training
+    Option("data_format", DataFormat, "format of the data", ("train",), "data", auto="detected from the first rows"),
+    Option(
+        "data_mapping",
+        dict,
+        "read a field from another column: FIELD=COLUMN[,FIELD=COLUMN...]",
+        ("train",),
+        "data",
+        auto="no renames",
+    ),
+    Option("eval_data", str, "held-out dataset for the eval loss", ("train",), "data", auto="eval_split of the data"),
+    Option(
+        "eval_split",
+        float,
+        "rows held out for the eval loss: a share below 1, or a whole number of rows",
+        ("train",),
+        "data",
+        default=0.05,
+        ge=0,
+    ),
+    Option(
+        "output_dir",
+        str,
+        "where the adapter, metrics, plan and checkpoints go",
+        ("train",),
+        "data",
+        default="runs/lorafit",
+    ),
+    # schedule
+    Option(
+        "learning_rate", float, "peak learning rate", ("train",), "schedule", default=2e-4, gt=0, le=10, flags=("--lr",)
+    ),
+    Option("lr_scheduler", Scheduler, "learning-rate schedule", ("train",), "schedule", default="cosine"),
+    Option(
+        "warmup_ratio", float, "share of the steps spent warming up", ("train",), "schedule", default=0.03, ge=0, lt=1
+    ),
+    Option("weight_decay", float, "AdamW weight decay", ("train",), "schedule", default=0.0, ge=0),
+    Option("max_grad_norm", float, "gradient clipping norm (0: off)", ("train",), "schedule", default=1.0, ge=0),
+    Option(
+        "seed", int, "seed for data order, adapters and dropout", ("train",), "schedule", default=42, ge=0, lt=2**32
+    ),
+    # loss and batching
+    Option(
+        "train_on_prompt",
+        bool,
+        "loss on every token, or on the answers only",
+        ("train",),
+        "loss",
+        default=False,
+        off_flag="--answer-only",
+    ),
+    Option(
+        "batching",
+        Batching,
+        "how rows are batched (auto: padding_free with flash attention, else length_grouped)",
+        ("train",),
+        "loss",
+        default="auto",
+    ),
+    # logging, evaluation, checkpoints
+    Option("logging_steps", int, "steps between metrics.jsonl lines", ("train",), "checkpoints", default=1, gt=0),
+    Option(
+        "eval_steps",
+        int,
+        "steps between eval-loss measurements",
+        ("train",),
+        "checkpoints",
+        gt=0,
+        auto="at every checkpoint",
+    ),
+    Option(
+        "save_steps",
+        int,
+        "steps between checkpoints (atomic; rerun the command to resume)",
+        ("train",),
+        "checkpoints",
+        default=50,
+        gt=0,
+    ),
+    Option("save_total_limit", int, "newest checkpoints kept", ("train",), "checkpoints", default=2, gt=0),
+    # safety
+    Option(
+        "allow_pickle",
+        bool,
+        "load .bin (pickle) weights, which can run code",
+        ("train", "chat"),
+        "safety",
+        default=False,
+    ),
+    Option("trust_remote_code", bool, "run a model's own Python code", ("train", "chat"), "safety", default=False),
+    # chat
+    Option("prompt", str, "the user message", ("chat",), "chat", flags=("-p",)),
+    Option("max_new_tokens", int, "longest answer", ("chat",), "chat", default=64, gt=0, le=32768, unit="tokens"),
+    Option(
+        "temperature",
+        float,
+        "sampling temperature; 0 is greedy (the same answer every time)",
+        ("chat",),
+        "chat",
+        default=0.0,
+        ge=0,
+        le=100,
+    ),
+    # command switches: what to do, not what to train
+    Option(
+        "exact",
+        bool,
+        "trace the real training step on fake tensors",
+        ("estimate",),
+        "switch",
+        default=False,
+        config=False,
+    ),
+    Option("compare", bool, "rank the catalog GPUs for this job", ("plan",), "switch", default=False, config=False),
+    Option(
+        "dry_run",
+        bool,
+        "check everything, resolve every automatic choice, print the plan and the resolved config, write nothing",
+        ("train",),
+        "switch",
+        default=False,
+        config=False,
+    ),
+    Option(
+        "demo",
+        bool,
+        "build a tiny model and fine-tune it on bundled data (CPU)",
+        ("train",),
+        "switch",
+        default=False,
+        config=False,
+    ),
+    Option(
+        "resume",
+        bool,
+        "continue the run in output_dir from its checkpoint",
+        ("train",),
+        "switch",
+        default=False,
+        config=False,
+    ),
+    Option(
+        "overwrite",
+        bool,
+        "delete the run in output_dir and start over",
+        ("train",),
+        "switch",
+        default=False,
+        config=False,
+    ),
+    Option(
+        "json",
+        bool,
+        "print one JSON object for programs",
+        ("estimate", "plan", "gpus", "models", "detect"),
+        "switch",
+        default=False,
+        config=False,
+    ),
+)
+BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
+STEP_KEYS: tuple[str, ...] = tuple(option.name for option in OPTIONS if option.step)
+SEARCHED = ("micro_batch", "grad_accum", "grad_ckpt", "optimizer")  # what the planner chooses when not set
+DEFAULT_BATCH_SIZE = 16
+
+
+def for_command(command: Command, *, settings_only: bool = False) -> list[Option]:
+    return [o for o in OPTIONS if command in o.commands and (o.config or not settings_only)]
+
+
+def config_keys(command: Command) -> tuple[str, ...]:
+    return tuple(o.name for o in for_command(command, settings_only=True))
+
+
+# --- rules that tie settings together -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rule:
+    """A check over several settings, applied when every one of `names` is set; `check` returns the problem."""
+
+    names: tuple[str, ...]
+    check: Callable[[Mapping[str, Any]], str | None]
+
+
+def _quant_matches_method(v: Mapping[str, Any]) -> str | None:
+    method, quant = v["method"], v["quant"]
+    if method == "qlora" and quant == "none":
+        return "method qlora needs a quantised base: quant nf4 or int8 (for 16-bit weights use method lora)"
+    if method != "qlora" and quant != "none":
+        return f"method {method} trains on 16-bit weights: quant must be none (a quantised base is method qlora)"
+    return None
+
+
+def _shard_needs_gpus(v: Mapping[str, Any]) -> str | None:
+    return f"shard {v['shard']} needs n_gpus > 1" if v["n_gpus"] == 1 and v["shard"] != "none" else None
+
+
+def _gpus_share_the_batch(v: Mapping[str, Any]) -> str | None:
+    batch_size, n_gpus = v["batch_size"], v["n_gpus"]
+    if batch_size % n_gpus == 0:
+        return None
+    return (
+        f"n_gpus {n_gpus} does not divide batch_size {batch_size}: every GPU takes the same whole number of "
+        "sequences per step"
+    )
+
+
+def _micro_batch_splits(v: Mapping[str, Any]) -> str | None:
+    per_gpu = v["batch_size"] // (v.get("n_gpus") or 1)
+    micro_batch = v["micro_batch"]
+    if per_gpu % micro_batch == 0:
+        return None
+    fitting = [str(b) for b in range(1, per_gpu + 1) if per_gpu % b == 0][:8]
+    return (
+        f"micro_batch {micro_batch} does not divide batch_size {v['batch_size']}"
+        + (f" over {v['n_gpus']} GPUs" if (v.get("n_gpus") or 1) > 1 else "")
+        + f": use micro_batch {', '.join(fitting)}, or another batch_size"
+    )
+
+
+def _batch_is_the_product(v: Mapping[str, Any]) -> str | None:
+    product = v["micro_batch"] * v["grad_accum"] * (v.get("n_gpus") or 1)
+    if product == v["batch_size"]:
+        return None
+    return (
+        f"micro_batch {v['micro_batch']} x grad_accum {v['grad_accum']}"
+        + (f" x n_gpus {v['n_gpus']}" if (v.get("n_gpus") or 1) > 1 else "")
+        + f" is {product}, not batch_size {v['batch_size']}; leave one of them out"
+    )
+
+
+def _eval_sources(v: Mapping[str, Any]) -> str | None:
+    return "give eval_data or eval_split, not both (set eval_split: 0)" if v["eval_split"] else None
+
+
+def _eval_split_whole(v: Mapping[str, Any]) -> str | None:
+    split = v["eval_split"]
+    return f"eval_split {split:g}: a share below 1 or a whole number of rows" if split >= 1 and split % 1 else None
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(("method", "quant"), _quant_matches_method),
+    Rule(("n_gpus", "shard"), _shard_needs_gpus),
+    Rule(("batch_size", "n_gpus"), _gpus_share_the_batch),
+    Rule(("batch_size", "micro_batch"), _micro_batch_splits),
+    Rule(("batch_size", "micro_batch", "grad_accum"), _batch_is_the_product),
+    Rule(("eval_data", "eval_split"), _eval_sources),
+    Rule(("eval_split",), _eval_split_whole),
+)
+
+
+def broken_rule(values: Mapping[str, Any]) -> str | None:
+    """The first rule that the set values break, as its message."""
+    for rule in RULES:
+        if all(values.get(name) is not None for name in rule.names):
+            problem = rule.check(values)
+            if problem:
+                return problem
+    return None
+
+
+# --- defaults that follow from other settings, the model and the GPU ---------------------------------------
+def default_quant(method: str) -> str:
+    return "nf4" if method == "qlora" else "none"
+
+
+def step_defaults(
+    values: Mapping[str, Any], spec: ModelSpec | None = None, gpu: GpuSpec | None = None, *, on_cpu: bool = False
+) -> dict[str, Any]:
+    """The step settings that are not set but follow from what is: quant from the method, lora_alpha from the
+    rank, the attention kernel from the model, the precision from the GPU (or the CPU)."""
+    filled: dict[str, Any] = {}
+    method = values.get("method") or BY_NAME["method"].default
+    if values.get("quant") is None:
+        filled["quant"] = default_quant(method)
+    if values.get("lora_alpha") is None:
+        filled["lora_alpha"] = 2 * (values.get("lora_r") or BY_NAME["lora_r"].default)
+    if values.get("attn") is None and spec is not None and "sdpa" not in spec.attention_implementations:
+        filled["attn"] = spec.attention_implementations[0]
+    if values.get("precision") is None:
+        if on_cpu:
+            filled["precision"] = "fp32"
+        elif gpu is not None and not gpu.supports_bf16:
+            filled["precision"] = "fp16"
+    return filled
+
+
+def check_against(
+    values: Mapping[str, Any], spec: ModelSpec | None = None, gpu: GpuSpec | None = None, *, on_cpu: bool = False
+) -> None:
+    """The rules that need the model or the device: its positions, its attention kernels, bf16 on the GPU."""
+    attn, precision = values.get("attn"), values.get("precision")
+    if spec is not None:
+        spec.check_seq_len(values.get("seq_len"))
+    if spec is not None and attn is not None and attn not in spec.attention_implementations:
+        raise InvalidConfig(
+            f"attn {attn}: {spec.name} ({spec.architecture}) has no {attn} attention in transformers; use attn "
+            f"{' or '.join(spec.attention_implementations)}"
+        )
+    if precision == "bf16" and gpu is not None and not gpu.supports_bf16 and not on_cpu:
+        raise InvalidConfig(f"precision bf16: the {gpu.name} has no bf16; use precision fp16 (or fp32)")
+    if precision == "fp16" and on_cpu:
+        raise InvalidConfig("precision fp16 needs a CUDA GPU; on the CPU use precision fp32 (or bf16)")
+
+
+def resolve_batching(batching: str, attn: str) -> str:
+    """auto: padding-free batches with flash attention (its kernels take packed rows exactly), else rows of
+    similar length together, so that padding to the longest in a batch wastes little compute."""
+    if batching != "auto":
+        return batching
+    return "padding_free" if attn == "flash" else "length_grouped"
+
+
+def batch_size_of(values: Mapping[str, Any]) -> int:
+    """The effective batch: as set, else micro_batch x grad_accum (x n_gpus) when both are set, else 16."""
+    if values.get("batch_size") is not None:
+        return values["batch_size"]
+    if values.get("micro_batch") is not None and values.get("grad_accum") is not None:
+        return values["micro_batch"] * values["grad_accum"] * (values.get("n_gpus") or 1)
+    return DEFAULT_BATCH_SIZE
+
+
+# --- the models derived from the table ----------------------------------------------------------------------
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class _RuledModel(Frozen):
+    @model_validator(mode="after")
+    def _rules(self) -> _RuledModel:
+        values = dict(self.__dict__)
+        if "batch_size" in type(self).model_fields:
+            values["batch_size"] = batch_size_of(values)  # the rules check the batch the run will have
+        problem = broken_rule(values)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+class _SettingsBase(_RuledModel):
+    """Every knob of one training step. memory.estimate() and the trainer read the same object."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            given = {key: value for key, value in data.items() if value is not None}
+            return given | step_defaults(given)
+        return data
+
+    @property
+    def effective_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.n_gpus  # type: ignore[attr-defined]
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch * self.seq_len  # type: ignore[attr-defined]
+
+
+# Settings: every step option with its concrete default (quant and lora_alpha follow from method and rank).
+Settings = create_model(  # type: ignore[call-overload]
+    "Settings",
+    __base__=_SettingsBase,
+    __doc__=_SettingsBase.__doc__,
+    **{o.name: o.field_info(optional=False) for o in OPTIONS if o.step},
+)
+Settings.__module__ = "lorafit.options"
+
+
+class _TrainConfigBase(_RuledModel):
+    """What `lorafit train` runs: the keys of its YAML file and, with dashes, its flags. A step setting left out
+    (None) comes from `lorafit plan` for this machine."""
+
+    def pinned_settings(self) -> dict[str, Any]:
+        """The Settings fields this config fixes; the plan fills the others."""
+        return {
+            key: getattr(self, key)
+            for key in STEP_KEYS
+            if key in type(self).model_fields and getattr(self, key) is not None
+        }
+
+    @property
+    def effective_batch_size(self) -> int:
+        return batch_size_of(self.__dict__)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What makes two runs the same run: everything but where it writes, how often it reports, and safety."""
+        ignored = {o.name for o in OPTIONS if o.group in ("checkpoints", "safety")} | {"output_dir", "headroom"}
+        return {key: value for key, value in self.model_dump(mode="json").items() if key not in ignored}
+
+
+def _train_fields() -> list[Option]:
+    return for_command("train", settings_only=True)
+
+
+def not_set_is_none(option: Option) -> bool:
+    """In a train config a step setting the planner decides (see `auto`) is None until the plan fills it."""
+    return option.default is None or (option.step and bool(option.auto))
+
+
+TrainConfig = create_model(  # type: ignore[call-overload]
+    "TrainConfig",
+    __base__=_TrainConfigBase,
+    __doc__=_TrainConfigBase.__doc__,
+    **{o.name: o.field_info(optional=not_set_is_none(o)) for o in _train_fields()},
+)
+TrainConfig.__module__ = "lorafit.options"
+
+
+@cache
+def command_model(command: Command) -> type[BaseModel]:
+    """The flat model of one command's settings, None where not set: what `validate` checks values with."""
+    if command == "train":
+        return TrainConfig
+    return create_model(  # type: ignore[call-overload]
+        f"{command.title()}Options",
+        __base__=_RuledModel,
+        **{o.name: o.field_info(optional=not_set_is_none(o)) for o in for_command(command, settings_only=True)},
+    )
+
+
+# --- validation with one-line messages ----------------------------------------------------------------------
+def _problem(error: dict[str, Any], option: Option | None) -> str:
+    """A pydantic error in the words of the setting: what it must be."""
+    kind, context = error["type"], error.get("ctx") or {}
+    if kind == "literal_error" and option is not None:
+        return f"must be one of {', '.join(option.choices)}"
+    limits = {
+        "greater_than": "greater than",
+        "greater_than_equal": "at least",
+        "less_than": "less than",
+        "less_than_equal": "at most",
+    }
+    if kind in limits:
+        limit = next(iter(context.values()))
+        return f"must be {limits[kind]} {limit:g}" if isinstance(limit, float) else f"must be {limits[kind]} {limit}"
+    phrases = {
+        "int_parsing": "must be a whole number",
+        "int_from_float": "must be a whole number",
+        "int_type": "must be a whole number",
+        "float_parsing": "must be a number",
+        "float_type": "must be a number",
+        "finite_number": "must be a finite number",
+        "bool_parsing": "must be true or false",
+        "bool_type": "must be true or false",
+        "string_too_short": "must not be empty",
+        "string_type": "must be text",
+        "dict_type": "must be a mapping of FIELD: COLUMN",
+    }
+    return phrases.get(kind, error["msg"].removeprefix("Value error, "))
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, str):
+        return repr(value) if value == "" or " " in value else value
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:g}"
+    return str(value)
+
+
+def one_line(error: ValidationError, source: str = "", from_flags: Iterable[str] = ()) -> str:
+    """The first problem of a validation error, naming the setting and its value: 'lora_r -1: must be ...',
+    after the file it came from (`source`) unless it came from a flag."""
+    problem = error.errors()[0]
+    name = str(problem["loc"][0]) if problem["loc"] else ""
+    where = f"{source}: " if source and name not in from_flags else ""
+    if problem["type"] == "extra_forbidden":
+        return where + unknown_key(name)
+    option = BY_NAME.get(name)
+    if not name:  # a rule over several settings: its message names them
+        return where + problem["msg"].removeprefix("Value error, ")
+    spelled = option.flag if option is not None and name in from_flags else ".".join(map(str, problem["loc"]))
+    return f"{where}{spelled} {_shown(problem.get('input'))}: {_problem(problem, option)}"
+
+
+def unknown_key(key: str, known: Iterable[str] | None = None) -> str:
+    known = list(known) if known is not None else [o.name for o in OPTIONS if o.config]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else "see `lorafit init` for every key"
+    return f"unknown key {key!r}; {hint}"
+
+
+def parse_mapping(text: str) -> dict[str, str]:
+    """'instruction=question,output=answer' -> {'instruction': 'question', 'output': 'answer'}."""
+    mapping = {}
+    for pair in text.split(","):
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise InvalidConfig(f"data_mapping {text!r}: expected FIELD=COLUMN[,FIELD=COLUMN...]")
+        mapping[key.strip()] = value.strip()
+    return mapping
+
+
+def validate(command: Command, values: Mapping[str, Any], source: str = "", from_flags: Iterable[str] = ()) -> Any:
+    """Check the settings of `command` with every declared type, bound and rule; one line naming the setting and
+    its value when something is wrong. `source` names the file the values came from, except `from_flags`."""
+    known = config_keys(command)
+    for key in values:
+        if key not in known:
+            where = f"{source}: " if source and key not in from_flags else ""
+            raise InvalidConfig(where + unknown_key(key, known))
+    data = dict(values)
+    if isinstance(data.get("data_mapping"), str):
+        data["data_mapping"] = parse_mapping(data["data_mapping"])
+    model = command_model(command)
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise InvalidConfig(one_line(error, source, from_flags)) from None
+
+
+def settings_from(
+    values: Mapping[str, Any], spec: ModelSpec | None = None, gpu: GpuSpec | None = None, *, on_cpu: bool = False
+) -> Any:
+    """A Settings from set values, the defaults that follow from the model and the GPU filled in, checked."""
+    given = {key: value for key, value in values.items() if key in STEP_KEYS and value is not None}
+    check_against(given, spec, gpu, on_cpu=on_cpu)
+    resolved = given | step_defaults(given, spec, gpu, on_cpu=on_cpu)
+    try:
+        settings = Settings(**resolved)
+    except ValidationError as error:
+        raise InvalidConfig(one_line(error)) from None
+    check_against(settings.model_dump(), spec, gpu, on_cpu=on_cpu)
+    return settings
+
+
+# --- the train config file ----------------------------------------------------------------------------------
+GROUP_TITLES = {
+    "model": "what to train on",
+    "step": "method and memory settings (~ = from the plan for this machine)",
+    "job": "the whole job",
+    "data": "data",
+    "schedule": "schedule",
+    "loss": "loss and batching",
+    "checkpoints": "logging, evaluation, checkpoints",
+    "safety": "safety",
+}
+
+
+def _yaml_value(value: Any) -> str:
+    import yaml
+
+    if value is None:
+        return "~"
+    if isinstance(value, dict):
+        return "{}" if not value else yaml.safe_dump(value, default_flow_style=True).strip()
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+
+
+def starter_yaml(name: str) -> str:
+    """The commented starter config of `lorafit init`: every key of TrainConfig, its default and its help."""
+    lines = [
+        f"# lorafit train config. Run it with:  lorafit train {name}",
+        "# Every key can also be given as a flag (--output-dir, --lora-r, ...), which wins over the file.",
+        "# Keys left empty (~) are filled by `lorafit plan` for the GPU this machine has; the run prints them.",
+        "# `lorafit train " + name + " --dry-run` shows what it would run without writing anything.",
+    ]
+    defaults = TrainConfig()
+    group = None
+    for option in _train_fields():
+        if option.group != group:
+            group = option.group
+            title = f"# --- {GROUP_TITLES.get(group, group)} "
+            lines += ["", title + "-" * max(3, 118 - len(title))]
+        value = _yaml_value(getattr(defaults, option.name))
+        comment = option.help + (f"; {' | '.join(option.choices)}" if option.choices else "")
+        if value == "~" and option.auto:
+            comment += f" (~: {option.auto})"
+        lines += _commented(f"{option.name}: {value}", comment)
+    return "\n".join(lines) + "\n"
+
+
+def _commented(entry: str, comment: str, column: int = 28, width: int = 118) -> list[str]:
+    """`entry  # comment`, the comment wrapped onto indented comment lines."""
+    import textwrap
+
+    pieces = textwrap.wrap(comment, width - column - 2) or [""]
+    first = f"{entry:<{column - 1}} # {pieces[0]}"
+    return [first] + [f"{'':<{column - 1}} # {piece}" for piece in pieces[1:]]
+
+
+def as_dicts() -> list[dict[str, Any]]:
+    """The table as plain data (for a form or the docs): name, flag, type, choices, default, help, commands."""
+    rows = []
+    for o in OPTIONS:
+        kind = "choice" if o.choices else getattr(o.type, "__name__", str(o.type))
+        rows.append(
+            {
+                "name": o.name,
+                "flag": o.flag,
+                "type": kind,
+                "choices": list(o.choices),
+                "default": o.default,
+                "default_text": o.describe_default(),
+                "help": o.help,
+                "unit": o.unit,
+                "group": o.group,
+                "commands": list(o.commands),
+                "step": o.step,
+                "config": o.config,
+                "bounds": {k: getattr(o, k) for k in ("gt", "ge", "lt", "le") if getattr(o, k) is not None},
+            }
+        )
+    return rows
