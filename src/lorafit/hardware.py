@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import platform
 import re
@@ -11,10 +12,10 @@ from functools import cache
 from importlib import resources
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lorafit.errors import UnknownGpu
-from lorafit.units import BYTES_PER_GIB
+from lorafit.units import BYTES_PER_MIB, gib, gib_to_bytes
 
 GpuKind = Literal["consumer", "workstation", "datacenter", "apple"]
 
@@ -28,6 +29,7 @@ class GpuSpec(BaseModel):
     aliases: list[str] = []
     kind: GpuKind
     architecture: str
+    memory_gb: float = Field(gt=0, description="memory as the card is sold ('24 GB'); a card sold as N GB has N GiB")
     memory_gib: float = Field(gt=0, description="total device memory as nvidia-smi reports it, in GiB")
     bf16_tflops: float = Field(ge=0, description="dense bf16 tensor-core TFLOP/s (0: no bf16 support)")
     fp16_tflops: float = Field(gt=0, description="dense fp16 tensor-core TFLOP/s, fp32 accumulate")
@@ -40,6 +42,14 @@ class GpuSpec(BaseModel):
     )
     source: str
     as_of: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _size_as_sold_of_an_older_plan(cls, data: object) -> object:
+        """A plan saved before `memory_gb` existed holds only nvidia-smi's figure: it stands in for the size."""
+        if isinstance(data, dict) and "memory_gib" in data and "memory_gb" not in data:
+            return {**data, "memory_gb": data["memory_gib"]}
+        return data
 
     @property
     def supports_bf16(self) -> bool:
@@ -86,28 +96,43 @@ def resolve(name: str) -> GpuSpec:
     raise UnknownGpu(f"no GPU {name!r} in the catalog; {hint}see `lorafit gpus`, or pass --vram GB")
 
 
+MAX_VRAM_GB = 2048  # no single accelerator comes near it: a larger --vram is a typo (MB for GB, say)
+LIKE = "RTX 4090"  # whose throughput a GPU known only by its memory borrows
+
+
 def custom(vram_gb: float, like: GpuSpec | None = None) -> GpuSpec:
     """A GPU known only by its memory (`--vram`); throughput borrowed from `like`, else from an RTX 4090.
 
     A card sold as "8 GB" has 8 GiB (nvidia-smi: 8188 MiB), so the number is read as binary gigabytes."""
-    if vram_gb <= 0:
-        raise UnknownGpu(f"--vram must be positive, got {vram_gb}")
-    base = like or catalog()["RTX 4090"]
+    if not (math.isfinite(vram_gb) and 0 < vram_gb <= MAX_VRAM_GB):
+        raise UnknownGpu(
+            f"--vram is the GPU's memory in GB as sold, above 0 and at most {MAX_VRAM_GB}; got {vram_gb:g}"
+        )
+    return _by_memory(f"{vram_gb:g} GB GPU", vram_gb, like, f"--vram {vram_gb:g}")
+
+
+def _by_memory(name: str, memory_gib: float, like: GpuSpec | None, how: str) -> GpuSpec:
+    """`like` (else the RTX 4090) with this name and memory, and no prices: they belong to the card borrowed."""
+    base = like or catalog()[LIKE]
     return base.model_copy(
         update={
-            "name": f"{vram_gb:g} GB GPU",
+            "name": name,
             "aliases": [],
-            "memory_gib": vram_gb,
+            "memory_gb": memory_gib,
+            "memory_gib": memory_gib,
             "price_usd": None,
             "rent_usd_per_hour": None,
-            "source": f"--vram {vram_gb:g}; throughput of {base.name}",
+            "source": f"{how}; throughput of {base.name}",
         }
     )
 
 
-def gpus(min_vram_gib: float = 0, max_price_hour: float | None = None) -> list[GpuSpec]:
-    """The catalog filtered by memory and rental price, smallest memory first."""
-    rows = [gpu for gpu in catalog().values() if gpu.memory_gib * gpu.usable_fraction >= min_vram_gib]
+def gpus(min_vram_gb: float = 0, max_price_hour: float | None = None) -> list[GpuSpec]:
+    """The catalog filtered by memory and rental price, smallest memory first.
+
+    `min_vram_gb` is the size as sold, so 24 keeps every "24 GB" card (nvidia-smi shows 23.99 GiB on most);
+    for an Apple entry it is the share of its memory the GPU may take by default."""
+    rows = [gpu for gpu in catalog().values() if gpu.memory_gb * gpu.usable_fraction >= min_vram_gb]
     if max_price_hour is not None:
         rows = [g for g in rows if g.rent_usd_per_hour is not None and g.rent_usd_per_hour <= max_price_hour]
     return sorted(rows, key=lambda gpu: (gpu.memory_gib, gpu.name))
@@ -131,16 +156,38 @@ class LocalMachine(BaseModel):
 
 def _ram_gib() -> float | None:
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / BYTES_PER_GIB
+        return gib(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return None
 
 
-def _catalog_name(name: str) -> str | None:
-    try:
-        return resolve(name).name
-    except UnknownGpu:
-        return None
+# Driver versions move nvidia-smi's total by a few MiB (an RTX 4090: 24564 or 24576); ECC on a workstation card
+# takes 6 %. A detected card is its catalog entry only when the memory agrees within this share.
+SAME_MEMORY = 0.02
+
+
+def _catalog_entry(name: str, memory_gib: float) -> GpuSpec | None:
+    """The catalog entry of a detected GPU, from its name and memory: NVML calls both RTX 4060 Ti cards "NVIDIA
+    GeForce RTX 4060 Ti", so the size is tried with the name first. None when no entry has that memory."""
+    for label in (f"{name} {round(memory_gib)}GB", name):
+        try:
+            spec = resolve(label)
+        except UnknownGpu:
+            continue
+        if abs(spec.memory_gib - memory_gib) <= SAME_MEMORY * spec.memory_gib:
+            return spec
+    return None
+
+
+def _detected(name: str, total_bytes: float, free_bytes: float) -> DetectedGpu:
+    memory_gib = gib(total_bytes)
+    entry = _catalog_entry(name, memory_gib)
+    return DetectedGpu(
+        name=name,
+        memory_gib=memory_gib,
+        free_gib=gib(free_bytes),
+        catalog_name=entry.name if entry else None,
+    )
 
 
 def _nvml_gpus() -> list[DetectedGpu] | None:
@@ -158,14 +205,7 @@ def _nvml_gpus() -> list[DetectedGpu] | None:
         name = pynvml.nvmlDeviceGetName(handle)
         name = name.decode() if isinstance(name, bytes) else name
         memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        found.append(
-            DetectedGpu(
-                name=name,
-                memory_gib=memory.total / BYTES_PER_GIB,
-                free_gib=memory.free / BYTES_PER_GIB,
-                catalog_name=_catalog_name(name),
-            )
-        )
+        found.append(_detected(name, memory.total, memory.free))
     return found
 
 
@@ -180,14 +220,7 @@ def _torch_gpus() -> list[DetectedGpu] | None:
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
         free, total = torch.cuda.mem_get_info(index)
-        found.append(
-            DetectedGpu(
-                name=props.name,
-                memory_gib=total / BYTES_PER_GIB,
-                free_gib=free / BYTES_PER_GIB,
-                catalog_name=_catalog_name(props.name),
-            )
-        )
+        found.append(_detected(props.name, total, free))
     return found
 
 
@@ -212,3 +245,21 @@ def detect(use_torch: bool = True) -> LocalMachine:
         found, how = [], "none (neither NVML nor torch is installed)"
     cpu = platform.processor() or platform.machine()
     return LocalMachine(gpus=found, cpu=cpu, cpu_cores=os.cpu_count() or 1, ram_gib=_ram_gib(), how=how)
+
+
+def detected_gpu(use_torch: bool = True) -> GpuSpec | None:
+    """The first local GPU as the planner sees it, None without one: its catalog entry where the name and the
+    memory match one, else a GPU known by the detected name and memory in GiB, with the throughput of the entry
+    its name resolves to (an RTX A6000 with ECC on) or of the `custom` default."""
+    found = detect(use_torch).gpus
+    if not found:
+        return None
+    first = found[0]
+    if first.catalog_name:
+        return catalog()[first.catalog_name]
+    try:
+        like: GpuSpec | None = resolve(first.name)
+    except UnknownGpu:
+        like = None
+    mib = round(gib_to_bytes(first.memory_gib) / BYTES_PER_MIB)
+    return _by_memory(first.name, first.memory_gib, like, f"detected {first.name}, {mib} MiB")

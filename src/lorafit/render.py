@@ -150,13 +150,14 @@ def show_compare(plans: list[Plan], cheapest: Plan | None, cheapest_under: Plan 
 
 def show_gpus(gpus: list[GpuSpec]) -> None:
     table = Table(title="GPU catalog", header_style="bold")
-    for column in ("GPU", "kind", "memory", "bf16 TFLOP/s", "GB/s", "W", "price", "rent/h"):
+    for column in ("GPU", "kind", "sold as", "device", "bf16 TFLOP/s", "GB/s", "W", "price", "rent/h"):
         table.add_column(column)
     for gpu in gpus:
         table.add_row(
             gpu.name,
             gpu.kind,
-            f"{gpu.memory_gib:.1f} GiB",
+            f"{gpu.memory_gb:g} GB",
+            f"{gpu.memory_gib:.2f} GiB",
             f"{gpu.bf16_tflops:g}",
             f"{gpu.bandwidth_gbs:g}",
             f"{gpu.board_power_w:g}",
