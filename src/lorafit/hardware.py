@@ -224,18 +224,6 @@ def _torch_gpus() -> list[DetectedGpu] | None:
     return found
 
 
-def detected_gpu(use_torch: bool = True) -> GpuSpec | None:
-    """The first local GPU as its catalog entry, else known by its detected memory (GiB) and name; None without
-    one. The planner and the trainer both read the local GPU through this."""
-    found = detect(use_torch=use_torch).gpus
-    if not found:
-        return None
-    first = found[0]
-    if first.catalog_name:
-        return resolve(first.catalog_name)
-    return custom(first.memory_gib).model_copy(update={"name": first.name})
-
-
 def detect(use_torch: bool = True) -> LocalMachine:
     """The local GPUs (NVML, else torch), CPU and RAM. Never fails: no GPU is an empty list."""
     found, how = _nvml_gpus(), "nvml"
