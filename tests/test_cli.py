@@ -148,6 +148,27 @@ def test_plan_with_nothing_given_plans_the_embedded_cards(
             assert key in plan, key
 
 
+@pytest.mark.parametrize(
+    ("args", "optimizer"),
+    [
+        (["--gpu", "A40", "--optimizer", "adamw_8bit"], "adamw_8bit"),
+        (["--method", "full", "--optimizer", "sgd"], "sgd"),
+    ],
+)
+def test_a_pinned_optimizer_outside_the_search_is_planned(
+    args: list[str], optimizer: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = run_json(["plan", "--model", "llama-2-7b", *args], capsys)
+    assert plan["settings"]["optimizer"] == optimizer
+
+
+def test_compare_names_the_hourly_price_and_the_cost_of_the_run_apart(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["plan", "--model", "llama-2-7b", "--compare", "--max-price-hour", "1"], capsys)
+    assert code == 0
+    line = next(line for line in out.splitlines() if line.startswith("cheapest at most $1/GPU-hour"))
+    assert "/hour," in line and "for the whole run" in " ".join(out.split())
+
+
 def test_plan_compare_json_names_the_cheapest(capsys: pytest.CaptureFixture[str]) -> None:
     data = run_json(["plan", "--model", "llama-2-7b", "--compare", "--max-price-hour", "0.3"], capsys)
     rented = [p for p in data["plans"] if p["fits"] and p["cost_cloud_usd"] is not None]
@@ -195,6 +216,27 @@ BAD_INPUT = {
     "zero tokens": (["plan", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--tokens", "0"], "--tokens"),
     "headroom of 1": (["estimate", "--headroom", "1"], "--headroom"),
     "gpu and vram": (["estimate", "--gpu", "RTX 4090", "--vram", "24"], "not both"),
+    "vram nan": (["plan", "--model", "llama-2-7b", "--vram", "nan"], "--vram nan: must be a finite number"),
+    "vram inf": (["estimate", "--vram", "inf"], "--vram inf: must be a finite number"),
+    "a million GPUs": (["plan", "--model", "llama-2-7b", "--n-gpus", "1000000"], "--n-gpus 1000000: must be at most"),
+    "more GPUs than sequences": (
+        ["plan", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--n-gpus", "32"],
+        "n_gpus 32 does not divide batch_size 16",
+    ),
+    "micro-batch that does not divide the batch": (
+        ["plan", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--micro-batch", "3"],
+        "micro_batch 3 does not divide batch_size 16",
+    ),
+    "train batch of 3 in micro-batches of 2": (
+        ["train", "--batch-size", "3", "--micro-batch", "2"],
+        "micro_batch 2 does not divide batch_size 3",
+    ),
+    "alpha 0 is not silently 2r": (["estimate", "--lora-alpha", "0"], "--lora-alpha 0: must be greater than 0"),
+    "empty output dir": (["train", "--output-dir", ""], "--output-dir '': must not be empty"),
+    "bf16 on a T4": (["estimate", "--gpu", "T4", "--precision", "bf16"], "the T4 has no bf16"),
+    "unknown flag": (["plan", "--lora-rank", "3"], "No such option: --lora-rank"),
+    "flag without its value": (["plan", "--gpu"], "'--gpu' requires an argument"),
+    "lora over int8": (["estimate", "--method", "lora", "--quant", "int8"], "quant must be none"),
 }
 
 

@@ -343,3 +343,20 @@ def test_a_plan_that_does_not_fit_exits_0(capsys: pytest.CaptureFixture[str]) ->
     assert exit_info.value.code == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["fits"] is False and printed["suggestions"]
+
+
+def test_a_plan_for_a_cpu_run_shows_no_cuda_figures() -> None:
+    from io import StringIO
+
+    from rich.console import Console
+
+    from lorafit import render
+    from lorafit.models import catalog
+
+    plan = planner.make_plan(PlanRequest(model=catalog()["llama-3.2-1b"], device="cpu"))
+    assert plan.settings.precision == "fp32" and plan.device == "cpu" and plan.batching == "length_grouped"
+    text = StringIO()
+    render.show_plan(plan, Console(file=text, width=120))
+    shown = text.getvalue()
+    assert "training on the CPU" in shown and "CPU RAM" in shown
+    assert "cuda context" not in shown and "nvidia-smi" not in shown and "reserved" not in shown
