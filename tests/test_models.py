@@ -109,6 +109,7 @@ def test_catalog_has_the_models_people_fine_tune() -> None:
         "smollm2-360m",
         "smollm2-1.7b",
         "r1-distill-qwen-1.5b",
+        "gemma-3-1b",
     }
     assert wanted <= set(catalog())
     assert all(name == name.lower() for name in catalog())
@@ -397,6 +398,8 @@ def preset_of(spec: ModelSpec) -> str:
         ("microsoft/Phi-3-medium-128k-instruct", "phi-3-medium"),
         ("microsoft/Phi-4-reasoning-plus", "phi-4"),
         ("microsoft/Phi-4-mini-instruct", "phi-4-mini"),
+        ("google/gemma-3-1b-it", "gemma-3-1b"),
+        ("google/gemma-3-1b-pt", "gemma-3-1b"),
         # the DeepSeek-R1 distills, as variants or entries of the architectures they use
         ("deepseek-ai/DeepSeek-R1-Distill-Llama-8B", "llama-3.1-8b"),
         ("deepseek-ai/DeepSeek-R1-Distill-Llama-70B", "llama-3.1-70b"),
@@ -476,6 +479,20 @@ PUBLISHED_CONFIGS = {  # config.json values of variant checkpoints, as published
         "tie_word_embeddings": False,
         "vocab_size": 151936,
     },
+    "google/gemma-3-1b-it": {  # no tie_word_embeddings key: Gemma3TextConfig ties by default
+        "model_type": "gemma3_text",
+        "head_dim": 256,
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "max_position_embeddings": 32768,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 26,
+        "num_key_value_heads": 1,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "sliding_window": 512,
+        "vocab_size": 262144,
+    },
     "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": {
         "model_type": "qwen2",
         "hidden_size": 1536,
@@ -512,8 +529,8 @@ def test_close_names_are_suggested() -> None:
 @pytest.mark.parametrize(
     ("hub_id", "family", "nearest"),
     [
-        ("google/gemma-3-4b-it", "Gemma 3 (gemma3)", "gemma-2-2b"),
-        ("google/gemma-3-27b-it", "Gemma 3 (gemma3)", "gemma-2-27b"),
+        ("google/gemma-3-4b-it", "Gemma 3 image-text (gemma3)", "gemma-2-2b"),
+        ("google/gemma-3-27b-it", "Gemma 3 image-text (gemma3)", "gemma-2-27b"),
         ("Qwen/Qwen3-30B-A3B", "Qwen3 MoE (qwen3_moe)", "qwen3-32b"),
         ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "Qwen3 MoE (qwen3_moe)", "qwen3-32b"),
         ("openai/gpt-oss-20b", "gpt-oss (MoE) (gpt_oss)", "mixtral-8x7b"),
@@ -545,6 +562,7 @@ def test_the_unmodelled_table_is_consistent_with_the_catalog() -> None:
 
 
 GEMMA_3_4B_IT = {  # the shape of google/gemma-3-4b-it's config.json: an image-text wrapper around gemma3_text
+    # (transformers builds Gemma3ForConditionalGeneration for it, vision tower included)
     "architectures": ["Gemma3ForConditionalGeneration"],
     "model_type": "gemma3",
     "text_config": {
@@ -564,13 +582,12 @@ GEMMA_3_4B_IT = {  # the shape of google/gemma-3-4b-it's config.json: an image-t
 @pytest.mark.parametrize(
     ("config", "family"),
     [
-        (GEMMA_3_4B_IT, "Gemma 3 (gemma3)"),
-        (GEMMA_3_4B_IT["text_config"], "Gemma 3 (gemma3_text)"),
-        ({"model_type": "llava", "text_config": GEMMA_3_4B_IT["text_config"]}, "Gemma 3 (gemma3_text)"),
+        (GEMMA_3_4B_IT, "Gemma 3 image-text (gemma3)"),
+        ({"model_type": "llava", "text_config": {"model_type": "qwen3_moe", "hidden_size": 8}}, "(qwen3_moe)"),
         ({"model_type": "qwen3_moe", "hidden_size": 2048, "num_experts": 128}, "Qwen3 MoE (qwen3_moe)"),
         ({"model_type": "gpt2", "n_embd": 768}, "GPT-2 (gpt2)"),
     ],
-    ids=["gemma3", "gemma3_text", "wrapped-gemma3_text", "qwen3_moe", "gpt2"],
+    ids=["gemma3", "wrapped-qwen3_moe", "qwen3_moe", "gpt2"],
 )
 def test_a_local_config_of_an_unmodelled_family_names_it(tmp_path: Path, config: dict, family: str) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -584,11 +601,11 @@ def test_a_local_config_of_an_unmodelled_family_names_it(tmp_path: Path, config:
 def test_the_cli_refuses_an_unmodelled_family_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run_cli(["estimate", "--model", "google/gemma-3-4b-it"], capsys)
     assert code == 2 and not out
-    assert err.startswith("lorafit: error: google/gemma-3-4b-it: Gemma 3 (gemma3) is not modelled yet")
+    assert err.startswith("lorafit: error: google/gemma-3-4b-it: Gemma 3 image-text (gemma3) is not modelled yet")
     assert err.count("\n") == 1 and "Traceback" not in err
     (tmp_path / "config.json").write_text(json.dumps(GEMMA_3_4B_IT))
     code, out, err = run_cli(["plan", "--model", str(tmp_path)], capsys)
-    assert code == 2 and "Gemma 3 (gemma3) is not modelled yet" in err and err.count("\n") == 1
+    assert code == 2 and "Gemma 3 image-text (gemma3) is not modelled yet" in err and err.count("\n") == 1
 
 
 def test_the_cli_estimates_a_variant_by_its_hub_id(capsys: pytest.CaptureFixture[str]) -> None:
@@ -617,3 +634,15 @@ def test_the_model_list_counts_each_presets_variants(
     assert re.search(r"│\s+7 │", rows["qwen2.5-7b"]) and len(variants("qwen2.5-7b")) == 7
     assert re.search(r"│\s+│ 32\.76B", rows["qwen3-32b"])  # no variants: the cell is empty
     assert "│ 135M" in rows["smollm2-135m"]
+
+
+def test_gemma3_text_counts_its_qk_norms_and_four_layer_norms() -> None:
+    """gemma-3-1b by hand: per layer q 1152x1024, k and v 1152x256, o 1024x1152, GeGLU 3 x 1152x6912, four
+    1152-wide norms and q/k norms of 256; a tied 262144 x 1152 embedding; the final norm. keras-hub publishes
+    999,885,952 for gemma3_1b."""
+    h, inter, layers, vocab, q, kv, head = 1152, 6912, 26, 262144, 4 * 256, 256, 256
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 4 * h + 2 * head
+    assert layers * per_layer + vocab * h + h == 999_885_952 == resolve("gemma-3-1b").num_params
+    spec = resolve("gemma-3-1b")
+    assert "sdpa" in spec.attention_implementations and not spec.logit_softcapping
+    assert spec.to_hf_config()["model_type"] == "gemma3_text"

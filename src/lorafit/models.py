@@ -25,11 +25,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lorafit.errors import InvalidConfig, UnknownModel
 
-Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral"]
+Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral"]
 LoraTargets = Literal["all", "attn", "qv"]
 
 # config.json `model_type` -> the block layout lorafit models. All are pre-norm decoders with RMSNorm, RoPE,
-# grouped-query attention and a gated (SwiGLU / GeGLU) MLP; they differ in biases, extra norms and MoE.
+# grouped-query attention and a gated (SwiGLU / GeGLU) MLP; they differ in biases, extra norms and MoE. Gemma 3's
+# text model (gemma3_text: the 270M and 1B checkpoints) is modelled; its image-text wrapper (gemma3) is not.
 MODEL_TYPES: dict[str, Architecture] = {
     "llama": "llama",
     "mistral": "mistral",
@@ -37,9 +38,11 @@ MODEL_TYPES: dict[str, Architecture] = {
     "qwen3": "qwen3",
     "gemma": "gemma",
     "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
     "phi3": "phi3",
     "mixtral": "mixtral",
 }
+HF_MODEL_TYPES: dict[Architecture, str] = {architecture: model_type for model_type, architecture in MODEL_TYPES.items()}
 
 
 class ModelSpec(BaseModel):
@@ -85,8 +88,14 @@ class ModelSpec(BaseModel):
 
     @property
     def norms_per_layer(self) -> int:
-        """Gemma-2 adds a norm after attention and after the MLP; Qwen3 normalises q and k per head."""
-        return 4 if self.architecture == "gemma2" else 2
+        """Gemma-2 and Gemma 3 add a norm after attention and after the MLP (Qwen3 and Gemma 3 also normalise q
+        and k per head: `has_qk_norm`)."""
+        return 4 if self.architecture in ("gemma2", "gemma3") else 2
+
+    @property
+    def has_qk_norm(self) -> bool:
+        """Qwen3 and Gemma 3 RMS-normalise every query and key head (a head_dim-sized weight for each)."""
+        return self.architecture in ("qwen3", "gemma3")
 
     @property
     def logit_softcapping(self) -> bool:
@@ -169,13 +178,13 @@ class ModelSpec(BaseModel):
 
     @property
     def layer_other_params(self) -> int:
-        """What stays 16/32-bit under QLoRA: norms, attention biases, MoE router and experts, Qwen3's q/k norms."""
+        """What stays 16/32-bit under QLoRA: norms, attention biases, MoE router and experts, q/k norms."""
         other = self.norms_per_layer * self.hidden_size
         if self.attention_bias:
             other += self.q_size + 2 * self.kv_size
         if self.is_moe:
             other += self.hidden_size * self.num_local_experts + self.expert_params
-        if self.architecture == "qwen3":
+        if self.has_qk_norm:
             other += 2 * self.head_size
         return other
 
@@ -216,7 +225,7 @@ class ModelSpec(BaseModel):
     def to_hf_config(self) -> dict:
         """A config.json dict that transformers' AutoConfig builds the same architecture from."""
         config = {
-            "model_type": self.architecture,
+            "model_type": HF_MODEL_TYPES[self.architecture],
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -387,7 +396,7 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
     fields.setdefault("num_key_value_heads", config.get("num_attention_heads"))
     if architecture == "qwen2":
         fields["attention_bias"] = True  # Qwen2 always has q/k/v biases; its config has no key for it
-    if architecture in ("gemma", "gemma2"):
+    if architecture in ("gemma", "gemma2", "gemma3"):
         fields.setdefault("tie_word_embeddings", True)
     try:
         return ModelSpec(name=name or file.parent.name or file.stem, architecture=architecture, **fields)
