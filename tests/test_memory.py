@@ -174,6 +174,34 @@ def test_lora_layer_saves_what_the_modules_keep(tiny: models.ModelSpec) -> None:
     assert sum(parts.values()) == pytest.approx(260 + 3 * 208 + 400 + 208 + 260 + 2 * 208 + 960 + 496)  # = 3624
 
 
+def test_gemma3_layer_adds_its_post_norms_and_qk_norms(tiny: models.ModelSpec) -> None:
+    """Gemma 3's text layer: the Llama layer above plus two post-norms (attention and MLP outputs, 260 bytes each,
+    as the other norms) and the RMSNorm of every query and key head: the fp32 copy of q (4 x 64) and k (4 x 32)
+    and one fp32 rsqrt per head (4 x (4 + 2)): 408 bytes a token. Its MLP is GeGLU, the same three tensors."""
+    gemma3 = models.resolve("gemma-3-1b").scaled(**tiny.model_dump(include=set(SHAPE_FIELDS)))
+    parts = memory.activation_parts_per_token(gemma3, lora(), Runtime())
+    llama = memory.activation_parts_per_token(tiny, lora(), Runtime())
+    assert parts == pytest.approx(llama | {"post_norms": 2 * RMSNORM, "qk_norms": 4 * 64 + 4 * 32 + 4 * (4 + 2)})
+    # full fine-tuning: each q/k norm also keeps its bf16 normalised input for the weight's gradient (2 x 96)
+    full = memory.activation_parts_per_token(gemma3, lora(method="full"), Runtime())
+    assert full["qk_norms"] == pytest.approx(408 + 2 * 96)
+    # Gemma-2 (soft-capped, four norms) has no q/k norms; Llama neither
+    gemma2 = models.resolve("gemma-2-2b").scaled(**tiny.model_dump(include=set(SHAPE_FIELDS)))
+    assert "qk_norms" not in memory.activation_parts_per_token(gemma2, lora(attn="eager"), Runtime())
+    assert "qk_norms" not in llama
+
+
+SHAPE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+)
+
+
 def test_first_lora_layer_saves_no_mask_and_no_norm(tiny: models.ModelSpec) -> None:
     # the frozen embedding's output needs no gradient: the first norm saves nothing, dropout keeps no mask
     parts = memory.activation_parts_per_token(tiny, lora(), Runtime(), input_requires_grad=False)

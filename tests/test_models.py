@@ -12,8 +12,20 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
 from lorafit.errors import InvalidConfig, LorafitError, UnknownModel
-from lorafit.models import ModelSpec, catalog, from_config_json, resolve
+from lorafit.models import (
+    MODEL_TYPES,
+    ModelSpec,
+    Variant,
+    catalog,
+    from_config_json,
+    hub_index,
+    repo_name,
+    resolve,
+    unmodelled_families,
+    variants,
+)
 from lorafit.schema import Settings
 
 PRESETS = sorted(catalog())
@@ -77,6 +89,27 @@ def test_catalog_has_the_models_people_fine_tune() -> None:
         "tinyllama-1.1b",
         "mixtral-8x7b",
         "qwen3-8b",
+        # the families and sizes people fine-tune today on one or a few GPUs
+        "llama-3-8b",
+        "llama-3-70b",
+        "llama-3.1-405b",
+        "qwen3-0.6b",
+        "qwen3-1.7b",
+        "qwen3-4b",
+        "qwen3-14b",
+        "qwen3-32b",
+        "gemma-2b",
+        "mistral-nemo-12b",
+        "mistral-small-22b",
+        "mistral-small-24b",
+        "phi-3-medium",
+        "phi-4",
+        "phi-4-mini",
+        "smollm2-135m",
+        "smollm2-360m",
+        "smollm2-1.7b",
+        "r1-distill-qwen-1.5b",
+        "gemma-3-1b",
     }
     assert wanted <= set(catalog())
     assert all(name == name.lower() for name in catalog())
@@ -91,10 +124,12 @@ def test_parameter_count_equals_the_published_count(name: str) -> None:
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_preset_says_where_its_numbers_come_from(name: str) -> None:
+    """The shapes name the file they were read from (the hub's config.json or a public copy of it) and when."""
     spec = catalog()[name]
     assert spec.hf_id and spec.source
-    assert f"https://huggingface.co/{spec.hf_id}/blob/main/config.json" in spec.source
-    assert "read 20" in spec.source and "params:" in spec.source
+    shapes, _, params = spec.source.partition("params:")
+    assert shapes.startswith("config:") and "https://" in shapes and "read 20" in shapes
+    assert params.strip(), f"{name}: the source does not say where its parameter count comes from"
 
 
 def test_well_known_counts_written_out_by_hand() -> None:
@@ -284,7 +319,7 @@ def test_an_unknown_model_names_the_close_presets() -> None:
     [
         ("{not json", "not valid JSON"),
         ("[1, 2, 3]", "JSON object"),
-        (json.dumps({"model_type": "gpt2", "n_embd": 768}), "'gpt2' is not supported"),
+        (json.dumps({"model_type": "made_up_lm", "n_embd": 768}), "'made_up_lm' is not supported; supported: "),
         (json.dumps(QWEN2_5_0_5B_CONFIG | {"model_type": None}), "None is not supported"),
         (json.dumps({k: v for k, v in QWEN2_5_0_5B_CONFIG.items() if k != "hidden_size"}), "hidden_size"),
         (json.dumps(QWEN2_5_0_5B_CONFIG | {"num_hidden_layers": 0}), "num_hidden_layers"),
@@ -316,3 +351,298 @@ def test_a_binary_config_is_an_invalid_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(InvalidConfig):
         resolve(str(tmp_path))
+
+
+# --- hub ids people type: presets, variants, mirrors --------------------------------------------------------
+def preset_of(spec: ModelSpec) -> str:
+    """The catalog entry a resolved spec stands for (a variant names the preset whose shapes it shares)."""
+    return spec.variant_of or spec.name
+
+
+@pytest.mark.parametrize(
+    ("typed", "preset"),
+    [
+        # the ids users reported as "not in the catalog"
+        ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b"),
+        ("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"),
+        ("mistralai/Mistral-7B-Instruct-v0.3", "mistral-7b-v0.3"),
+        ("Meta-Llama-3-8B", "llama-3-8b"),
+        ("Qwen/Qwen3-4B", "qwen3-4b"),
+        # with or without the owner, in any case
+        ("meta-llama/Meta-Llama-3-8B-Instruct", "llama-3-8b"),
+        ("Llama-3.1-8B-Instruct", "llama-3.1-8b"),
+        ("Qwen2.5-7B-Instruct", "qwen2.5-7b"),
+        ("QWEN/QWEN2.5-7B-INSTRUCT", "qwen2.5-7b"),
+        ("unsloth/Llama-3.2-3B-Instruct", "llama-3.2-3b"),
+        # a sample of every family's variants
+        ("meta-llama/Llama-2-7b-chat-hf", "llama-2-7b"),
+        ("meta-llama/Meta-Llama-3.1-8B-Instruct", "llama-3.1-8b"),
+        ("meta-llama/Llama-3.3-70B-Instruct", "llama-3.1-70b"),
+        ("meta-llama/Llama-3.1-405B-Instruct", "llama-3.1-405b"),
+        ("meta-llama/Llama-3.2-1B-Instruct", "llama-3.2-1b"),
+        ("TinyLlama/TinyLlama-1.1B-Chat-v1.0", "tinyllama-1.1b"),
+        ("HuggingFaceTB/SmolLM2-1.7B-Instruct", "smollm2-1.7b"),
+        ("mistralai/Mistral-7B-Instruct-v0.2", "mistral-7b-v0.1"),
+        ("mistralai/Mistral-Nemo-Instruct-2407", "mistral-nemo-12b"),
+        ("mistralai/Mistral-Small-24B-Instruct-2501", "mistral-small-24b"),
+        ("mistralai/Mixtral-8x7B-Instruct-v0.1", "mixtral-8x7b"),
+        ("Qwen/Qwen2.5-Coder-7B-Instruct", "qwen2.5-7b"),
+        ("Qwen/Qwen2.5-Coder-32B-Instruct", "qwen2.5-32b"),
+        ("Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-0.5b"),
+        ("Qwen/QwQ-32B", "qwen2.5-32b"),
+        ("Qwen/Qwen3-8B-Base", "qwen3-8b"),
+        ("Qwen/Qwen3-4B-Instruct-2507", "qwen3-4b"),
+        ("google/gemma-2-9b-it", "gemma-2-9b"),
+        ("google/gemma-2b-it", "gemma-2b"),
+        ("microsoft/Phi-3.5-mini-instruct", "phi-3-mini"),
+        ("microsoft/Phi-3-medium-128k-instruct", "phi-3-medium"),
+        ("microsoft/Phi-4-reasoning-plus", "phi-4"),
+        ("microsoft/Phi-4-mini-instruct", "phi-4-mini"),
+        ("google/gemma-3-1b-it", "gemma-3-1b"),
+        ("google/gemma-3-1b-pt", "gemma-3-1b"),
+        # the DeepSeek-R1 distills, as variants or entries of the architectures they use
+        ("deepseek-ai/DeepSeek-R1-Distill-Llama-8B", "llama-3.1-8b"),
+        ("deepseek-ai/DeepSeek-R1-Distill-Llama-70B", "llama-3.1-70b"),
+        ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", "r1-distill-qwen-1.5b"),
+        ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", "qwen2.5-7b"),
+        ("deepseek-ai/DeepSeek-R1-Distill-Qwen-14B", "qwen2.5-14b"),
+        ("deepseek-ai/DeepSeek-R1-Distill-Qwen-32B", "qwen2.5-32b"),
+    ],
+)
+def test_a_hub_id_resolves_to_the_preset_with_its_shapes(typed: str, preset: str) -> None:
+    spec = resolve(typed)
+    assert preset_of(spec) == preset
+    assert spec.num_params == catalog()[preset].num_params
+    assert spec.hf_id is not None and repo_name(spec.hf_id) == repo_name(typed)
+
+
+def test_a_variant_keeps_its_own_name_and_context_length() -> None:
+    """Qwen2.5-7B states 131072 positions, its -Instruct 32768: the variant refuses what the base allows."""
+    instruct, base = resolve("Qwen/Qwen2.5-7B-Instruct"), resolve("Qwen/Qwen2.5-7B")
+    assert (instruct.name, instruct.hf_id) == ("qwen2.5-7b-instruct", "Qwen/Qwen2.5-7B-Instruct")
+    base.check_seq_len(65536)
+    with pytest.raises(InvalidConfig, match="qwen2.5-7b-instruct's maximum of 32768"):
+        instruct.check_seq_len(65536)
+    assert resolve("meta-llama/Meta-Llama-3-8B-Instruct").max_position_embeddings == 8192
+    assert resolve("meta-llama/Llama-3.1-8B-Instruct").max_position_embeddings == 131072
+
+
+def test_every_hub_id_names_one_checkpoint() -> None:
+    """A repository name reached under another owner (a mirror) must not be ambiguous, and no checkpoint
+    is both a preset and a variant."""
+    index = hub_index()
+    names = [repo_name(hub_id) for hub_id in index]
+    assert len(names) == len(set(names))
+    own = {spec.hf_id.lower() for spec in catalog().values()}
+    listed = [hub_id.lower() for name in catalog() for hub_id in variants(name)]
+    assert len(listed) == len(set(listed)) and not own & set(listed)
+
+
+def test_a_variant_differing_in_shapes_cannot_be_listed() -> None:
+    """Only the context length may differ: a different vocabulary needs an entry of its own."""
+    with pytest.raises(ValueError, match="vocab_size"):
+        Variant.model_validate({"hf_id": "mistralai/Mistral-7B-Instruct-v0.3", "vocab_size": 32768})
+
+
+PUBLISHED_CONFIGS = {  # config.json values of variant checkpoints, as published (see each preset's source)
+    "Qwen/Qwen2.5-7B-Instruct": {
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "max_position_embeddings": 32768,
+        "num_attention_heads": 28,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+        "vocab_size": 152064,
+    },
+    "meta-llama/Meta-Llama-3-8B-Instruct": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 8192,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+        "vocab_size": 128256,
+    },
+    "Qwen/Qwen3-8B-Base": {
+        "model_type": "qwen3",
+        "head_dim": 128,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "max_position_embeddings": 32768,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+        "vocab_size": 151936,
+    },
+    "google/gemma-3-1b-it": {  # no tie_word_embeddings key: Gemma3TextConfig ties by default
+        "model_type": "gemma3_text",
+        "head_dim": 256,
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "max_position_embeddings": 32768,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 26,
+        "num_key_value_heads": 1,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "sliding_window": 512,
+        "vocab_size": 262144,
+    },
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": {
+        "model_type": "qwen2",
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "max_position_embeddings": 131072,
+        "num_attention_heads": 12,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "vocab_size": 151936,
+    },
+}
+
+
+@pytest.mark.parametrize("hub_id", sorted(PUBLISHED_CONFIGS))
+def test_a_published_config_reads_as_its_catalog_entry(hub_id: str, tmp_path: Path) -> None:
+    """The same numbers whether the user names the hub id or points at the downloaded directory."""
+    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED_CONFIGS[hub_id]))
+    local, listed = from_config_json(tmp_path), resolve(hub_id)
+    assert local.num_params == listed.num_params
+    assert local.lora_params(16, "all") == listed.lora_params(16, "all")
+    assert local.max_position_embeddings == listed.max_position_embeddings
+    assert local.tie_word_embeddings == listed.tie_word_embeddings
+
+
+def test_close_names_are_suggested() -> None:
+    with pytest.raises(UnknownModel, match=r"did you mean llama-3\.3-70b-instruct"):
+        resolve("llama-3.3-70b")
+    with pytest.raises(UnknownModel, match="did you mean .*mistral-7b-v0.3"):
+        resolve("mistral-7b")
+
+
+# --- families the estimator does not model ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("hub_id", "family", "nearest"),
+    [
+        ("google/gemma-3-4b-it", "Gemma 3 image-text (gemma3)", "gemma-2-2b"),
+        ("google/gemma-3-27b-it", "Gemma 3 image-text (gemma3)", "gemma-2-27b"),
+        ("Qwen/Qwen3-30B-A3B", "Qwen3 MoE (qwen3_moe)", "qwen3-32b"),
+        ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "Qwen3 MoE (qwen3_moe)", "qwen3-32b"),
+        ("openai/gpt-oss-20b", "gpt-oss (MoE) (gpt_oss)", "mixtral-8x7b"),
+        ("deepseek-ai/DeepSeek-V3", "(deepseek_v2)", "mixtral-8x7b"),
+        ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "Llama 4", "llama-3.1-70b"),
+        ("tiiuae/falcon-7b", "Falcon", "mistral-7b-v0.1"),
+        ("openai-community/gpt2", "GPT-2 (gpt2)", "smollm2-135m"),
+        ("ibm-granite/granite-3.1-8b-instruct", "IBM Granite", "llama-3.1-8b"),
+        ("allenai/OLMo-2-1124-7B", "OLMo", "llama-3.1-8b"),
+    ],
+)
+def test_an_unmodelled_hub_id_names_its_family_and_a_stand_in(hub_id: str, family: str, nearest: str) -> None:
+    with pytest.raises(UnknownModel) as error:
+        resolve(hub_id)
+    message = str(error.value)
+    assert family in message and "not modelled yet" in message
+    assert f"nearest supported preset is {nearest} " in message
+    assert "not in the catalog" not in message and "\n" not in message
+    resolve(nearest)  # the stand-in it names is one lorafit has
+
+
+def test_the_unmodelled_table_is_consistent_with_the_catalog() -> None:
+    """No preset or variant is shadowed by a pattern, no table row names a supported model_type, and every
+    stand-in is a preset."""
+    for family in unmodelled_families():
+        assert not set(family.model_types) & set(MODEL_TYPES), family.family
+        assert set(family.nearest) <= set(catalog()), family.family
+        assert not [hub_id for hub_id in hub_index() if family.matches_hub_id(hub_id)], family.family
+
+
+GEMMA_3_4B_IT = {  # the shape of google/gemma-3-4b-it's config.json: an image-text wrapper around gemma3_text
+    # (transformers builds Gemma3ForConditionalGeneration for it, vision tower included)
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "text_config": {
+        "model_type": "gemma3_text",
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "vocab_size": 262208,
+    },
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152},
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "family"),
+    [
+        (GEMMA_3_4B_IT, "Gemma 3 image-text (gemma3)"),
+        ({"model_type": "llava", "text_config": {"model_type": "qwen3_moe", "hidden_size": 8}}, "(qwen3_moe)"),
+        ({"model_type": "qwen3_moe", "hidden_size": 2048, "num_experts": 128}, "Qwen3 MoE (qwen3_moe)"),
+        ({"model_type": "gpt2", "n_embd": 768}, "GPT-2 (gpt2)"),
+    ],
+    ids=["gemma3", "wrapped-qwen3_moe", "qwen3_moe", "gpt2"],
+)
+def test_a_local_config_of_an_unmodelled_family_names_it(tmp_path: Path, config: dict, family: str) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidConfig) as error:
+        resolve(str(tmp_path))
+    message = str(error.value)
+    assert family in message and "not modelled yet; the nearest supported preset is " in message
+    assert "\n" not in message
+
+
+def test_the_cli_refuses_an_unmodelled_family_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(["estimate", "--model", "google/gemma-3-4b-it"], capsys)
+    assert code == 2 and not out
+    assert err.startswith("lorafit: error: google/gemma-3-4b-it: Gemma 3 image-text (gemma3) is not modelled yet")
+    assert err.count("\n") == 1 and "Traceback" not in err
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA_3_4B_IT))
+    code, out, err = run_cli(["plan", "--model", str(tmp_path)], capsys)
+    assert code == 2 and "Gemma 3 image-text (gemma3) is not modelled yet" in err and err.count("\n") == 1
+
+
+def test_the_cli_estimates_a_variant_by_its_hub_id(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(["estimate", "--model", "Qwen/Qwen2.5-7B-Instruct", "--json"], capsys)
+    assert code == 0
+    estimate = json.loads(out)
+    code, out, _ = run_cli(["estimate", "--model", "qwen2.5-7b", "--json"], capsys)
+    assert code == 0 and json.loads(out)["peak_allocated_gib"] == estimate["peak_allocated_gib"]
+
+
+def test_the_model_list_counts_each_presets_variants(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`lorafit models` keeps one row per preset; a preset's instruct/chat checkpoints show as a count."""
+    import re
+
+    from rich.console import Console
+
+    from lorafit import render
+
+    monkeypatch.setattr(render, "console", Console(width=200, highlight=False))  # one line per row
+    render.show_models(list(catalog().values()))
+    out = capsys.readouterr().out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│")}
+    assert set(rows) == set(catalog())
+    assert re.search(r"│\s+7 │", rows["qwen2.5-7b"]) and len(variants("qwen2.5-7b")) == 7
+    assert re.search(r"│\s+│ 32\.76B", rows["qwen3-32b"])  # no variants: the cell is empty
+    assert "│ 135M" in rows["smollm2-135m"]
+
+
+def test_gemma3_text_counts_its_qk_norms_and_four_layer_norms() -> None:
+    """gemma-3-1b by hand: per layer q 1152x1024, k and v 1152x256, o 1024x1152, GeGLU 3 x 1152x6912, four
+    1152-wide norms and q/k norms of 256; a tied 262144 x 1152 embedding; the final norm. keras-hub publishes
+    999,885,952 for gemma3_1b."""
+    h, inter, layers, vocab, q, kv, head = 1152, 6912, 26, 262144, 4 * 256, 256, 256
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 4 * h + 2 * head
+    assert layers * per_layer + vocab * h + h == 999_885_952 == resolve("gemma-3-1b").num_params
+    spec = resolve("gemma-3-1b")
+    assert "sdpa" in spec.attention_implementations and not spec.logit_softcapping
+    assert spec.to_hf_config()["model_type"] == "gemma3_text"

@@ -302,6 +302,12 @@ def grid() -> dict[str, tuple[str, Settings]]:
         ("phi-3-mini", "lora", 2, 1024, True, "attn"),
         ("llama-3.2-1b", "qlora", 4, 1024, True, "all"),
         ("llama-3.2-1b", "full", 1, 2048, False, "all"),
+        # Gemma 3's text model: four norms a layer and q/k norms, no soft-capping (so sdpa), a 262k vocabulary
+        ("gemma-3-1b", "qlora", 1, 2048, True, "all"),
+        ("gemma-3-1b", "qlora", 4, 1024, False, "all"),
+        ("gemma-3-1b", "lora", 1, 2048, False, "all"),
+        ("gemma-3-1b", "lora", 2, 1024, True, "attn"),
+        ("gemma-3-1b", "full", 2, 512, False, "all"),
     ]
     return {
         f"{model} {method} b{batch} s{seq} {'ckpt' if ckpt else 'no-ckpt'} {targets}": (

@@ -268,9 +268,14 @@ def activation_parts_per_token(
         "gated_act": experts * gated,
         "down_input": experts * linear_inputs_grad(down, shared_input=False),
     }
-    if spec.architecture == "gemma2":
-        # Gemma-2 normalises the attention and MLP outputs too, before adding them to the residual stream
+    if spec.architecture in ("gemma2", "gemma3"):
+        # Gemma-2 and Gemma 3 normalise the attention and MLP outputs too, before adding them to the residual stream
         parts["post_norms"] = 2 * (4 * h + 4 + (2 * h if full else 0))
+    if spec.architecture == "gemma3":
+        # Gemma 3 RMS-normalises each query and key head before RoPE: like the layer norms, each saves its fp32
+        # input and one rsqrt per head (and, in full fine-tuning, its normalised input for the weight's gradient)
+        kv_heads = spec.num_key_value_heads
+        parts["qk_norms"] = 4 * (q + kv) + 4 * (heads + kv_heads) + (c * (q + kv) if full else 0)
     if keeps_bnb_inputs(settings, runtime):
         parts["bnb_inputs"] = bnb_input_bytes_per_token(spec, settings, input_requires_grad)
     return parts

@@ -1,15 +1,21 @@
-"""Model architectures: one `ModelSpec` per model, from the catalog, a hub id naming a preset, or a config.json.
+"""Model architectures: one `ModelSpec` per model, from the catalog, a hub id naming a preset or one of its
+variants, or a config.json.
 
 The fields carry the names of the Hugging Face `config.json` keys, so a catalog entry and a local config read
 the same way. Parameter counts are computed from the shapes of the real modules (tested against published
-counts).
+counts). Families lorafit does not model are data too (catalog/models.toml, `[[unmodelled]]`), so asking for
+one names the family and a stand-in instead of "not in the catalog".
 """
 
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import json
+import math
+import re
 import tomllib
+from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -19,11 +25,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lorafit.errors import InvalidConfig, UnknownModel
 
-Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral"]
+Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral"]
 LoraTargets = Literal["all", "attn", "qv"]
 
 # config.json `model_type` -> the block layout lorafit models. All are pre-norm decoders with RMSNorm, RoPE,
-# grouped-query attention and a gated (SwiGLU / GeGLU) MLP; they differ in biases, extra norms and MoE.
+# grouped-query attention and a gated (SwiGLU / GeGLU) MLP; they differ in biases, extra norms and MoE. Gemma 3's
+# text model (gemma3_text: the 270M and 1B checkpoints) is modelled; its image-text wrapper (gemma3) is not.
 MODEL_TYPES: dict[str, Architecture] = {
     "llama": "llama",
     "mistral": "mistral",
@@ -31,9 +38,11 @@ MODEL_TYPES: dict[str, Architecture] = {
     "qwen3": "qwen3",
     "gemma": "gemma",
     "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
     "phi3": "phi3",
     "mixtral": "mixtral",
 }
+HF_MODEL_TYPES: dict[Architecture, str] = {architecture: model_type for model_type, architecture in MODEL_TYPES.items()}
 
 
 class ModelSpec(BaseModel):
@@ -58,6 +67,7 @@ class ModelSpec(BaseModel):
     num_experts_per_tok: int = Field(default=0, ge=0)
     published_params: int | None = None
     source: str | None = None
+    variant_of: str | None = Field(default=None, description="the preset whose shapes this hub checkpoint shares")
 
     # --- derived shapes -------------------------------------------------------------------------------------
     @property
@@ -78,8 +88,14 @@ class ModelSpec(BaseModel):
 
     @property
     def norms_per_layer(self) -> int:
-        """Gemma-2 adds a norm after attention and after the MLP; Qwen3 normalises q and k per head."""
-        return 4 if self.architecture == "gemma2" else 2
+        """Gemma-2 and Gemma 3 add a norm after attention and after the MLP (Qwen3 and Gemma 3 also normalise q
+        and k per head: `has_qk_norm`)."""
+        return 4 if self.architecture in ("gemma2", "gemma3") else 2
+
+    @property
+    def has_qk_norm(self) -> bool:
+        """Qwen3 and Gemma 3 RMS-normalise every query and key head (a head_dim-sized weight for each)."""
+        return self.architecture in ("qwen3", "gemma3")
 
     @property
     def logit_softcapping(self) -> bool:
@@ -162,13 +178,13 @@ class ModelSpec(BaseModel):
 
     @property
     def layer_other_params(self) -> int:
-        """What stays 16/32-bit under QLoRA: norms, attention biases, MoE router and experts, Qwen3's q/k norms."""
+        """What stays 16/32-bit under QLoRA: norms, attention biases, MoE router and experts, q/k norms."""
         other = self.norms_per_layer * self.hidden_size
         if self.attention_bias:
             other += self.q_size + 2 * self.kv_size
         if self.is_moe:
             other += self.hidden_size * self.num_local_experts + self.expert_params
-        if self.architecture == "qwen3":
+        if self.has_qk_norm:
             other += 2 * self.head_size
         return other
 
@@ -209,7 +225,7 @@ class ModelSpec(BaseModel):
     def to_hf_config(self) -> dict:
         """A config.json dict that transformers' AutoConfig builds the same architecture from."""
         config = {
-            "model_type": self.architecture,
+            "model_type": HF_MODEL_TYPES[self.architecture],
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -232,12 +248,122 @@ class ModelSpec(BaseModel):
 
 
 # --- loading ------------------------------------------------------------------------------------------------
+class Variant(BaseModel):
+    """A hub checkpoint with a preset's shapes; only its context length may differ from the preset's."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    hf_id: str = Field(pattern=r"^[\w.-]+/[\w.-]+$")
+    max_position_embeddings: int | None = Field(default=None, gt=0)
+
+
+@dataclass(frozen=True)
+class UnmodelledFamily:
+    """A family the estimator has no terms for, how to recognise it, and the presets closest to it."""
+
+    family: str
+    model_types: tuple[str, ...]
+    hub_patterns: tuple[str, ...]
+    nearest: tuple[str, ...]
+
+    def matches_hub_id(self, hub_id: str) -> bool:
+        repo = repo_name(hub_id)
+        return any(fnmatch.fnmatchcase(repo, pattern) for pattern in self.hub_patterns)
+
+    def nearest_preset(self, hub_id: str | None = None) -> str:
+        """The stand-in closest in size to the "4b" / "135m" in a hub id's name, else the first listed."""
+        size = size_in_name(hub_id) if hub_id else None
+        if size is None:
+            return self.nearest[0]
+        presets = catalog()
+        return min(self.nearest, key=lambda name: abs(math.log(presets[name].num_params / size)))
+
+    def refusal(self, model_type: str, hub_id: str | None = None) -> str:
+        """The one-line reason: the family, its model_type, and the preset to estimate instead."""
+        nearest = self.nearest_preset(hub_id)
+        return (
+            f"{self.family} ({model_type}) is not modelled yet; the nearest supported preset is {nearest} "
+            f"(--model {nearest} estimates that one instead; `lorafit models` lists them all)"
+        )
+
+
+def repo_name(hub_id: str) -> str:
+    """The lower-cased name after the owner (Qwen/Qwen2.5-7B-Instruct -> qwen2.5-7b-instruct), which a mirror
+    under another owner keeps."""
+    return hub_id.rsplit("/", 1)[-1].lower()
+
+
+def size_in_name(hub_id: str) -> float | None:
+    """The parameter count a hub id's name states ("gemma-3-4b-it" -> 4e9), or None. The first size wins, so
+    an MoE's "30B-A3B" reads as its 30B total."""
+    found = re.search(r"(?<![a-z0-9.])(\d+(?:\.\d+)?)([bm])(?![a-z])", repo_name(hub_id))
+    if found is None:
+        return None
+    return float(found.group(1)) * (1e9 if found.group(2) == "b" else 1e6)
+
+
 @cache
+def _catalog_file() -> dict:
+    text = resources.files("lorafit").joinpath("catalog/models.toml").read_text()
+    return tomllib.loads(text)
+
+
+@cache
+def _presets_and_variants() -> tuple[dict[str, ModelSpec], dict[str, tuple[Variant, ...]]]:
+    presets: dict[str, ModelSpec] = {}
+    variants: dict[str, tuple[Variant, ...]] = {}
+    for entry in _catalog_file()["model"]:
+        entry = dict(entry)
+        listed = entry.pop("variants", [])
+        spec = ModelSpec.model_validate(entry)
+        key = spec.name.lower()
+        presets[key] = spec
+        variants[key] = tuple(Variant(hf_id=v) if isinstance(v, str) else Variant.model_validate(v) for v in listed)
+    return presets, variants
+
+
 def catalog() -> dict[str, ModelSpec]:
     """Presets from catalog/models.toml, keyed by lower-case name."""
-    text = resources.files("lorafit").joinpath("catalog/models.toml").read_text()
-    entries = tomllib.loads(text)["model"]
-    return {entry["name"].lower(): ModelSpec.model_validate(entry) for entry in entries}
+    return _presets_and_variants()[0]
+
+
+def variants(name: str) -> tuple[str, ...]:
+    """Hub ids of the checkpoints that share preset `name`'s shapes."""
+    return tuple(variant.hf_id for variant in _presets_and_variants()[1][name.lower()])
+
+
+@cache
+def hub_index() -> dict[str, ModelSpec]:
+    """Every hub id the catalog knows, lower-cased: the presets' own and their variants'. A variant resolves
+    to its preset's shapes under its own name and hub id, with its own context length."""
+    presets, all_variants = _presets_and_variants()
+    index = {spec.hf_id.lower(): spec for spec in presets.values() if spec.hf_id}
+    for key, listed in all_variants.items():
+        preset = presets[key]
+        for variant in listed:
+            update: dict = {"name": repo_name(variant.hf_id), "hf_id": variant.hf_id, "variant_of": preset.name}
+            if variant.max_position_embeddings is not None:
+                update["max_position_embeddings"] = variant.max_position_embeddings
+            index[variant.hf_id.lower()] = preset.model_copy(update=update)
+    return index
+
+
+@cache
+def unmodelled_families() -> tuple[UnmodelledFamily, ...]:
+    """The `[[unmodelled]]` table of catalog/models.toml."""
+    return tuple(
+        UnmodelledFamily(
+            family=row["family"],
+            model_types=tuple(row["model_types"]),
+            hub_patterns=tuple(pattern.lower() for pattern in row["hub_patterns"]),
+            nearest=tuple(row["nearest"]),
+        )
+        for row in _catalog_file().get("unmodelled", [])
+    )
+
+
+def unmodelled_model_type(model_type: object) -> UnmodelledFamily | None:
+    return next((row for row in unmodelled_families() if model_type in row.model_types), None)
 
 
 def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
@@ -252,6 +378,10 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
         raise InvalidConfig(f"{file} is not valid JSON ({error})") from None
     if not isinstance(config, dict):
         raise InvalidConfig(f"{file} must hold a JSON object")
+    # an image-text model lorafit does not model is refused as a whole, before its text model is looked at
+    for layer in (config, config.get("text_config")):
+        if isinstance(layer, dict) and (family := unmodelled_model_type(layer.get("model_type"))):
+            raise InvalidConfig(f"{file}: {family.refusal(layer['model_type'])}")
     config = config.get("text_config", config) if "hidden_size" not in config else config
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
@@ -261,12 +391,12 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
     fields = {
         key: config[key]
         for key in ModelSpec.model_fields
-        if key in config and config[key] is not None and key not in ("name", "architecture")
+        if key in config and config[key] is not None and key not in ("name", "architecture", "variant_of")
     }
     fields.setdefault("num_key_value_heads", config.get("num_attention_heads"))
     if architecture == "qwen2":
         fields["attention_bias"] = True  # Qwen2 always has q/k/v biases; its config has no key for it
-    if architecture in ("gemma", "gemma2"):
+    if architecture in ("gemma", "gemma2", "gemma3"):
         fields.setdefault("tie_word_embeddings", True)
     try:
         return ModelSpec(name=name or file.parent.name or file.stem, architecture=architecture, **fields)
@@ -277,24 +407,35 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
 
 
 def resolve(model: str) -> ModelSpec:
-    """A preset name, a hub id matching a preset, or a local directory / config.json. Never downloads."""
+    """A preset name, a hub id of a preset or of one of its variants (under any owner, as mirrors such as
+    unsloth/... keep the repository name), or a local directory / config.json. Never downloads."""
     path = Path(model).expanduser()
     if path.exists():
         return from_config_json(path)
-    presets = catalog()
-    key = model.lower()
+    key = model.strip().lower()
+    presets, index = catalog(), hub_index()
     if key in presets:
         return presets[key]
-    for spec in presets.values():
-        if spec.hf_id and spec.hf_id.lower() == key:
-            return spec
-    by_repo_name = {spec.hf_id.split("/")[-1].lower(): spec for spec in presets.values() if spec.hf_id}
-    if key.split("/")[-1] in by_repo_name:
-        return by_repo_name[key.split("/")[-1]]
-    candidates = list(presets) + [spec.hf_id.lower() for spec in presets.values() if spec.hf_id]
-    close = difflib.get_close_matches(key, candidates, n=3, cutoff=0.4)
-    hint = f"did you mean {', '.join(close)}? " if close else ""
+    if key in index:
+        return index[key]
+    by_repo_name = {repo_name(hub_id): spec for hub_id, spec in index.items()}
+    if repo_name(key) in by_repo_name:
+        return by_repo_name[repo_name(key)]
+    for family in unmodelled_families():
+        if family.matches_hub_id(key):
+            raise UnknownModel(f"{model}: {family.refusal(family.model_types[0], key)}")
     raise UnknownModel(
-        f"no model {model!r} in the catalog (lorafit never downloads); {hint}"
+        f"no model {model!r} in the catalog (lorafit never downloads); {did_you_mean(key)}"
         "or pass a local directory or config.json (see `lorafit models`)"
     )
+
+
+def did_you_mean(key: str) -> str:
+    """Up to three known names: those that extend what was typed ("llama-3.3-70b" -> "...-instruct") first,
+    then the closest spellings."""
+    names = dict.fromkeys([*catalog(), *(repo_name(hub_id) for hub_id in hub_index())])
+    typed = repo_name(key)
+    extending = [name for name in names if name.startswith(typed) and name != typed]
+    close = difflib.get_close_matches(typed, list(names), n=3, cutoff=0.4)
+    picked = list(dict.fromkeys(extending[:3] + close))[:3]
+    return f"did you mean {', '.join(picked)}? " if picked else ""

@@ -168,20 +168,30 @@ def show_gpus(gpus: list[GpuSpec]) -> None:
 
 
 def show_models(specs: list[ModelSpec]) -> None:
+    """One row per preset; its variants (instruct/chat checkpoints, distills with the same shapes) are counted,
+    not listed, so the table stays one screen."""
+    from lorafit.models import variants
+
     table = Table(title="model presets", header_style="bold")
-    for column in ("name", "hub id", "parameters", "layers", "hidden", "vocab", "max seq"):
-        table.add_column(column)
+    for column in ("name", "hub id", "+variants", "parameters", "layers", "hidden", "vocab", "max seq"):
+        table.add_column(column, justify="right" if column == "+variants" else "left", overflow="fold")
     for spec in specs:
+        size = f"{spec.num_params / 1e9:.2f}B" if spec.num_params >= 1e9 else f"{spec.num_params / 1e6:.0f}M"
         table.add_row(
             spec.name,
             spec.hf_id or "-",
-            f"{spec.num_params / 1e9:.2f}B",
+            str(len(variants(spec.name))) if variants(spec.name) else "",
+            size,
             str(spec.num_hidden_layers),
             str(spec.hidden_size),
             f"{spec.vocab_size:,}",
             f"{spec.max_position_embeddings:,}",
         )
     console.print(table)
+    console.print(
+        "+variants: hub ids with the preset's shapes (e.g. Qwen/Qwen2.5-7B-Instruct for qwen2.5-7b); pass one as "
+        "--model, with or without its owner."
+    )
 
 
 def show_machine(machine: LocalMachine) -> None:
