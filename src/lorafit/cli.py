@@ -195,7 +195,12 @@ def list_models(**values: Any) -> None:
     """The model presets (any local config.json of a supported architecture works too)."""
     specs = list(models.catalog().values())
     if values["json"]:
-        render.print_json([spec.model_dump(mode="json") | {"num_params": spec.num_params} for spec in specs])
+        render.print_json(
+            [
+                spec.model_dump(mode="json") | {"num_params": spec.num_params, "variants": models.variants(spec.name)}
+                for spec in specs
+            ]
+        )
     else:
         render.show_models(specs)
 
