@@ -113,7 +113,9 @@ def test_bad_fields_are_errors_naming_the_field(record: object, fmt: str, field:
         (["assistant", "user", "assistant"], "starts with assistant"),
         (["user", "user", "assistant"], "two user turns"),
         (["user", "assistant", "assistant"], "two assistant turns"),
-        (["user", "assistant", "system", "user", "assistant"], "system turn at position 2"),
+        (["system", "assistant", "user", "assistant"], "starts with assistant"),
+        (["user", "system", "user", "assistant"], "two user turns in a row at position 2"),
+        (["user", "assistant", "system"], "last turn is system"),
         (["user", "tool", "assistant"], "tool turn at position 1 follows user"),
         (["user", "assistant", "user"], "last turn is user"),
     ],
@@ -123,6 +125,23 @@ def test_turns_out_of_order_are_errors(roles: list[str], words: str) -> None:
     messages, issues = normalize(record, "messages")
     assert messages is None
     assert any(words in issue.message and issue.field == "messages" for issue in issues)
+
+
+@pytest.mark.parametrize(
+    "roles",
+    [
+        ["user", "system", "assistant"],
+        ["user", "assistant", "system", "user", "assistant"],
+        ["system", "user", "assistant", "system", "user", "assistant"],
+    ],
+)
+def test_a_system_turn_after_the_first_is_kept_with_one_warning(roles: list[str]) -> None:
+    record = {"messages": [{"role": role, "content": f"turn {i}"} for i, role in enumerate(roles)]}
+    messages, issues = normalize(record, "messages")
+    assert messages is not None and [m["role"] for m in messages] == roles
+    late = roles.index("system", 1)
+    assert [(issue.severity, issue.field) for issue in issues] == [("warning", "messages")]
+    assert f"system turn at position {late}" in issues[0].message and "--tokenizer" in issues[0].message
 
 
 def test_an_empty_system_turn_is_only_a_warning() -> None:

@@ -337,16 +337,29 @@ def _optional_string(record: dict[str, Any], field: str, mapping: Mapping[str, s
 
 
 def check_turns(messages: Messages, field: str | None) -> list[Issue]:
-    """The order chat templates and assistant-only loss expect: [system] user assistant (tool* assistant)."""
+    """The order chat templates and assistant-only loss expect: [system] user assistant (tool* assistant).
+
+    A system turn is an instruction, not a speaker: it does not break user/assistant alternation, so the turn
+    after it is checked against the turn before it. One after the first turn is legal in most chat templates
+    (Llama 3, Qwen, ChatML) but refused by others (Llama 2, Mistral, Gemma): a warning.
+    """
     issues: list[Issue] = []
     where = field or "turns"
-    previous: str | None = None
+    previous: str | None = None  # the last user, assistant or tool turn
     for index, message in enumerate(messages):
         role = message["role"]
         if role == "system":
             if index != 0:
-                issues.append(Issue(where, f"turns out of order: system turn at position {index}, expected only first"))
-        elif previous in (None, "system"):
+                issues.append(
+                    Issue(
+                        where,
+                        f"system turn at position {index}, after the conversation started: some chat templates "
+                        "(Llama 2, Mistral, Gemma) refuse it; check with --tokenizer",
+                        "warning",
+                    )
+                )
+            continue
+        if previous is None:
             if role != "user":
                 issues.append(Issue(where, f"turns out of order: conversation starts with {role}, expected user"))
         elif role == "tool" and previous not in ("assistant", "tool"):
@@ -361,8 +374,9 @@ def check_turns(messages: Messages, field: str | None) -> list[Issue]:
                 )
             )
         previous = role
-    if previous != "assistant":
-        issues.append(Issue(where, f"last turn is {previous}, not assistant: there is no answer to train on"))
+    last = messages[-1]["role"] if messages else None
+    if last != "assistant":
+        issues.append(Issue(where, f"last turn is {last}, not assistant: there is no answer to train on"))
     return issues
 
 
