@@ -131,6 +131,19 @@ def test_convert_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert code == 1 and json.loads(out)["written"] == 1
 
 
+def test_convert_of_an_empty_file_is_refused_as_check_refuses_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    check_code, check_out, _ = run_main(["data", "check", str(empty)], capsys)
+    code, out, err = run_main(["data", "convert", str(empty), str(tmp_path / "out.jsonl")], capsys)
+    assert check_code == code == 2 and "the dataset is empty" in check_out
+    assert out == "" and err.startswith("lorafit: error: ") and err.count("\n") == 1
+    assert "the dataset is empty; nothing written" in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_cli_runner_sees_the_same_exit_codes(tmp_path: Path) -> None:
     runner = CliRunner()
     clean = write_jsonl(tmp_path / "clean.jsonl", [GOOD])

@@ -86,7 +86,10 @@ def convert_command(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace OUT if it exists")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of a summary")] = False,
 ) -> None:
-    """Write the rows that pass as JSONL in one format. Exit 0 all rows written, 1 some were rejected."""
+    """Write the rows that pass as JSONL in one format.
+
+    Exit 0 all rows written, 1 some were rejected, 2 bad input or no row passed (nothing written).
+    """
     from lorafit.data.convert import convert
 
     report = convert(source, output, to, format=format, mapping=mapping, overwrite=overwrite)
