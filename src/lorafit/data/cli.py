@@ -54,16 +54,29 @@ def check_command(
     format: FormatOption = None,
     mapping: MapOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")] = False,
-    plot: Annotated[Path | None, typer.Option("--plot", help="also draw the length histogram to this PNG")] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="also draw the length histogram to this .png (or into this folder)")
+    ] = None,
     strict: Annotated[bool, typer.Option("--strict", help="exit 1 on warnings")] = False,
-    report_file: Annotated[Path | None, typer.Option("--report", help="write the full JSON report here")] = None,
+    report_file: Annotated[
+        Path | None, typer.Option("--report", help="write the full JSON report to this .json (or into this folder)")
+    ] = None,
 ) -> None:
     """Problems (with file, line and row), token statistics and a suggested sequence length.
 
     Exit 0 clean, 1 warnings only with --strict, 2 errors.
     """
     from lorafit.data.check import check
+    from lorafit.data.outputs import output_path
 
+    if report_file is not None:
+        report_file = output_path(
+            report_file, file, label="--report", what="the report is JSON", suffixes=(".json",), name_suffix="-check"
+        )
+    if plot is not None:
+        plot = output_path(
+            plot, file, label="--plot", what="the histogram is a PNG", suffixes=(".png",), name_suffix="-lengths"
+        )
     report = check(file, tokenizer=tokenizer, seq_len=seq_len, format=format, mapping=mapping)
     if report_file is not None:
         write_atomically(report_file, report.dumps() + "\n")
@@ -79,7 +92,9 @@ def check_command(
 @data_app.command("convert")
 def convert_command(
     source: Annotated[Path, typer.Argument(metavar="IN", help="a data file or a directory of them")],
-    output: Annotated[Path, typer.Argument(metavar="OUT", help="the JSONL file to write")],
+    output: Annotated[
+        Path, typer.Argument(metavar="OUT", help="the .jsonl file to write (or a folder to write it in)")
+    ],
     to: Annotated[str, typer.Option("--to", help="messages, alpaca or sharegpt")] = "messages",
     format: FormatOption = None,
     mapping: MapOption = None,
@@ -177,6 +192,8 @@ def render_check(
             f"suggested --seq-len [bold]{suggestion.seq_len}[/] ({suggestion.rule}; truncates "
             f"{suggestion.truncated_rows:,} rows); as a power of two: {suggestion.power_of_two}"
         )
+    if report_file is not None:
+        console.print(f"report written to {escape(str(report_file))}")
     if plot is not None:
         console.print(f"histogram written to {escape(str(plot))}")
 
@@ -216,11 +233,13 @@ def plot_histogram(report: CheckReport, path: Path) -> None:
     axes.set_xlabel("tokens per row")
     axes.set_ylabel("rows")
     figure.tight_layout()
-    try:
-        figure.savefig(path, dpi=100)
-    except OSError as error:
-        from lorafit.errors import DataError
+    from lorafit.errors import DataError
+    from lorafit.files import atomic_writer
 
+    try:
+        with atomic_writer(path) as handle:  # the PNG bytes go to the text handle's binary buffer
+            figure.savefig(handle.buffer, format="png", dpi=100)
+    except OSError as error:
         raise DataError(f"--plot {path}: cannot write it: {error.strerror or error}") from None
     finally:
         plt.close(figure)

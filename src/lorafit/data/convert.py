@@ -14,9 +14,13 @@ from typing import Any
 
 from lorafit.data.dataset import Dataset
 from lorafit.data.formats import TARGETS, Format, Target, from_messages
+from lorafit.data.outputs import output_path
 from lorafit.data.problems import Problem
 from lorafit.errors import DataError
 from lorafit.files import atomic_writer
+
+# What OUT may end in: JSON Lines, which lorafit and `datasets` also read from a .json file.
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 
 
 @dataclass
@@ -57,15 +61,12 @@ def convert(
     """Write each row of `source` that has no error as JSONL in `to`; the report counts and lists the rest."""
     if to not in TARGETS:
         raise DataError(f"--to {to}: expected one of {', '.join(TARGETS)}")
-    source, output = Path(source), Path(output)
-    if output.exists() and _same_file(source, output):
-        raise DataError(f"{output} is the input; write the converted rows to another file")
-    if source.is_dir() and output.resolve().is_relative_to(source.resolve()):
-        raise DataError(f"{output} is inside the input directory {source}; write it somewhere else")
+    source = Path(source)
+    output = output_path(
+        output, source, label="output", what="convert writes JSON Lines", suffixes=JSONL_SUFFIXES, name_suffix=f"-{to}"
+    )
     if output.exists() and not overwrite:
         raise DataError(f"{output} exists; pass --overwrite to replace it")
-    if output.exists() and output.is_dir():
-        raise DataError(f"{output} is a directory; name the output file")
     dataset = Dataset(source, format, mapping)
     if dataset.format == "text":
         raise DataError(f"{source} is raw text: it has no turns to convert; train on it as it is (--format text)")
@@ -117,10 +118,3 @@ def _nothing_written(report: ConvertReport, unholdable: int) -> str:
     checked = len(errors) > unholdable
     hint = f"; run `lorafit data check {report.source}` for the full list" if checked else ""
     return f"{report.source}: {verdict} (first: {first.where()}: {first.message}); nothing written{hint}"
-
-
-def _same_file(first: Path, second: Path) -> bool:
-    try:
-        return first.samefile(second)
-    except OSError:
-        return False
