@@ -115,6 +115,35 @@ def _rename_keys(turn: dict[str, Any], inner: Mapping[str, str]) -> dict[str, An
     return renamed
 
 
+def unmatched_mapping(mapping: Mapping[str, str], records: Iterable[Any], source: str) -> str | None:
+    """Why a `--map FIELD=COLUMN` matches nothing in `records` (no record has COLUMN, or for role/content/from/
+    value no turn has that key), as one line; None if every pair matches. A mapping that matches nothing is a
+    typo, not a choice."""
+    columns: set[str] = set()
+    turn_keys: set[str] = set()
+    outer = {field: column for field, column in mapping.items() if field in TOP_LEVEL_FIELDS}
+    for record in records:
+        if not isinstance(record, dict):
+            continue
+        columns.update(record)
+        renamed = apply_mapping(record, outer)
+        for key in ("messages", "conversations", "prompt", "completion"):
+            turns = renamed.get(key)
+            if isinstance(turns, list):
+                turn_keys.update(key for turn in turns if isinstance(turn, dict) for key in turn)
+    for field, column in mapping.items():
+        inner = field in MESSAGE_FIELDS
+        if column in (turn_keys if inner else columns):
+            continue
+        if inner and not turn_keys:
+            return f"--map {field}={column}: {source} has no turns ({field} names a key inside each turn)"
+        where, known = ("no turn", turn_keys) if inner else ("no record", columns)
+        listed = ", ".join(repr(name) for name in sorted(known)[:8]) + (", ..." if len(known) > 8 else "")
+        key = "key" if inner else "column"
+        return f"--map {field}={column}: {where} of {source} has a {key} {column!r} (its {key}s: {listed or 'none'})"
+    return None
+
+
 def column_name(field: str, mapping: Mapping[str, str]) -> str:
     """The name the user knows a field by: the mapped column if there is one."""
     return mapping.get(field, field)
@@ -142,15 +171,24 @@ def detect_format(records: Iterable[Any], source: str = "data") -> Format:
     """The format most of the sampled records match; a DataError naming the columns seen if none does."""
     votes: Counter[Format] = Counter()
     columns: Counter[str] = Counter()
+    others: Counter[str] = Counter()  # records that are not objects at all
     for record in records:
         kind = detect_record(record)
         if kind is not None:
             votes[kind] += 1
         elif isinstance(record, dict):
             columns.update(str(key) for key in record)
+        else:
+            others[_type_name(record)] += 1
     if votes:
         return votes.most_common(1)[0][0]
-    seen = ", ".join(repr(name) for name, _ in columns.most_common(8)) or "none"
+    if others and not columns:
+        kinds = ", ".join(kind for kind, _ in others.most_common())
+        raise DataError(
+            f"cannot tell the format of {source}: its records are not objects with columns (they are {kinds}); "
+            'expected one object per record, e.g. {"instruction": ..., "output": ...}'
+        )
+    seen = ", ".join(repr(name) for name, _ in columns.most_common(8)) or "none (every record is {})"
     raise DataError(
         f"cannot tell the format of {source}: columns seen: {seen}; expected one of alpaca "
         "(instruction/output), sharegpt (conversations), messages, prompt_completion (prompt/completion) or "
