@@ -263,3 +263,25 @@ def test_a_pipe_or_device_is_never_replaced_by_a_file(tmp_path: Path, capsys: py
         code, _, err = run_main(argv, capsys)
         assert code == 2 and "is not a regular file (a device, pipe or socket)" in err, name
         assert stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_a_folder_that_refuses_writes_is_one_line_for_every_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a user without write permission sees it (the tests may run as root, for whom chmod does not bite)."""
+    import errno
+    import tempfile
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    path = write_jsonl(tmp_path / "a.jsonl", [GOOD])
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    for target, args in (
+        (tmp_path / "r.json", ["data", "check", str(path), "--report"]),
+        (tmp_path / "p.png", ["data", "check", str(path), "--plot"]),
+        (tmp_path / "o.jsonl", ["data", "convert", str(path)]),
+    ):
+        code, _, err = run_main([*args, str(target)], capsys)
+        assert code == 2 and err == f"lorafit: error: cannot write {target}: Permission denied\n"
+        assert not target.exists()

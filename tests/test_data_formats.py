@@ -94,7 +94,7 @@ def test_text_content_parts_are_joined_and_images_are_refused() -> None:
         ({"messages": [{"role": "user", "content": 3}, ASSISTANT_HI]}, "messages", "messages[0].content", "wrong type"),
         ({"messages": [{"role": "user", "content": ""}, ASSISTANT_HI]}, "messages", "messages[0].content", "empty"),
         ({"conversations": [{"from": "robot", "value": "x"}]}, "sharegpt", "conversations[0].from", "unknown role"),
-        ({"prompt": "x", "completion": None}, "prompt_completion", "completion", "missing"),
+        ({"prompt": "x", "completion": None}, "prompt_completion", "completion", "is null"),
         ({"text": ""}, "text", "text", "empty"),
         (["not", "an", "object"], "text", None, "expected an object"),
     ],
@@ -200,3 +200,10 @@ def test_writing_other_formats() -> None:
         from_messages([USER_HI, ASSISTANT_HI, USER_HI, ASSISTANT_HI], "alpaca")
     with pytest.raises(ValueError, match="tool calls"):
         from_messages([USER_HI, {"role": "assistant", "content": "", "tool_calls": []}], "sharegpt")
+
+
+def test_a_null_value_is_not_called_a_missing_column() -> None:
+    _, issues = normalize({"instruction": None, "output": "x"}, "alpaca")
+    assert [(issue.field, issue.message) for issue in issues] == [("instruction", "'instruction' is null")]
+    _, issues = normalize({"output": "x"}, "alpaca")
+    assert [(issue.field, issue.message) for issue in issues] == [("instruction", "missing column 'instruction'")]

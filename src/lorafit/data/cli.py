@@ -240,7 +240,7 @@ def plot_histogram(report: CheckReport, path: Path) -> None:
         with atomic_writer(path) as handle:  # the PNG bytes go to the text handle's binary buffer
             figure.savefig(handle.buffer, format="png", dpi=100)
     except OSError as error:
-        raise DataError(f"--plot {path}: cannot write it: {error.strerror or error}") from None
+        raise DataError(f"cannot write {path}: {error.strerror or error}") from None
     finally:
         plt.close(figure)
 

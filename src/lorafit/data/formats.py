@@ -350,10 +350,13 @@ def _join_text_parts(parts: list[Any], where: str, issues: list[Issue]) -> str |
 
 def _required_string(record: dict[str, Any], field: str, mapping: Mapping[str, str], issues: list[Issue]) -> str | None:
     shown = column_name(field, mapping)
-    if field not in record or record[field] is None:
+    if field not in record:
         issues.append(Issue(shown, f"missing column {shown!r}"))
         return None
     value = record[field]
+    if value is None:  # the column is there (Parquet, a JSON null): the value is missing
+        issues.append(Issue(shown, f"{shown!r} is null"))
+        return None
     if not isinstance(value, str):
         issues.append(Issue(shown, f"wrong type: {shown!r} is {_type_name(value)}, expected a string"))
         return None
