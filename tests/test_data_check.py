@@ -158,3 +158,12 @@ def test_json_report_has_the_promised_keys(tmp_path: Path) -> None:
     ]
     assert set(data["tokens"]) >= {"total", "mean", "p50", "p95", "p99", "max"}
     assert data["tokens"]["total"] == 3  # "hello there": 11 characters -> 3 tokens
+
+
+def test_a_system_turn_between_user_and_assistant_is_a_warning_not_an_error(tmp_path: Path) -> None:
+    turns = [("user", "Hi"), ("system", "Answer in French."), ("assistant", "Bonjour")]
+    path = write_jsonl(tmp_path / "a.jsonl", [{"messages": [{"role": r, "content": c} for r, c in turns]}])
+    report = check(path)
+    assert (report.valid_rows, report.errors, report.warnings) == (1, 0, 1)
+    assert report.exit_code() == 0 and report.exit_code(strict=True) == 1
+    assert "system turn at position 1" in report.problems[0].message

@@ -131,6 +131,19 @@ def test_convert_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert code == 1 and json.loads(out)["written"] == 1
 
 
+def test_convert_of_an_empty_file_is_refused_as_check_refuses_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    check_code, check_out, _ = run_main(["data", "check", str(empty)], capsys)
+    code, out, err = run_main(["data", "convert", str(empty), str(tmp_path / "out.jsonl")], capsys)
+    assert check_code == code == 2 and "the dataset is empty" in check_out
+    assert out == "" and err.startswith("lorafit: error: ") and err.count("\n") == 1
+    assert "the dataset is empty; nothing written" in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_cli_runner_sees_the_same_exit_codes(tmp_path: Path) -> None:
     runner = CliRunner()
     clean = write_jsonl(tmp_path / "clean.jsonl", [GOOD])
@@ -156,3 +169,119 @@ def test_the_installed_command(tmp_path: Path) -> None:
         [str(command), "data", "check", str(tmp_path / "nope.csv")], capture_output=True, text=True
     )
     assert missing.returncode == 2 and missing.stderr.startswith("lorafit: error: no such file")
+
+
+def is_png(path: Path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_output_gets_its_missing_parent_folders(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", [GOOD])
+    report, png, out = tmp_path / "r" / "x" / "check.json", tmp_path / "p" / "x" / "l.png", tmp_path / "c" / "x.jsonl"
+    code, text, _ = run_main(["data", "check", str(path), "--report", str(report), "--plot", str(png)], capsys)
+    assert code == 0 and f"report written to {report}" in text and f"histogram written to {png}" in text
+    assert json.loads(report.read_text())["valid_rows"] == 1 and is_png(png)
+    assert run_main(["data", "convert", str(path), str(out)], capsys)[0] == 0
+    assert load_jsonl(out) == [
+        {"messages": [{"role": "user", "content": "Name a colour"}, {"role": "assistant", "content": "Blue"}]}
+    ]
+
+
+def load_jsonl(path: Path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_directory_gets_a_file_named_after_the_dataset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_jsonl(tmp_path / "train.jsonl", [GOOD])
+    folder = tmp_path / "out"
+    folder.mkdir()
+    code, text, _ = run_main(["data", "check", str(path), "--plot", str(folder), "--report", str(folder)], capsys)
+    assert code == 0
+    assert f"histogram written to {folder / 'train-lengths.png'}" in text and is_png(folder / "train-lengths.png")
+    assert f"report written to {folder / 'train-check.json'}" in text
+    assert run_main(["data", "convert", str(path), str(folder), "--to", "sharegpt"], capsys)[0] == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["train-check.json", "train-lengths.png", "train-sharegpt.jsonl"]
+    assert not (tmp_path / "out.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--plot", "{tmp}/lengths.jpg"], "--plot {tmp}/lengths.jpg: the histogram is a PNG; name a .png file"),
+        (["--plot", "{tmp}/lengths.txt"], "--plot {tmp}/lengths.txt: the histogram is a PNG"),
+        (["--plot", "{tmp}/lengths"], "--plot {tmp}/lengths: the histogram is a PNG"),
+        (["--report", "{tmp}/report.txt"], "--report {tmp}/report.txt: the report is JSON; name a .json file"),
+        (["--report", "{tmp}/a.jsonl/r.json"], "--report {tmp}/a.jsonl/r.json: {tmp}/a.jsonl is a file, not a folder"),
+    ],
+)
+def test_an_output_path_of_the_wrong_kind_is_refused_before_the_data_is_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], words: str
+) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", [GOOD])
+    code, out, err = run_main(["data", "check", str(path), *[a.format(tmp=tmp_path) for a in args]], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"lorafit: error: {words.format(tmp=tmp_path)}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]
+
+
+def test_convert_writes_json_lines_under_a_json_lines_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", [GOOD])
+    code, _, err = run_main(["data", "convert", str(path), str(tmp_path / "a.csv")], capsys)
+    assert code == 2 and "convert writes JSON Lines; name a .jsonl, .ndjson or .json file" in err
+    assert not (tmp_path / "a.csv").exists()
+
+
+def test_the_report_never_replaces_the_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps([GOOD]))
+    before = path.read_bytes()
+    code, _, err = run_main(["data", "check", str(path), "--report", str(path)], capsys)
+    assert code == 2 and f"--report {path} is the input" in err
+    assert path.read_bytes() == before
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "b.jsonl", [GOOD])
+    code, _, err = run_main(["data", "check", str(folder), "--report", str(folder)], capsys)
+    assert code == 2 and "inside the input directory" in err and "would be read as data" in err
+    code, out, _ = run_main(["data", "check", str(folder), "--plot", str(folder)], capsys)  # a PNG is not data
+    assert code == 0 and is_png(folder / "data-lengths.png")
+
+
+def test_a_pipe_or_device_is_never_replaced_by_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+    import stat
+
+    path = write_jsonl(tmp_path / "a.jsonl", [GOOD])
+    for name, args in (
+        ("r.json", ["data", "check", str(path), "--report"]),
+        ("p.png", ["data", "check", str(path), "--plot"]),
+        ("o.jsonl", ["data", "convert", str(path), "--overwrite"]),
+    ):
+        fifo = tmp_path / name
+        os.mkfifo(fifo)
+        argv = [*args, str(fifo)] if args[1] == "check" else [*args[:3], str(fifo), *args[3:]]
+        code, _, err = run_main(argv, capsys)
+        assert code == 2 and "is not a regular file (a device, pipe or socket)" in err, name
+        assert stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_a_folder_that_refuses_writes_is_one_line_for_every_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a user without write permission sees it (the tests may run as root, for whom chmod does not bite)."""
+    import errno
+    import tempfile
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    path = write_jsonl(tmp_path / "a.jsonl", [GOOD])
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    for target, args in (
+        (tmp_path / "r.json", ["data", "check", str(path), "--report"]),
+        (tmp_path / "p.png", ["data", "check", str(path), "--plot"]),
+        (tmp_path / "o.jsonl", ["data", "convert", str(path)]),
+    ):
+        code, _, err = run_main([*args, str(target)], capsys)
+        assert code == 2 and err == f"lorafit: error: cannot write {target}: Permission denied\n"
+        assert not target.exists()

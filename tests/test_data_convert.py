@@ -111,3 +111,37 @@ def test_raw_text_and_unknown_targets_are_refused(tmp_path: Path) -> None:
         convert(text, tmp_path / "out.jsonl", "messages")
     with pytest.raises(DataError, match="--to chatml"):
         convert(write_jsonl(tmp_path / "in.jsonl", ALPACA), tmp_path / "out.jsonl", "chatml")
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        ("", "has no rows: the dataset is empty"),
+        ("\n\n", "has no rows: the dataset is empty"),
+        ('{"instruction": "", "output": "x"}\n{oops\n', "none of its 2 rows can be written as messages"),
+    ],
+)
+def test_nothing_is_written_when_no_row_passes(tmp_path: Path, content: str, words: str) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_text(content)
+    with pytest.raises(DataError, match=words) as raised:
+        convert(source, tmp_path / "out.jsonl", "messages")
+    assert "nothing written" in str(raised.value) and "\n" not in str(raised.value)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_an_old_output_survives_a_conversion_with_no_rows(tmp_path: Path) -> None:
+    source = write_jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "a"}] * 2}])
+    out = tmp_path / "out.jsonl"
+    out.write_text("the old file\n")
+    with pytest.raises(DataError, match="its one row cannot be written as alpaca"):
+        convert(source, out, "alpaca", overwrite=True)
+    assert out.read_text() == "the old file\n"
+
+
+def test_rows_only_the_target_cannot_hold_do_not_send_the_user_to_data_check(tmp_path: Path) -> None:
+    turns = [{"role": r, "content": r} for r in ("user", "assistant", "user", "assistant")]
+    source = write_jsonl(tmp_path / "in.jsonl", [{"messages": turns}])
+    with pytest.raises(DataError, match="cannot be written as alpaca") as raised:
+        convert(source, tmp_path / "out.jsonl", "alpaca")
+    assert "data check" not in str(raised.value)

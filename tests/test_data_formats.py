@@ -94,7 +94,7 @@ def test_text_content_parts_are_joined_and_images_are_refused() -> None:
         ({"messages": [{"role": "user", "content": 3}, ASSISTANT_HI]}, "messages", "messages[0].content", "wrong type"),
         ({"messages": [{"role": "user", "content": ""}, ASSISTANT_HI]}, "messages", "messages[0].content", "empty"),
         ({"conversations": [{"from": "robot", "value": "x"}]}, "sharegpt", "conversations[0].from", "unknown role"),
-        ({"prompt": "x", "completion": None}, "prompt_completion", "completion", "missing"),
+        ({"prompt": "x", "completion": None}, "prompt_completion", "completion", "is null"),
         ({"text": ""}, "text", "text", "empty"),
         (["not", "an", "object"], "text", None, "expected an object"),
     ],
@@ -113,7 +113,9 @@ def test_bad_fields_are_errors_naming_the_field(record: object, fmt: str, field:
         (["assistant", "user", "assistant"], "starts with assistant"),
         (["user", "user", "assistant"], "two user turns"),
         (["user", "assistant", "assistant"], "two assistant turns"),
-        (["user", "assistant", "system", "user", "assistant"], "system turn at position 2"),
+        (["system", "assistant", "user", "assistant"], "starts with assistant"),
+        (["user", "system", "user", "assistant"], "two user turns in a row at position 2"),
+        (["user", "assistant", "system"], "last turn is system"),
         (["user", "tool", "assistant"], "tool turn at position 1 follows user"),
         (["user", "assistant", "user"], "last turn is user"),
     ],
@@ -123,6 +125,23 @@ def test_turns_out_of_order_are_errors(roles: list[str], words: str) -> None:
     messages, issues = normalize(record, "messages")
     assert messages is None
     assert any(words in issue.message and issue.field == "messages" for issue in issues)
+
+
+@pytest.mark.parametrize(
+    "roles",
+    [
+        ["user", "system", "assistant"],
+        ["user", "assistant", "system", "user", "assistant"],
+        ["system", "user", "assistant", "system", "user", "assistant"],
+    ],
+)
+def test_a_system_turn_after_the_first_is_kept_with_one_warning(roles: list[str]) -> None:
+    record = {"messages": [{"role": role, "content": f"turn {i}"} for i, role in enumerate(roles)]}
+    messages, issues = normalize(record, "messages")
+    assert messages is not None and [m["role"] for m in messages] == roles
+    late = roles.index("system", 1)
+    assert [(issue.severity, issue.field) for issue in issues] == [("warning", "messages")]
+    assert f"system turn at position {late}" in issues[0].message and "--tokenizer" in issues[0].message
 
 
 def test_an_empty_system_turn_is_only_a_warning() -> None:
@@ -181,3 +200,10 @@ def test_writing_other_formats() -> None:
         from_messages([USER_HI, ASSISTANT_HI, USER_HI, ASSISTANT_HI], "alpaca")
     with pytest.raises(ValueError, match="tool calls"):
         from_messages([USER_HI, {"role": "assistant", "content": "", "tool_calls": []}], "sharegpt")
+
+
+def test_a_null_value_is_not_called_a_missing_column() -> None:
+    _, issues = normalize({"instruction": None, "output": "x"}, "alpaca")
+    assert [(issue.field, issue.message) for issue in issues] == [("instruction", "'instruction' is null")]
+    _, issues = normalize({"output": "x"}, "alpaca")
+    assert [(issue.field, issue.message) for issue in issues] == [("instruction", "missing column 'instruction'")]

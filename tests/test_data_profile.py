@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from lorafit.data import CHAR_ESTIMATE_ERROR, length_profile, token_profile, truncated_rows
+from lorafit.data.profile import profile_of_lengths
 from lorafit.errors import DataError
 from lorafit.schema import TokenProfile
 
@@ -58,3 +59,38 @@ def test_seq_len_is_passed_through(tmp_path: Path) -> None:
     profile = length_profile(text_rows(tmp_path / "a.jsonl", [40, 4000]), seq_len=64)
     assert profile.truncated_rows(64) == 1
     assert math.isclose(profile.profile.max, 1000)
+
+
+def test_profile_of_lengths_by_hand() -> None:
+    profile = profile_of_lengths([30, 10, 40, 20], "rows", answer_tokens=25, tokenizer="tok")
+    # sorted 10 20 30 40: p50 at position 1.5 -> 25; p95 at 2.85 -> 38.5; p99 at 2.97 -> 39.7
+    assert (profile.rows, profile.total_tokens, profile.max, profile.mean) == (4, 100, 40, 25.0)
+    assert (profile.p50, profile.p95, profile.p99) == pytest.approx((25.0, 38.5, 39.7))
+    assert profile.answer_token_share == 0.25 and profile.tokenizer == "tok" and profile.estimate_error is None
+    with pytest.raises(DataError, match="no rows to profile"):
+        profile_of_lengths([], "rows", answer_tokens=0, tokenizer=None)
+
+
+def test_a_file_and_its_lengths_give_the_same_profile(tmp_path: Path) -> None:
+    char_counts = [40, 80, 400, 44, 8, 1204]
+    path = text_rows(tmp_path / "a.jsonl", char_counts)
+    lengths = [math.ceil(n / 4) for n in char_counts]  # raw text: every token is an answer token
+    from_file = token_profile(path)
+    from_lengths = profile_of_lengths(
+        lengths, str(path), answer_tokens=sum(lengths), tokenizer=None, estimate_error=CHAR_ESTIMATE_ERROR
+    )
+    assert from_lengths == from_file
+
+
+def test_the_trainers_profile_is_this_one(tmp_path: Path) -> None:
+    """train.examples.token_profile measures the tokens the trainer rendered; it is built by the same code."""
+    from lorafit.train.examples import IGNORE_INDEX, Encoded
+    from lorafit.train.examples import token_profile as trainer_profile
+
+    encoded = Encoded(
+        input_ids=[[1] * 30, [1] * 10, [1] * 40, [1] * 20],
+        labels=[[IGNORE_INDEX] * 20 + [5] * 10, [5] * 10, [IGNORE_INDEX] * 40, [IGNORE_INDEX] * 15 + [5] * 5],
+    )
+    expected = profile_of_lengths([30, 10, 40, 20], "train.jsonl", answer_tokens=25, tokenizer="tiny")
+    assert trainer_profile(encoded, "train.jsonl", "tiny") == expected
+    assert expected.answer_token_share == 0.25 and expected.p95 == pytest.approx(38.5)

@@ -195,3 +195,106 @@ def test_warnings_do_not_stop_loading(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "a.jsonl", [ROWS[0], ROWS[0]])
     rows = load_conversations(path)
     assert len(rows) == 2  # duplicates are the check's warning, not the trainer's business
+
+
+def test_a_pipe_is_not_called_missing(tmp_path: Path) -> None:
+    import os
+
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match="is not a regular file or a directory"):
+        load_conversations(fifo)
+
+
+LINE = '{"instruction": "Name a colour", "output": "Blue"}\n'
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        (LINE.encode("utf-16"), "UTF-16 text; lorafit reads UTF-8: convert it, e.g. iconv -f UTF-16 -t UTF-8"),
+        ((LINE * 3).encode("utf-16-le"), "UTF-16LE text; lorafit reads UTF-8: convert it, e.g. iconv -f UTF-16LE"),
+        ((LINE * 3).encode("utf-16-be"), "UTF-16BE text"),
+        (LINE.encode("utf-32"), "UTF-32 text"),
+        (__import__("gzip").compress(LINE.encode() * 3), "gzip-compressed, not .jsonl text"),
+        (b"\x7fELF\x02\x01\x01" + bytes(200) + b"\x3e\x00\x01", "a binary file (NUL bytes), not text"),
+    ],
+)
+def test_a_file_that_is_not_utf8_text_is_one_problem_not_one_per_line(
+    tmp_path: Path, content: bytes, words: str
+) -> None:
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(content)
+    problems = problems_of(path)
+    assert len(problems) == 1 and problems[0].row is None
+    assert problems[0].message.startswith(words)
+
+
+def test_utf8_text_with_a_byte_order_mark_or_accents_is_not_mistaken_for_utf16(tmp_path: Path) -> None:
+    path = tmp_path / "data.csv"
+    path.write_bytes(b"\xef\xbb\xbfinstruction,output\n" + "Nommez une couleur,Bleu é\n".encode() * 50)
+    assert problems_of(path) == []
+
+
+def test_compressed_files_and_arrow_folders_are_named_for_what_they_are(tmp_path: Path) -> None:
+    import gzip
+
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    (packed / "train.jsonl.gz").write_bytes(gzip.compress(LINE.encode()))
+    with pytest.raises(DataError, match=r"train.jsonl.gz: a gzip file; lorafit reads data uncompressed"):
+        load_conversations(packed / "train.jsonl.gz")
+    with pytest.raises(DataError, match=r"no data files in .*packed .*compressed files \(.gz\): extract them first"):
+        load_conversations(packed)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "data-00000-of-00001.arrow").write_bytes(b"ARROW1")
+    (saved / "state.json").write_text('{"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}')
+    with pytest.raises(DataError, match=r"holds Arrow files .*load_from_disk"):
+        load_conversations(saved)
+
+
+@pytest.mark.parametrize(
+    ("rows", "mapping", "words"),
+    [
+        (ROWS, ["instruction=question"], "--map instruction=question: no record of .* has a column 'question'"),
+        ([{"q": "a", "output": "b"}], ["instruction=question"], r"its columns: 'output', 'q'"),
+        (ROWS, ["role=speaker"], r"has no turns \(role names a key inside each turn\)"),
+        (
+            [{"messages": [{"speaker": "user", "text": "a"}, {"speaker": "assistant", "text": "b"}]}],
+            ["role=speaker", "content=txt"],
+            r"--map content=txt: no turn of .* has a key 'txt' \(its keys: 'speaker', 'text'\)",
+        ),
+    ],
+)
+def test_a_mapping_that_matches_no_column_is_refused(
+    tmp_path: Path, rows: list, mapping: list[str], words: str
+) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", rows)
+    with pytest.raises(DataError, match=words):
+        Dataset(path, mapping=mapping)
+    with pytest.raises(DataError, match=words):
+        Dataset(path, format="alpaca", mapping=mapping)  # a forced format does not skip the check
+
+
+def test_a_mapping_that_matches_is_used(tmp_path: Path) -> None:
+    rows = [{"messages": [{"speaker": "user", "text": "a"}, {"speaker": "assistant", "text": "b"}]}]
+    path = write_jsonl(tmp_path / "a.jsonl", rows)
+    assert load_conversations(path, mapping=["role=speaker", "content=text"]) == [
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ('[1, "x", null]', r"its records are not objects with columns \(they are a number, a string, null\)"),
+        ("null\n", r"its records are not objects with columns \(they are null\)"),
+        ("{}\n", r"columns seen: none \(every record is \{\}\)"),
+    ],
+)
+def test_records_that_are_not_objects_are_called_that(tmp_path: Path, text: str, words: str) -> None:
+    path = tmp_path / "a.json"
+    path.write_text(text)
+    with pytest.raises(DataError, match=words):
+        detect(path)

@@ -168,3 +168,9 @@ def test_the_stored_estimate_error_holds_against_a_freshly_trained_bpe() -> None
     assert abs(accuracy.chars_per_token - CHARS_PER_TOKEN) < 0.6
     assert accuracy.long_row_error <= CHAR_ESTIMATE_ERROR + 0.05
     assert abs(accuracy.total_error) < 0.15
+
+
+@pytest.mark.parametrize("spec", ["", "  "])
+def test_an_empty_tokenizer_option_says_so(spec: str) -> None:
+    with pytest.raises(DataError, match="--tokenizer is empty; pass a tokenizer directory"):
+        load_counter(spec)

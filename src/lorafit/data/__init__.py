@@ -2,8 +2,8 @@
 
 For the trainer: `load_conversations(path, format=None, mapping=None)` returns the valid rows as conversations
 (`.format` says which format they were read as) or raises DataError. For the planner: `token_profile(...)`,
-`length_profile(...)` and `truncated_rows(...)`. Importing this package stays cheap: datasets,
-transformers and matplotlib load only inside the functions that use them.
+`length_profile(...)`, `profile_of_lengths(...)` and `truncated_rows(...)`. Importing this package stays cheap:
+datasets, transformers and matplotlib load only inside the functions that use them.
 """
 
 from lorafit.data.check import CheckReport, check
@@ -11,7 +11,7 @@ from lorafit.data.convert import ConvertReport, convert
 from lorafit.data.dataset import Conversations, Dataset, detect, load_conversations
 from lorafit.data.formats import FORMATS, TARGETS, Format, Messages, Target, parse_mapping
 from lorafit.data.problems import Problem
-from lorafit.data.profile import LengthProfile, length_profile, token_profile, truncated_rows
+from lorafit.data.profile import LengthProfile, length_profile, profile_of_lengths, token_profile, truncated_rows
 from lorafit.data.tokens import CHAR_ESTIMATE_ERROR, CHARS_PER_TOKEN
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "length_profile",
     "load_conversations",
     "parse_mapping",
+    "profile_of_lengths",
     "token_profile",
     "truncated_rows",
 ]

@@ -259,7 +259,7 @@ class _Scan:
             seq_len=self.seq_len,
         )
         if len(lengths):
-            report.tokens = token_stats(lengths, self.answer_tokens, self.counter)
+            report.tokens = token_stats(lengths, self.answer_tokens, self.counter.name, self.counter.estimate_error)
             report.suggestion = suggest_seq_len(lengths, report.tokens.p99)
         return report
 
@@ -293,7 +293,10 @@ def quantile(sorted_lengths: Sequence[int], q: float) -> float:
     return float(below + (above - below) * (position - low))
 
 
-def token_stats(sorted_lengths: Sequence[int], answer_tokens: int, counter: TokenCounter) -> TokenStats:
+def token_stats(
+    sorted_lengths: Sequence[int], answer_tokens: int, tokenizer: str | None, estimate_error: float | None
+) -> TokenStats:
+    """Total, mean, quantiles, max and answer share of non-empty, ascending token counts."""
     import numpy as np
 
     total = int(np.asarray(sorted_lengths).sum(dtype=np.int64))
@@ -305,8 +308,8 @@ def token_stats(sorted_lengths: Sequence[int], answer_tokens: int, counter: Toke
         p99=quantile(sorted_lengths, 0.99),
         max=int(sorted_lengths[-1]),
         answer_token_share=answer_tokens / total if total else None,
-        tokenizer=counter.name,
-        estimate_error=counter.estimate_error,
+        tokenizer=tokenizer,
+        estimate_error=estimate_error,
     )
 
 

@@ -54,16 +54,29 @@ def check_command(
     format: FormatOption = None,
     mapping: MapOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of tables")] = False,
-    plot: Annotated[Path | None, typer.Option("--plot", help="also draw the length histogram to this PNG")] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="also draw the length histogram to this .png (or into this folder)")
+    ] = None,
     strict: Annotated[bool, typer.Option("--strict", help="exit 1 on warnings")] = False,
-    report_file: Annotated[Path | None, typer.Option("--report", help="write the full JSON report here")] = None,
+    report_file: Annotated[
+        Path | None, typer.Option("--report", help="write the full JSON report to this .json (or into this folder)")
+    ] = None,
 ) -> None:
     """Problems (with file, line and row), token statistics and a suggested sequence length.
 
     Exit 0 clean, 1 warnings only with --strict, 2 errors.
     """
     from lorafit.data.check import check
+    from lorafit.data.outputs import output_path
 
+    if report_file is not None:
+        report_file = output_path(
+            report_file, file, label="--report", what="the report is JSON", suffixes=(".json",), name_suffix="-check"
+        )
+    if plot is not None:
+        plot = output_path(
+            plot, file, label="--plot", what="the histogram is a PNG", suffixes=(".png",), name_suffix="-lengths"
+        )
     report = check(file, tokenizer=tokenizer, seq_len=seq_len, format=format, mapping=mapping)
     if report_file is not None:
         write_atomically(report_file, report.dumps() + "\n")
@@ -79,14 +92,19 @@ def check_command(
 @data_app.command("convert")
 def convert_command(
     source: Annotated[Path, typer.Argument(metavar="IN", help="a data file or a directory of them")],
-    output: Annotated[Path, typer.Argument(metavar="OUT", help="the JSONL file to write")],
+    output: Annotated[
+        Path, typer.Argument(metavar="OUT", help="the .jsonl file to write (or a folder to write it in)")
+    ],
     to: Annotated[str, typer.Option("--to", help="messages, alpaca or sharegpt")] = "messages",
     format: FormatOption = None,
     mapping: MapOption = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace OUT if it exists")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object instead of a summary")] = False,
 ) -> None:
-    """Write the rows that pass as JSONL in one format. Exit 0 all rows written, 1 some were rejected."""
+    """Write the rows that pass as JSONL in one format.
+
+    Exit 0 all rows written, 1 some were rejected, 2 bad input or no row passed (nothing written).
+    """
     from lorafit.data.convert import convert
 
     report = convert(source, output, to, format=format, mapping=mapping, overwrite=overwrite)
@@ -174,6 +192,8 @@ def render_check(
             f"suggested --seq-len [bold]{suggestion.seq_len}[/] ({suggestion.rule}; truncates "
             f"{suggestion.truncated_rows:,} rows); as a power of two: {suggestion.power_of_two}"
         )
+    if report_file is not None:
+        console.print(f"report written to {escape(str(report_file))}")
     if plot is not None:
         console.print(f"histogram written to {escape(str(plot))}")
 
@@ -213,12 +233,14 @@ def plot_histogram(report: CheckReport, path: Path) -> None:
     axes.set_xlabel("tokens per row")
     axes.set_ylabel("rows")
     figure.tight_layout()
-    try:
-        figure.savefig(path, dpi=100)
-    except OSError as error:
-        from lorafit.errors import DataError
+    from lorafit.errors import DataError
+    from lorafit.files import atomic_writer
 
-        raise DataError(f"--plot {path}: cannot write it: {error.strerror or error}") from None
+    try:
+        with atomic_writer(path) as handle:  # the PNG bytes go to the text handle's binary buffer
+            figure.savefig(handle.buffer, format="png", dpi=100)
+    except OSError as error:
+        raise DataError(f"cannot write {path}: {error.strerror or error}") from None
     finally:
         plt.close(figure)
 

@@ -19,6 +19,7 @@ from lorafit.data.formats import (
     detect_format,
     normalize,
     parse_mapping,
+    unmatched_mapping,
 )
 from lorafit.data.problems import Problem
 from lorafit.data.readers import data_files, file_kind, read_records
@@ -53,27 +54,46 @@ class Dataset:
         self.mapping = parse_mapping(mapping)
         self.files = data_files(self.path)
         forced = check_format(format)
-        self.file_formats: dict[str, Format | None] = {str(file): forced or self._detect(file) for file in self.files}
+        samples = {file: self._sample(file) for file in self.files}
+        capped = any(len(sample) >= DETECT_SAMPLE for sample in samples.values())
+        self._check_mapping([value for sample in samples.values() for value in sample], capped)
+        self.file_formats: dict[str, Format | None] = {
+            str(file): forced or self._detect(file, sample) for file, sample in samples.items()
+        }
         found = {fmt for fmt in self.file_formats.values() if fmt is not None}
         if len(found) > 1:
             listing = ", ".join(f"{Path(name).name} is {fmt}" for name, fmt in self.file_formats.items() if fmt)
             raise DataError(f"{self.path} mixes formats ({listing}); convert them to one, or check them one by one")
         self.format: Format | None = found.pop() if found else None
 
-    def _detect(self, file: Path) -> Format | None:
+    @staticmethod
+    def _sample(file: Path) -> list[object]:
+        """The first records that parse, as read (a text file's rows have no columns to look at)."""
         if file_kind(file) == "text":
-            return "text"
+            return []
         sample = []
         for record in read_records(file):
             if record.issue is None and record.counted:
-                sample.append(
-                    apply_mapping(record.value, self.mapping) if isinstance(record.value, dict) else record.value
-                )
+                sample.append(record.value)
                 if len(sample) >= DETECT_SAMPLE:
                     break
+        return sample
+
+    def _detect(self, file: Path, sample: list[object]) -> Format | None:
+        if file_kind(file) == "text":
+            return "text"
         if not sample:
             return None  # nothing parses: every record will be reported as it is read
-        return detect_format(sample, source=str(file))
+        mapped = [apply_mapping(value, self.mapping) if isinstance(value, dict) else value for value in sample]
+        return detect_format(mapped, source=str(file))
+
+    def _check_mapping(self, sample: list[object], capped: bool) -> None:
+        """Refuse a `--map` whose column the sampled records lack: a typo would otherwise be silently ignored.
+        `capped`: the sample is the first records only, not the whole dataset."""
+        if self.mapping and sample:
+            source = f"{self.path} (its first {DETECT_SAMPLE} records)" if capped else str(self.path)
+            if (problem := unmatched_mapping(self.mapping, sample, source)) is not None:
+                raise DataError(problem)
 
     def __iter__(self) -> Iterator[Record]:
         row = 0

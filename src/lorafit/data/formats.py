@@ -115,6 +115,35 @@ def _rename_keys(turn: dict[str, Any], inner: Mapping[str, str]) -> dict[str, An
     return renamed
 
 
+def unmatched_mapping(mapping: Mapping[str, str], records: Iterable[Any], source: str) -> str | None:
+    """Why a `--map FIELD=COLUMN` matches nothing in `records` (no record has COLUMN, or for role/content/from/
+    value no turn has that key), as one line; None if every pair matches. A mapping that matches nothing is a
+    typo, not a choice."""
+    columns: set[str] = set()
+    turn_keys: set[str] = set()
+    outer = {field: column for field, column in mapping.items() if field in TOP_LEVEL_FIELDS}
+    for record in records:
+        if not isinstance(record, dict):
+            continue
+        columns.update(record)
+        renamed = apply_mapping(record, outer)
+        for key in ("messages", "conversations", "prompt", "completion"):
+            turns = renamed.get(key)
+            if isinstance(turns, list):
+                turn_keys.update(key for turn in turns if isinstance(turn, dict) for key in turn)
+    for field, column in mapping.items():
+        inner = field in MESSAGE_FIELDS
+        if column in (turn_keys if inner else columns):
+            continue
+        if inner and not turn_keys:
+            return f"--map {field}={column}: {source} has no turns ({field} names a key inside each turn)"
+        where, known = ("no turn", turn_keys) if inner else ("no record", columns)
+        listed = ", ".join(repr(name) for name in sorted(known)[:8]) + (", ..." if len(known) > 8 else "")
+        key = "key" if inner else "column"
+        return f"--map {field}={column}: {where} of {source} has a {key} {column!r} (its {key}s: {listed or 'none'})"
+    return None
+
+
 def column_name(field: str, mapping: Mapping[str, str]) -> str:
     """The name the user knows a field by: the mapped column if there is one."""
     return mapping.get(field, field)
@@ -142,15 +171,24 @@ def detect_format(records: Iterable[Any], source: str = "data") -> Format:
     """The format most of the sampled records match; a DataError naming the columns seen if none does."""
     votes: Counter[Format] = Counter()
     columns: Counter[str] = Counter()
+    others: Counter[str] = Counter()  # records that are not objects at all
     for record in records:
         kind = detect_record(record)
         if kind is not None:
             votes[kind] += 1
         elif isinstance(record, dict):
             columns.update(str(key) for key in record)
+        else:
+            others[_type_name(record)] += 1
     if votes:
         return votes.most_common(1)[0][0]
-    seen = ", ".join(repr(name) for name, _ in columns.most_common(8)) or "none"
+    if others and not columns:
+        kinds = ", ".join(kind for kind, _ in others.most_common())
+        raise DataError(
+            f"cannot tell the format of {source}: its records are not objects with columns (they are {kinds}); "
+            'expected one object per record, e.g. {"instruction": ..., "output": ...}'
+        )
+    seen = ", ".join(repr(name) for name, _ in columns.most_common(8)) or "none (every record is {})"
     raise DataError(
         f"cannot tell the format of {source}: columns seen: {seen}; expected one of alpaca "
         "(instruction/output), sharegpt (conversations), messages, prompt_completion (prompt/completion) or "
@@ -312,10 +350,13 @@ def _join_text_parts(parts: list[Any], where: str, issues: list[Issue]) -> str |
 
 def _required_string(record: dict[str, Any], field: str, mapping: Mapping[str, str], issues: list[Issue]) -> str | None:
     shown = column_name(field, mapping)
-    if field not in record or record[field] is None:
+    if field not in record:
         issues.append(Issue(shown, f"missing column {shown!r}"))
         return None
     value = record[field]
+    if value is None:  # the column is there (Parquet, a JSON null): the value is missing
+        issues.append(Issue(shown, f"{shown!r} is null"))
+        return None
     if not isinstance(value, str):
         issues.append(Issue(shown, f"wrong type: {shown!r} is {_type_name(value)}, expected a string"))
         return None
@@ -337,16 +378,29 @@ def _optional_string(record: dict[str, Any], field: str, mapping: Mapping[str, s
 
 
 def check_turns(messages: Messages, field: str | None) -> list[Issue]:
-    """The order chat templates and assistant-only loss expect: [system] user assistant (tool* assistant)."""
+    """The order chat templates and assistant-only loss expect: [system] user assistant (tool* assistant).
+
+    A system turn is an instruction, not a speaker: it does not break user/assistant alternation, so the turn
+    after it is checked against the turn before it. One after the first turn is legal in most chat templates
+    (Llama 3, Qwen, ChatML) but refused by others (Llama 2, Mistral, Gemma): a warning.
+    """
     issues: list[Issue] = []
     where = field or "turns"
-    previous: str | None = None
+    previous: str | None = None  # the last user, assistant or tool turn
     for index, message in enumerate(messages):
         role = message["role"]
         if role == "system":
             if index != 0:
-                issues.append(Issue(where, f"turns out of order: system turn at position {index}, expected only first"))
-        elif previous in (None, "system"):
+                issues.append(
+                    Issue(
+                        where,
+                        f"system turn at position {index}, after the conversation started: some chat templates "
+                        "(Llama 2, Mistral, Gemma) refuse it; check with --tokenizer",
+                        "warning",
+                    )
+                )
+            continue
+        if previous is None:
             if role != "user":
                 issues.append(Issue(where, f"turns out of order: conversation starts with {role}, expected user"))
         elif role == "tool" and previous not in ("assistant", "tool"):
@@ -361,8 +415,9 @@ def check_turns(messages: Messages, field: str | None) -> list[Issue]:
                 )
             )
         previous = role
-    if previous != "assistant":
-        issues.append(Issue(where, f"last turn is {previous}, not assistant: there is no answer to train on"))
+    last = messages[-1]["role"] if messages else None
+    if last != "assistant":
+        issues.append(Issue(where, f"last turn is {last}, not assistant: there is no answer to train on"))
     return issues
 
 

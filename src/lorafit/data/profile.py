@@ -1,7 +1,9 @@
 """The token profile the planner reads: how long the rows are, and how many a sequence length would cut.
 
-`TokenProfile` (in lorafit.schema) holds quantiles only. For an exact count of the rows a sequence length
-truncates, `length_profile` also returns the sorted lengths; `truncated_rows` takes either.
+`TokenProfile` (in lorafit.schema) holds quantiles only; `profile_of_lengths` is the one place it is built, for a
+file (`length_profile`, `token_profile`) and for the tokens the trainer rendered (`train.examples.token_profile`).
+For an exact count of the rows a sequence length truncates, `length_profile` also returns the sorted lengths;
+`truncated_rows` takes either.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorafit.data.check import check
+from lorafit.data.check import TokenStats, check, token_stats
 from lorafit.data.check import truncated_rows as _count_above
 from lorafit.data.tokens import TokenCounter
 from lorafit.errors import DataError
@@ -47,10 +49,31 @@ def length_profile(
         raise DataError(f"{first.where()}: {first.message}{more}; run `lorafit data check {path}` for the full list")
     if report.tokens is None:
         raise DataError(f"{path} has no rows to profile; run `lorafit data check {path}`")
-    stats = report.tokens
-    profile = TokenProfile(
-        source=str(path),
-        rows=report.valid_rows,
+    return LengthProfile(_profile(report.tokens, str(path), report.valid_rows), report.lengths)
+
+
+def profile_of_lengths(
+    lengths: Sequence[int],
+    source: str,
+    *,
+    answer_tokens: int,
+    tokenizer: str | None,
+    estimate_error: float | None = None,
+) -> TokenProfile:
+    """The TokenProfile of one token count per row (any order): the trainer's, from the exact tokens it renders,
+    is built here as `length_profile`'s is, so the planner reads the same figures from either."""
+    if not len(lengths):
+        raise DataError(f"{source} has no rows to profile")
+    import numpy as np
+
+    ordered = np.sort(np.asarray(lengths, dtype=np.int64))
+    return _profile(token_stats(ordered, answer_tokens, tokenizer, estimate_error), source, len(ordered))
+
+
+def _profile(stats: TokenStats, source: str, rows: int) -> TokenProfile:
+    return TokenProfile(
+        source=source,
+        rows=rows,
         total_tokens=stats.total,
         mean=stats.mean,
         p50=stats.p50,
@@ -61,7 +84,6 @@ def length_profile(
         estimate_error=stats.estimate_error,
         answer_token_share=stats.answer_token_share,
     )
-    return LengthProfile(profile, report.lengths)
 
 
 def token_profile(

@@ -31,6 +31,21 @@ EXTENSIONS: dict[str, FileKind] = {
     ".text": "text",
 }
 PARQUET_BATCH_ROWS = 1024
+COMPRESSED = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd", ".zip": "zip", ".tar": "tar"}
+# What a text data file sometimes really is: the first bytes name it, so one line says so instead of an error
+# on every line (the order matters: the UTF-32 marks begin with the UTF-16 ones).
+SIGNATURES = (
+    (b"\x00\x00\xfe\xff", "UTF-32 text"),
+    (b"\xff\xfe\x00\x00", "UTF-32 text"),
+    (b"\xfe\xff", "UTF-16 text"),
+    (b"\xff\xfe", "UTF-16 text"),
+    (b"\x1f\x8b", "gzip-compressed"),
+    (b"\xfd7zXZ\x00", "xz-compressed"),
+    (b"\x28\xb5\x2f\xfd", "zstd-compressed"),
+    (b"PK\x03\x04", "a zip archive"),
+    (b"PAR1", "a Parquet file"),
+)
+SNIFF_BYTES = 8192
 SURROGATE_MESSAGE = "invalid Unicode: a lone surrogate escape (\\ud800-\\udfff) that no UTF-8 text can hold"
 
 
@@ -48,6 +63,10 @@ class RawRecord(NamedTuple):
 def file_kind(path: Path) -> FileKind:
     kind = EXTENSIONS.get(path.suffix.lower())
     if kind is None:
+        if path.suffix.lower() in COMPRESSED:
+            raise DataError(
+                f"{path}: a {COMPRESSED[path.suffix.lower()]} file; lorafit reads data uncompressed: extract it first"
+            )
         known = ", ".join(sorted(EXTENSIONS))
         raise DataError(f"{path}: unknown file type {path.suffix or '(no extension)'!r}; expected one of {known}")
     return kind
@@ -60,16 +79,28 @@ def data_files(path: Path) -> list[Path]:
         file_kind(path)
         return [path]
     if path.is_dir():
-        files = sorted(
-            candidate
-            for candidate in path.rglob("*")
-            if candidate.is_file()
-            and candidate.suffix.lower() in EXTENSIONS
-            and not any(part.startswith(".") for part in candidate.relative_to(path).parts)
-        )
+        try:
+            candidates = [
+                candidate
+                for candidate in path.rglob("*")
+                if candidate.is_file() and not any(part.startswith(".") for part in candidate.relative_to(path).parts)
+            ]
+        except OSError as error:
+            raise DataError(f"cannot read the directory {path}: {error.strerror or error}") from None
+        suffixes = {candidate.suffix.lower() for candidate in candidates}
+        if ".arrow" in suffixes:
+            raise DataError(
+                f"{path} holds Arrow files (a `datasets` save_to_disk folder?); lorafit reads JSONL, JSON, CSV and "
+                "Parquet: export it first, e.g. datasets.load_from_disk(DIR).to_json('train.jsonl')"
+            )
+        files = sorted(candidate for candidate in candidates if candidate.suffix.lower() in EXTENSIONS)
         if not files:
-            raise DataError(f"no data files in {path} (looked for {', '.join(sorted(EXTENSIONS))})")
+            compressed = sorted(suffixes & set(COMPRESSED))
+            hint = f"; it holds compressed files ({', '.join(compressed)}): extract them first" if compressed else ""
+            raise DataError(f"no data files in {path} (looked for {', '.join(sorted(EXTENSIONS))}){hint}")
         return files
+    if path.exists():
+        raise DataError(f"{path} is not a regular file or a directory (a pipe, device or socket); name a data file")
     raise DataError(f"no such file or directory: {path}")
 
 
@@ -77,6 +108,9 @@ def read_records(path: Path) -> Iterator[RawRecord]:
     """Every record of one file, in order."""
     kind = file_kind(path)
     try:
+        if kind != "parquet" and (what := _foreign_content(path)) is not None:
+            yield RawRecord(str(path), None, None, Issue(None, what), False)
+            return
         if kind == "jsonl":
             yield from _read_jsonl(path)
         elif kind == "json":
@@ -89,6 +123,42 @@ def read_records(path: Path) -> Iterator[RawRecord]:
             yield from _read_text(path)
     except OSError as error:
         raise DataError(f"cannot read {path}: {error.strerror or error}") from None
+
+
+def _foreign_content(path: Path) -> str | None:
+    """Why a text data file cannot be read as UTF-8 text at all, from its first bytes; None if it may be."""
+    with path.open("rb") as handle:
+        head = handle.read(SNIFF_BYTES)
+    what = next((what for signature, what in SIGNATURES if head.startswith(signature)), None)
+    if what == "a Parquet file" and b"\x00" not in head:
+        what = None  # a text file that happens to begin with the letters PAR1
+    if what is None and head and head.count(0) * 4 >= len(head):  # no UTF-8 text is a quarter NUL bytes
+        utf16 = _utf16_without_mark(head)
+        what = f"{utf16} text" if utf16 else "binary"
+    if what is None:
+        return None
+    if what.endswith(" text"):
+        encoding = what.split()[0]
+        return (
+            f"{what}; lorafit reads UTF-8: convert it, e.g. iconv -f {encoding} -t UTF-8 {path.name} > utf8-{path.name}"
+        )
+    if what == "binary":
+        return "a binary file (NUL bytes), not text"
+    return f"{what}, not {path.suffix} text: extract it, or name it for what it holds"
+
+
+def _utf16_without_mark(head: bytes) -> str | None:
+    """'UTF-16LE' or 'UTF-16BE' when ASCII-range text has a NUL beside every character, and only there."""
+
+    def nul_share(half: bytes) -> float:
+        return half.count(0) / max(1, len(half))
+
+    odd, even = nul_share(head[1::2]), nul_share(head[::2])
+    if odd >= 0.9 and even <= 0.1:
+        return "UTF-16LE"
+    if even >= 0.9 and odd <= 0.1:
+        return "UTF-16BE"
+    return None
 
 
 def _decode(raw: bytes, first: bool) -> tuple[str | None, Issue | None]:

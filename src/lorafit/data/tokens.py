@@ -135,6 +135,11 @@ def load_counter(spec: str | None) -> TokenCounter:
     Hugging Face cache, or `chars` (the estimate, also the default). Never downloads."""
     if spec is None or spec == CHAR_ESTIMATE_NAME:
         return CharEstimate()
+    if not spec.strip():  # Path("") is the current directory: say what is missing instead
+        raise DataError(
+            "--tokenizer is empty; pass a tokenizer directory, a tokenizer.json file, a model in the local "
+            f"Hugging Face cache, or `--tokenizer {CHAR_ESTIMATE_NAME}`"
+        )
     path = Path(spec).expanduser()
     if path.is_dir():
         return TokenizerCounter(_from_pretrained(str(path), spec), str(path))

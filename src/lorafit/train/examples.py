@@ -169,20 +169,6 @@ def _inside(start: int, end: int, spans: list[tuple[int, int]]) -> bool:
 
 def token_profile(encoded: Encoded, source: str, tokenizer_name: str) -> TokenProfile:
     """The planner's view of the data, measured on the exact tokens the trainer renders (before the cut)."""
-    from lorafit.data.check import quantile
-    from lorafit.schema import TokenProfile
+    from lorafit.data.profile import profile_of_lengths
 
-    lengths = sorted(encoded.lengths)
-    total = sum(lengths)
-    return TokenProfile(
-        source=source,
-        rows=len(lengths),
-        total_tokens=total,
-        mean=total / len(lengths),
-        p50=quantile(lengths, 0.50),
-        p95=quantile(lengths, 0.95),
-        p99=quantile(lengths, 0.99),
-        max=lengths[-1],
-        tokenizer=tokenizer_name,
-        answer_token_share=encoded.answer_tokens / total if total else None,
-    )
+    return profile_of_lengths(encoded.lengths, source, answer_tokens=encoded.answer_tokens, tokenizer=tokenizer_name)
