@@ -12,7 +12,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 
 def default_mode() -> int:
@@ -33,14 +33,14 @@ def fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: Path) -> Iterator[TextIO]:
-    """A text handle on a temporary file beside `path`, renamed onto it only when the block ends without error;
-    on any error the temporary file is removed and `path` is left as it was."""
+def atomic_writer(path: Path, binary: bool = False) -> Iterator[TextIO | BinaryIO]:
+    """A text (or, `binary`, a bytes) handle on a temporary file beside `path`, renamed onto it only when the
+    block ends without error; on any error the temporary file is removed and `path` is left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        with os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8") as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())

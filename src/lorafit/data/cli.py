@@ -237,8 +237,8 @@ def plot_histogram(report: CheckReport, path: Path) -> None:
     from lorafit.files import atomic_writer
 
     try:
-        with atomic_writer(path) as handle:  # the PNG bytes go to the text handle's binary buffer
-            figure.savefig(handle.buffer, format="png", dpi=100)
+        with atomic_writer(path, binary=True) as handle:
+            figure.savefig(handle, format="png", dpi=100)
     except OSError as error:
         raise DataError(f"cannot write {path}: {error.strerror or error}") from None
     finally:
