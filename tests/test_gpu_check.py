@@ -155,3 +155,18 @@ def test_relative_error_is_lorafit_against_the_measurement(gpu_check) -> None:
 def test_results_file_is_named_after_the_gpu(gpu_check) -> None:
     assert gpu_check.slug("NVIDIA H200") == "nvidia-h200"
     assert gpu_check.slug("NVIDIA GeForce RTX 4090 (24 GB)") == "nvidia-geforce-rtx-4090-24-gb"
+
+
+def test_fits_check_runs_first_and_the_paged_optimizer_last_of_it(gpu_check) -> None:
+    """A short budget skips measurement rows of the other models, not the fits check; the paged optimizer, whose
+    managed memory bitsandbytes never frees, runs after everything measured on the same model."""
+    rows = gpu_check.all_rows(tiny=False, device="cuda")
+    order = [row for _, groups in gpu_check.run_order(rows) for group in groups for row in group]
+    assert sorted(row.name for row in order) == sorted(row.name for row in rows)
+    first_model = [row for row in order if row.model == order[0].model]
+    assert order[0].model == "llama-3.1-8b"
+    assert order[len(first_model) - 1].check == "fits"
+    fits = [index for index, row in enumerate(order) if row.check == "fits"]
+    assert fits == list(range(fits[0], len(first_model)))
+    paged = [index for index, row in enumerate(order) if row.settings.optimizer.startswith("paged")]
+    assert all(index > max(set(range(len(first_model))) - set(paged)) for index in paged)
