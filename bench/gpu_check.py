@@ -206,53 +206,82 @@ class Budget:
 
 # --- the device figure ----------------------------------------------------------------------------------------
 class DeviceMemory:
-    """What nvidia-smi shows for this process. With pynvml: the device's used memory less what was used before this
-    process started CUDA (so the CUDA context counts, as in nvidia-smi). Without it: torch.cuda.mem_get_info's used
-    memory less its value at CUDA start-up, which leaves out the context created then."""
+    """What nvidia-smi shows for this process: the device's used memory less what was used before this process
+    started CUDA, so that the CUDA context counts as it does in nvidia-smi. Read through NVML (pynvml), else
+    through the nvidia-smi command, else through torch.cuda.mem_get_info, whose baseline can only be taken once CUDA
+    has started and so leaves out the context created then; `source` says which."""
 
     def __init__(self) -> None:
-        self._handle = nvml_handle()
-        if self._handle is not None:
-            self.source = "nvml: device memory used less its value before this process started CUDA"
-            self.baseline = self._used()
+        read, self.source, self.interval_s = reader_without_cuda()
+        self.includes_context = read is not None
+        if read is not None:
+            self.baseline = read()
         torch.cuda.init()
         torch.cuda.synchronize()
-        if self._handle is None:
-            self.source = "torch.cuda.mem_get_info: used memory less its value at CUDA start-up (no CUDA context)"
-            self.baseline = self._used()
-
-    @property
-    def includes_context(self) -> bool:
-        return self._handle is not None
-
-    def _used(self) -> int:
-        if self._handle is not None:
-            import pynvml
-
-            return int(pynvml.nvmlDeviceGetMemoryInfo(self._handle).used)
-        free, total = torch.cuda.mem_get_info()
-        return int(total - free)
+        if read is None:
+            read, self.source, self.interval_s = mem_used, MEM_GET_INFO, 0.02
+            self.baseline = read()
+        self.read: Callable[[], int] = read
 
     def now(self) -> int:
-        return self._used() - self.baseline
+        return self.read() - self.baseline
 
     def outside_allocator(self) -> int:
         """The process's device memory that torch's allocator does not hold: the CUDA context, loaded kernels."""
         return max(self.now() - int(torch.cuda.memory_reserved()), 0)
 
 
+BASELINE = "device memory used less its value before this process started CUDA"
+MEM_GET_INFO = "torch.cuda.mem_get_info: used memory less its value at CUDA start-up (no CUDA context)"
+
+
+def reader_without_cuda() -> tuple[Callable[[], int] | None, str, float]:
+    """A reading of the GPU's used memory that needs no CUDA context, so that the baseline comes before this
+    process's: NVML (every 20 ms), else the nvidia-smi command (every 0.5 s); (None, "", 0) without either."""
+    handle = nvml_handle()
+    if handle is not None:
+        import pynvml
+
+        return (lambda: int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)), "nvml: " + BASELINE, 0.02
+    smi = shutil.which("nvidia-smi")
+    if smi is not None and nvidia_smi_used(smi) is not None:
+        return (lambda: nvidia_smi_used(smi) or 0), "nvidia-smi memory.used: " + BASELINE, 0.5
+    return None, "", 0.0
+
+
+def mem_used() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
+def visible_index() -> int:
+    """The physical index of the GPU this process uses (the first of CUDA_VISIBLE_DEVICES)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    return int(visible) if visible.isdigit() else 0
+
+
 def nvml_handle() -> Any:
-    """NVML's handle of the GPU this process uses (the first visible one), None without pynvml or a driver."""
+    """NVML's handle of the GPU this process uses, None without pynvml or a driver."""
     try:
         import pynvml
     except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-        return pynvml.nvmlDeviceGetHandleByIndex(int(visible) if visible.isdigit() else 0)
+        return pynvml.nvmlDeviceGetHandleByIndex(visible_index())
     except Exception:  # pynvml raises its own error types (no driver, no such device)
         return None
+
+
+def nvidia_smi_used(command: str) -> int | None:
+    """The GPU's used memory in bytes as nvidia-smi prints it (MiB), None where it answers nothing readable."""
+    query = [command, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", str(visible_index())]
+    try:
+        done = subprocess.run(query, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = done.stdout.strip()
+    return int(float(text.splitlines()[0]) * 2**20) if done.returncode == 0 and text and text[0].isdigit() else None
 
 
 class PeakSampler:
@@ -417,11 +446,11 @@ class Context:
 
 def memory_cap(card: GpuSpec, probe: DeviceMemory) -> dict[str, Any]:
     """The allocator's share of this GPU that leaves as much as `card` has: the card's memory less what this process
-    holds outside the allocator (on the real card the CUDA context takes its share too). Without NVML the context
-    is the estimator's figure."""
+    holds outside the allocator (on the real card the CUDA context takes its share too). Where the device figure
+    leaves the context out (mem_get_info), the context is the estimator's figure."""
     card_bytes = card.memory_gib * card.usable_fraction * BYTES_PER_GIB
     if probe.includes_context:
-        outside, source = probe.outside_allocator(), "measured (nvml)"
+        outside, source = probe.outside_allocator(), "measured"
     else:
         outside, source = memory.Runtime().cuda_context_gib * BYTES_PER_GIB, "the estimator's CUDA context"
     total = torch.cuda.get_device_properties(0).total_memory
@@ -500,7 +529,7 @@ def run_row(model: Any, spec: ModelSpec, row: Row, context: Context) -> dict[str
             torch.cuda.set_per_process_memory_fraction(cap["fraction"])
         torch.cuda.reset_peak_memory_stats()
         outside_before = context.probe.outside_allocator()
-    sampler = PeakSampler(context.probe.now) if on_cuda else None
+    sampler = PeakSampler(context.probe.now, context.probe.interval_s) if on_cuda else None
     seconds: list[float] = []
     status = "ran"
     try:
@@ -561,20 +590,19 @@ def package_version(name: str) -> str | None:
         return None
 
 
-def driver_version(probe: DeviceMemory | None) -> str | None:
-    if probe is not None and probe.includes_context:
+def driver_version() -> str | None:
+    handle = nvml_handle()
+    if handle is not None:
         import pynvml
 
         version = pynvml.nvmlSystemGetDriverVersion()
         return version.decode() if isinstance(version, bytes) else version
     if shutil.which("nvidia-smi"):
-        done = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        try:
+            done = subprocess.run(query, capture_output=True, text=True, timeout=30, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
         return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
     return None
 
@@ -587,7 +615,7 @@ def environment(context: Context) -> dict[str, Any]:
         "gpu": props.name if props else None,
         "gpu_memory_gib": round(gib(props.total_memory), 3) if props else None,
         "compute_capability": f"{props.major}.{props.minor}" if props else None,
-        "driver": driver_version(context.probe) if on_cuda else None,
+        "driver": driver_version() if on_cuda else None,
         "cuda": torch.version.cuda,
         "device_memory_source": context.probe.source if context.probe else None,
         "cuda_context_gib": round(gib(context.probe.outside_allocator()), 3) if context.probe else None,

@@ -170,3 +170,16 @@ def test_fits_check_runs_first_and_the_paged_optimizer_last_of_it(gpu_check) -> 
     assert fits == list(range(fits[0], len(first_model)))
     paged = [index for index, row in enumerate(order) if row.settings.optimizer.startswith("paged")]
     assert all(index > max(set(range(len(first_model))) - set(paged)) for index in paged)
+
+
+def test_device_figure_reads_nvidia_smi_in_mib(gpu_check, tmp_path: Path) -> None:
+    """Without pynvml the device figure comes from the nvidia-smi command; what it prints is MiB, per GPU."""
+    command = tmp_path / "nvidia-smi"
+    command.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\ncat "$(dirname "$0")/answer"\n')
+    command.chmod(0o755)
+    (tmp_path / "answer").write_text("143771\n")
+    assert gpu_check.nvidia_smi_used(str(command)) == 143771 * 2**20
+    assert "--query-gpu=memory.used" in (tmp_path / "args").read_text()
+    (tmp_path / "answer").write_text("No devices were found\n")
+    assert gpu_check.nvidia_smi_used(str(command)) is None
+    assert gpu_check.nvidia_smi_used(str(tmp_path / "missing")) is None
