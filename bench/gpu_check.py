@@ -2,10 +2,11 @@
 
 1. Llama-2-7B, Llama-3.1-8B and Qwen2.5-7B at their real shapes with random weights; QLoRA and LoRA, gradient
    checkpointing on and off, micro-batch 1 and 2 at 2048 tokens. Each base is built once on the GPU
-   (`from_config`), saved to a temporary folder and deleted after its rows; every row loads, quantises and
-   prepares it with `lorafit.train.build` (what `lorafit train` runs), builds the optimizer with
+   (`from_config`), saved to a temporary folder and deleted after its rows; it is loaded (and quantised) once per
+   method by `lorafit.train.build.load_model`, as `lorafit train` loads it, and each row prepares it with
+   `build.checked_prepare` (peft's unload takes the adapters off again after the row), builds the optimizer with
    `build.build_optimizer` and runs transformers' Trainer under the arguments of `train/hf_args.py` for a warm-up
-   step and a few timed steps on random tokens. Measured: torch.cuda.max_memory_allocated, max_memory_reserved,
+   step and three timed steps on random tokens. Measured: torch.cuda.max_memory_allocated, max_memory_reserved,
    the device figure (what nvidia-smi shows for the process) and tokens/s over the timed steps; printed beside
    `lorafit.memory.estimate` and the plan's time model (`plan.tokens_per_second` for the detected GPU), with the
    relative error (predicted - measured) / measured of each.
