@@ -813,14 +813,19 @@ def check_device(args: argparse.Namespace) -> None:
 
 
 def time_model_gpu(args: argparse.Namespace) -> GpuSpec:
-    """The catalog entry of the GPU the check runs on; on the CPU (no GPU to time) the H200's, said as such."""
+    """The catalog entry of the GPU the check runs on (--gpu, else the detected one); on the CPU, which has no
+    entry, the H200's, and the table says so."""
     if args.gpu:
         return hardware.resolve(args.gpu)
-    if args.device == "cuda":
-        from lorafit.train.recipe import detected_gpu
-
-        return detected_gpu() or hardware.resolve("H200")
-    return hardware.resolve("H200")
+    if args.device == "cpu":
+        return hardware.resolve("H200")
+    found = hardware.detect().gpus
+    if found and found[0].catalog_name:
+        return hardware.resolve(found[0].catalog_name)
+    name = found[0].name if found else torch.cuda.get_device_name(0)
+    raise LorafitError(
+        f"{name} is not in lorafit's GPU catalog; pass --gpu NAME (see `lorafit gpus`) for the time model"
+    )
 
 
 @contextlib.contextmanager
