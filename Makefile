@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-litgpt bench-throughput bench-train bench-data bench-exact clean
+.PHONY: run test lint install bench-memory bench-litgpt bench-throughput bench-train bench-data bench-exact gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,11 @@ bench-data: $(STAMP)
 
 bench-exact: $(STAMP)
 	$(BIN)/python bench/exact_speed.py
+
+# Real training steps of 7-8B models on this machine's CUDA GPU against the estimate and the time model, and the
+# plan's 24/16/8 GB verdicts under a memory cap; writes bench/results/gpu-check-<gpu>.json (bench/results/README.md)
+gpu-check: $(STAMP)
+	$(BIN)/python bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) runs bench/out

@@ -1,0 +1,908 @@
+"""`make gpu-check`: lorafit's memory and time model against real training steps on this machine's CUDA GPU.
+
+1. Llama-2-7B, Llama-3.1-8B and Qwen2.5-7B at their real shapes with random weights; QLoRA and LoRA, gradient
+   checkpointing on and off, micro-batch 1 and 2 at 2048 tokens. Each base is built once on the GPU
+   (`from_config`), saved to a temporary folder and deleted after its rows; it is loaded (and quantised) once per
+   method by `lorafit.train.build.load_model`, as `lorafit train` loads it, and each row prepares it with
+   `build.checked_prepare` (peft's unload takes the adapters off again after the row), builds the optimizer with
+   `build.build_optimizer` and runs transformers' Trainer under the arguments of `train/hf_args.py` for a warm-up
+   step and three timed steps on random tokens. Measured: torch.cuda.max_memory_allocated, max_memory_reserved,
+   the device figure (what nvidia-smi shows for the process) and tokens/s over the timed steps; printed beside
+   `lorafit.memory.estimate` and the plan's time model (`plan.tokens_per_second` for the detected GPU), with the
+   relative error (predicted - measured) / measured of each.
+2. "Fits" really fits: `lorafit.plan.make_plan`'s choice for Llama-3.1-8B QLoRA at 2048 tokens on a 24, a 16 and
+   an 8 GB card, run with the process capped at that card's memory (`torch.cuda.set_per_process_memory_fraction`):
+   the plan's micro-batch must run; twice that micro-batch is expected to run out of memory where the estimate
+   says it needs more than the card. Where no plan fits the card, its smallest configuration is run, and
+   should run out of memory.
+3. A time budget (default 7.5 minutes): a row starts only if the longest row so far still fits in what is left;
+   the rows not started are listed as skipped. The JSON file is rewritten after every row.
+
+    python bench/gpu_check.py [--out FILE] [--time-budget MINUTES]   # make gpu-check
+    python bench/gpu_check.py --smoke     # the same code path on the CPU with tiny models (tests run it)
+    python bench/gpu_check.py --tiny      # tiny models on the GPU: checks the CUDA measurements in seconds
+
+Nothing is downloaded: the models are built here and the Hugging Face libraries run offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+for _variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    os.environ[_variable] = "1"  # a look-up on the hub fails at once instead of downloading or waiting
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator  # noqa: E402
+
+from lorafit import hardware, memory, models  # noqa: E402
+from lorafit.errors import LorafitError  # noqa: E402
+from lorafit.files import write_atomic  # noqa: E402
+from lorafit.hardware import GpuSpec  # noqa: E402
+from lorafit.models import ModelSpec  # noqa: E402
+from lorafit.plan import make_plan, tokens_per_second  # noqa: E402
+from lorafit.schema import PlanRequest, Settings, default_quant  # noqa: E402
+from lorafit.train import build, guard, hf_args  # noqa: E402
+from lorafit.train.config import TrainConfig  # noqa: E402
+from lorafit.units import BYTES_PER_GIB, gib  # noqa: E402
+
+MODELS = ("llama-2-7b", "llama-3.1-8b", "qwen2.5-7b")
+FITS_MODEL = "llama-3.1-8b"
+FITS_CARDS = ("RTX 4090", "RTX 4060 Ti 16GB", "RTX 4060")  # 24, 16 and 8 GB
+SEQ_LEN = 2048
+TINY_SEQ_LEN = 32
+MICRO_BATCHES = (1, 2)
+WARMUP_STEPS = 1  # the first step loads kernels and creates the optimizer states: not timed
+TIMED_STEPS = 3
+TINY_TIMED_STEPS = 1  # tiny models check the code path, not the speed
+# A fits row runs the plan's accumulation capped at 2: from the second micro-batch on, a step holds the same
+# memory (the gradients are alive during the forward), so 16 micro-batches would only take longer.
+FITS_GRAD_ACCUM = 2
+DEFAULT_BUDGET_MINUTES = 7.5
+RESULTS = ROOT / "bench" / "results"
+SCRATCH = ROOT / "bench" / "out"
+
+Check = Literal["measure", "fits"]
+
+
+# --- the rows -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Row:
+    """One run: a model, the Settings it trains with, and what it checks. Fits rows name the card whose memory
+    caps the process, the settings the plan reasons about for it (full size, its own accumulation) and, on the
+    plan's own row, the plan's verdict."""
+
+    name: str
+    model: str
+    settings: Settings
+    check: Check = "measure"
+    card: str | None = None
+    card_settings: Settings | None = None
+    plan_fits: bool | None = None
+
+
+def measure_rows(seq_len: int, precision: str) -> list[Row]:
+    rows = []
+    for model in MODELS:
+        for method in ("qlora", "lora"):
+            for grad_ckpt in (False, True):
+                for micro_batch in MICRO_BATCHES:
+                    settings = Settings(
+                        method=method,
+                        quant=default_quant(method),
+                        precision=precision,
+                        grad_ckpt=grad_ckpt,
+                        micro_batch=micro_batch,
+                        grad_accum=1,
+                        seq_len=seq_len,
+                    )
+                    ckpt = "ckpt" if grad_ckpt else "no-ckpt"
+                    rows.append(Row(f"{model} {method} {ckpt} mb{micro_batch}", model, settings))
+    return rows
+
+
+def fits_rows(seq_len: int, precision: str) -> list[Row]:
+    """The plan for the real Llama-3.1-8B on each card; the row runs its settings at `seq_len` and `precision`
+    (the tiny check shortens both). When no plan fits, make_plan's choice is its smallest configuration."""
+    spec = models.resolve(FITS_MODEL)
+    rows = []
+    for card_name in FITS_CARDS:
+        card = hardware.resolve(card_name)
+        plan = make_plan(PlanRequest(model=spec, gpu=card, method="qlora", seq_len=SEQ_LEN))
+        run = plan.settings.model_copy(
+            update={
+                "seq_len": seq_len,
+                "precision": precision,
+                "grad_accum": min(plan.settings.grad_accum, FITS_GRAD_ACCUM),
+            }
+        )
+        micro = run.micro_batch
+        label = f"plan mb{micro}" if plan.fits else f"no plan fits; smallest mb{micro}"
+        rows.append(Row(f"{card.name}: {label}", FITS_MODEL, run, "fits", card.name, plan.settings, plan.fits))
+        if plan.fits:  # the next bigger micro-batch at the same effective batch
+            accum = max(plan.settings.grad_accum // 2, 1)
+            planned = plan.settings.model_copy(update={"micro_batch": 2 * micro, "grad_accum": accum})
+            bigger = run.model_copy(update={"micro_batch": 2 * micro, "grad_accum": min(accum, FITS_GRAD_ACCUM)})
+            rows.append(Row(f"{card.name}: 2x mb{2 * micro}", FITS_MODEL, bigger, "fits", card.name, planned))
+    return rows
+
+
+def all_rows(tiny: bool, device: str) -> list[Row]:
+    seq_len = TINY_SEQ_LEN if tiny else SEQ_LEN
+    precision = "fp32" if device == "cpu" else "bf16"  # as `lorafit train` on the CPU: bf16 there is ~20x slower
+    return measure_rows(seq_len, precision) + fits_rows(seq_len, precision)
+
+
+def tiny_spec(spec: ModelSpec) -> ModelSpec:
+    """The architecture at a few thousand parameters per layer (`spec.scaled`, as the tests shrink models)."""
+    return spec.scaled(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+    )
+
+
+def model_spec(name: str, tiny: bool) -> ModelSpec:
+    spec = models.resolve(name)
+    return tiny_spec(spec) if tiny else spec
+
+
+def base_key(settings: Settings) -> tuple:
+    """What the loaded base depends on: rows that agree on it share one load."""
+    return (settings.method, settings.quant, settings.double_quant, settings.precision, settings.attn)
+
+
+# --- time budget ----------------------------------------------------------------------------------------------
+class Budget:
+    """New work starts only while the longest work of its kind so far still fits in what is left."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds = seconds
+        self.clock = clock
+        self.started = clock()
+        self.longest: dict[str, float] = {}
+
+    def elapsed(self) -> float:
+        return self.clock() - self.started
+
+    def allows(self, *kinds: str) -> bool:
+        expected = sum(self.longest.get(kind, 0.0) for kind in kinds)
+        return self.elapsed() + expected < self.seconds
+
+    @contextlib.contextmanager
+    def timing(self, kind: str) -> Iterator[None]:
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self.longest[kind] = max(self.longest.get(kind, 0.0), self.clock() - start)
+
+
+# --- the device figure ----------------------------------------------------------------------------------------
+class DeviceMemory:
+    """What nvidia-smi shows for this process: the device's used memory less what was used before this process
+    started CUDA, so that the CUDA context counts as it does in nvidia-smi. Read through NVML (pynvml), else
+    through the nvidia-smi command, else through torch.cuda.mem_get_info, whose baseline can only be taken once CUDA
+    has started and so leaves out the context created then; `source` says which."""
+
+    def __init__(self) -> None:
+        read, self.source, self.interval_s = reader_without_cuda()
+        self.includes_context = read is not None
+        if read is not None:
+            self.baseline = read()
+        torch.cuda.init()
+        torch.cuda.synchronize()
+        if read is None:
+            read, self.source, self.interval_s = mem_used, MEM_GET_INFO, 0.02
+            self.baseline = read()
+        self.read: Callable[[], int] = read
+
+    def now(self) -> int:
+        return self.read() - self.baseline
+
+    def outside_allocator(self) -> int:
+        """The process's device memory that torch's allocator does not hold: the CUDA context, loaded kernels."""
+        return max(self.now() - int(torch.cuda.memory_reserved()), 0)
+
+
+BASELINE = "device memory used less its value before this process started CUDA"
+MEM_GET_INFO = "torch.cuda.mem_get_info: used memory less its value at CUDA start-up (no CUDA context)"
+
+
+def reader_without_cuda() -> tuple[Callable[[], int] | None, str, float]:
+    """A reading of the GPU's used memory that needs no CUDA context, so that the baseline comes before this
+    process's: NVML (every 20 ms), else the nvidia-smi command (every 0.5 s); (None, "", 0) without either."""
+    handle = nvml_handle()
+    if handle is not None:
+        import pynvml
+
+        return (lambda: int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)), "nvml: " + BASELINE, 0.02
+    smi = shutil.which("nvidia-smi")
+    if smi is not None and nvidia_smi_used(smi) is not None:
+        return (lambda: nvidia_smi_used(smi) or 0), "nvidia-smi memory.used: " + BASELINE, 0.5
+    return None, "", 0.0
+
+
+def mem_used() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
+def visible_index() -> int:
+    """The physical index of the GPU this process uses (the first of CUDA_VISIBLE_DEVICES)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    return int(visible) if visible.isdigit() else 0
+
+
+def nvml_handle() -> Any:
+    """NVML's handle of the GPU this process uses, None without pynvml or a driver."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetHandleByIndex(visible_index())
+    except Exception:  # pynvml raises its own error types (no driver, no such device)
+        return None
+
+
+def nvidia_smi_used(command: str) -> int | None:
+    """The GPU's used memory in bytes as nvidia-smi prints it (MiB), None where it answers nothing readable."""
+    query = [command, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", str(visible_index())]
+    try:
+        done = subprocess.run(query, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = done.stdout.strip()
+    return int(float(text.splitlines()[0]) * 2**20) if done.returncode == 0 and text and text[0].isdigit() else None
+
+
+class PeakSampler:
+    """The highest value `read` returns while the block runs: sampled from a thread and once more at the end."""
+
+    def __init__(self, read: Callable[[], int], interval_s: float = 0.02) -> None:
+        self.read = read
+        self.interval_s = interval_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.read())
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> PeakSampler:
+        self.peak = self.read()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.read())
+
+
+# --- building and loading the models ------------------------------------------------------------------------
+def quiet_libraries() -> None:
+    """The table and a line per row: no progress bars or advice from the libraries."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+
+def free_memory(on_cuda: bool) -> None:
+    """Give the GPU back what the last run left: the Trainer and accelerate hold the optimizer in reference
+    cycles, so a collection comes first (fast: main freezes what the imports made)."""
+    if on_cuda:
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def build_random_model(spec: ModelSpec, settings: Settings, folder: Path, device: str) -> None:
+    """Random weights at `spec`'s shapes, saved as safetensors. Built on the GPU (initialising 8B parameters on
+    the CPU takes minutes), in bf16 as checkpoints are published."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(build.hf_config(spec, settings), dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    del model
+    free_memory(device == "cuda")
+
+
+def load_base(folder: Path, settings: Settings, device: str) -> Any:
+    """`build.load_model` as `lorafit train` calls it: a quantised base goes straight to the GPU, a 16-bit one is
+    loaded on the CPU and moved by the Trainer (here: before the optimizer is built, which the Trainer also does)."""
+    on_cuda = device == "cuda"
+    device_map = {"": torch.cuda.current_device()} if on_cuda and settings.quant != "none" else None
+    model = build.load_model(folder, settings, device_map=device_map)
+    if on_cuda and settings.quant == "none":
+        model.to("cuda")
+    return model
+
+
+def prepare(base: Any, spec: ModelSpec, settings: Settings) -> Any:
+    """`build.checked_prepare` (checkpointing, LoRA adapters) on a loaded base, with the adapters' seed fixed."""
+    from transformers import set_seed
+
+    set_seed(0)
+    base.gradient_checkpointing_disable()  # a base reused from a checkpointed row; prepare enables it again
+    return build.checked_prepare(base, spec, settings)
+
+
+def unprepare(model: Any) -> Any:
+    """The base back without its adapters (peft's unload), to prepare it again for another row."""
+    return model.unload()
+
+
+# --- one run of lorafit train's step --------------------------------------------------------------------------
+class StepTimer(TrainerCallback):
+    """Seconds of each optimizer step (all its micro-batches, clipping, the optimizer and zero_grad)."""
+
+    def __init__(self, on_cuda: bool) -> None:
+        self.on_cuda = on_cuda
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def _now(self) -> float:
+        if self.on_cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._start = self._now()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.seconds.append(self._now() - self._start)
+
+
+def random_tokens(vocab_size: int, settings: Settings, steps: int) -> list[dict[str, torch.Tensor]]:
+    """Rows of seq_len random tokens, labels a copy (the causal-LM collators' layout), enough for `steps` steps."""
+    generator = torch.Generator().manual_seed(0)
+    count = steps * settings.micro_batch * settings.grad_accum
+    ids = torch.randint(0, vocab_size, (count, settings.seq_len), generator=generator)
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def train_steps(model: Any, spec: ModelSpec, settings: Settings, steps: int, device: str, workdir: Path) -> list[float]:
+    """`steps` optimizer steps of transformers' Trainer with the arguments `lorafit train` gives it
+    (hf_args.training_kwargs) and the optimizer build.build_optimizer makes; no checkpoint is written."""
+    from transformers.trainer_callback import PrinterCallback
+
+    on_cuda = device == "cuda"
+    config = TrainConfig(max_steps=steps)
+    arguments = hf_args.training_kwargs(config, settings, output_dir=str(workdir), on_cuda=on_cuda, eval_steps=None)
+    optimizer = build.build_optimizer(
+        model, settings, learning_rate=config.learning_rate, weight_decay=config.weight_decay
+    )
+    timer = StepTimer(on_cuda)
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(**(arguments | {"save_strategy": "no"})),
+        train_dataset=random_tokens(spec.vocab_size, settings, steps),
+        data_collator=default_data_collator,
+        optimizers=(optimizer, None),
+        callbacks=[timer],
+    )
+    trainer.remove_callback(PrinterCallback)
+    try:
+        trainer.train()
+    finally:
+        model.zero_grad(set_to_none=True)
+        trainer.optimizer = trainer.lr_scheduler = None
+        del trainer, optimizer
+    return timer.seconds
+
+
+# --- measurements -------------------------------------------------------------------------------------------
+@dataclass
+class Context:
+    """What every row needs: the device, the GPU the time model is for, and the device-memory probe."""
+
+    device: str
+    tiny: bool
+    gpu: GpuSpec
+    probe: DeviceMemory | None
+    workdir: Path
+    timed_steps: int = TIMED_STEPS
+
+
+def memory_cap(card: GpuSpec, probe: DeviceMemory) -> dict[str, Any]:
+    """The allocator's share of this GPU that leaves as much as `card` has: the card's memory less what this process
+    holds outside the allocator (on the real card the CUDA context takes its share too). Where the device figure
+    leaves the context out (mem_get_info), the context is the estimator's figure."""
+    card_bytes = card.memory_gib * card.usable_fraction * BYTES_PER_GIB
+    if probe.includes_context:
+        outside, source = probe.outside_allocator(), "measured"
+    else:
+        outside, source = memory.Runtime().cuda_context_gib * BYTES_PER_GIB, "the estimator's CUDA context"
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = min(max(card_bytes - outside, 0) / total, 1.0)
+    return {
+        "card_gib": round(gib(card_bytes), 3),
+        "outside_allocator_gib": round(gib(outside), 3),
+        "outside_allocator_source": source,
+        "allocator_limit_gib": round(gib(fraction * total), 3),
+        "fraction": round(fraction, 6),
+    }
+
+
+def measured_speed(settings: Settings, seconds: list[float]) -> dict[str, Any]:
+    """tokens/s over the timed steps (those after the warm-up)."""
+    timed = seconds[WARMUP_STEPS:]
+    tokens = settings.micro_batch * settings.seq_len * settings.grad_accum
+    return {
+        "tokens_per_s": round(tokens * len(timed) / sum(timed), 1) if timed and sum(timed) > 0 else None,
+        "step_seconds": [round(value, 4) for value in seconds],
+    }
+
+
+def measured_memory(probe: DeviceMemory | None, device_peak: int | None) -> dict[str, Any]:
+    """The allocator's peaks since the row's reset and the device figure's sampled peak, in GiB."""
+    if probe is None:
+        return {
+            "allocated_gib": None,
+            "reserved_gib": None,
+            "device_gib": None,
+            "note": "not measured: the run is on the CPU, which has no CUDA allocator or device memory to read",
+        }
+    torch.cuda.synchronize()
+    return {
+        "allocated_gib": round(gib(torch.cuda.max_memory_allocated()), 4),
+        "reserved_gib": round(gib(torch.cuda.max_memory_reserved()), 4),
+        "device_gib": round(gib(device_peak), 4) if device_peak is not None else None,
+        "device_source": probe.source,
+    }
+
+
+def predicted(spec: ModelSpec, settings: Settings, card: GpuSpec | None, context: Context) -> dict[str, Any]:
+    """lorafit.memory.estimate (for `card`, the verdict; else the GPU the check runs on) and the plan's time model
+    for the GPU the check runs on."""
+    estimate = memory.estimate(spec, settings, card or context.gpu, runtime=memory.Runtime(device=context.device))
+    return {
+        "allocated_gib": estimate.peak_allocated_gib,
+        "reserved_gib": estimate.peak_reserved_gib,
+        "device_gib": estimate.peak_device_gib,
+        "peak_phase": estimate.peak_phase,
+        "fits": estimate.fits,
+        "tokens_per_s": round(tokens_per_second(spec, settings, context.gpu), 1),
+        "time_model_gpu": context.gpu.name,
+    }
+
+
+def relative_errors(measured: dict[str, Any], predicted: dict[str, Any], speed: bool) -> dict[str, float | None]:
+    """(predicted - measured) / measured for each figure both have; tokens/s only where the time model is for the
+    device that ran (not on the CPU)."""
+    errors = {}
+    for key in ("allocated_gib", "reserved_gib", "device_gib", "tokens_per_s"):
+        have, want = measured.get(key), predicted.get(key)
+        comparable = have and want is not None and (speed or key != "tokens_per_s")
+        errors[key.removesuffix("_gib")] = round((want - have) / have, 4) if comparable else None
+    return errors
+
+
+def run_row(model: Any, spec: ModelSpec, row: Row, context: Context) -> dict[str, Any]:
+    """Train the row's steps and measure it; a fits row runs under its card's memory cap."""
+    on_cuda = context.device == "cuda"
+    cap = None
+    free_memory(on_cuda)
+    if on_cuda:
+        if row.card is not None:
+            cap = memory_cap(hardware.resolve(row.card), context.probe)
+            torch.cuda.set_per_process_memory_fraction(cap["fraction"])
+        torch.cuda.reset_peak_memory_stats()
+        outside_before = context.probe.outside_allocator()
+    sampler = PeakSampler(context.probe.now, context.probe.interval_s) if on_cuda else None
+    seconds: list[float] = []
+    status = "ran"
+    try:
+        with sampler or contextlib.nullcontext():
+            seconds = train_steps(
+                model, spec, row.settings, WARMUP_STEPS + context.timed_steps, context.device, context.workdir
+            )
+    except Exception as error:
+        if not guard.is_out_of_memory(error):
+            raise
+        status = "out of memory"
+    finally:
+        if cap is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    measured = measured_memory(context.probe, sampler.peak if sampler else None)
+    if on_cuda:  # the CUDA context and anything an earlier row left outside the allocator
+        measured["outside_allocator_gib_before"] = round(gib(outside_before), 4)
+    if status == "ran":
+        measured |= measured_speed(row.settings, seconds)
+    result: dict[str, Any] = {"status": status, "measured": measured}
+    if row.check == "fits":
+        result["fits"] = fits_verdict(row, status, cap, context)
+    return result
+
+
+def fits_verdict(row: Row, status: str, cap: dict[str, Any] | None, context: Context) -> dict[str, Any]:
+    """What the plan expected on this card and whether the run agrees. Expected to run out of memory: a
+    configuration whose estimated device figure is above the card's memory (the plan keeps its headroom below
+    it). Tiny models or the CPU check the code path only: no expectation."""
+    card = hardware.resolve(row.card)
+    real = memory.estimate(models.resolve(row.model), row.card_settings, card)
+    card_gib = card.memory_gib * card.usable_fraction
+    expected = None
+    if not context.tiny and context.device == "cuda":
+        expected = "out of memory" if real.peak_device_gib > card_gib else "ran"
+    return {
+        "card": card.name,
+        "card_gib": round(card_gib, 3),
+        "plan_fits": row.plan_fits,  # make_plan's verdict, on the plan's own row
+        "card_settings": row.card_settings.model_dump(mode="json"),
+        "estimated_device_gib": real.peak_device_gib,
+        "estimate_fits_with_headroom": real.fits,
+        "cap": cap or "none: a CPU process has no memory cap to set",
+        "expected": expected,
+        "agrees": None if expected is None else expected == status,
+    }
+
+
+# --- the whole check ----------------------------------------------------------------------------------------
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def driver_version() -> str | None:
+    handle = nvml_handle()
+    if handle is not None:
+        import pynvml
+
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else version
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        try:
+            done = subprocess.run(query, capture_output=True, text=True, timeout=30, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+    return None
+
+
+def environment(context: Context) -> dict[str, Any]:
+    on_cuda = context.device == "cuda"
+    props = torch.cuda.get_device_properties(0) if on_cuda else None
+    return {
+        "device": context.device,
+        "gpu": props.name if props else None,
+        "gpu_memory_gib": round(gib(props.total_memory), 3) if props else None,
+        "compute_capability": f"{props.major}.{props.minor}" if props else None,
+        "driver": driver_version() if on_cuda else None,
+        "cuda": torch.version.cuda,
+        "device_memory_source": context.probe.source if context.probe else None,
+        "cuda_context_gib": round(gib(context.probe.outside_allocator()), 3) if context.probe else None,
+        "time_model_gpu": context.gpu.name,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": {
+            name: package_version(name) for name in ("torch", "transformers", "peft", "bitsandbytes", "accelerate")
+        },
+    }
+
+
+def run_order(rows: list[Row]) -> list[tuple[str, list[list[Row]]]]:
+    """Rows by model, and within a model by the base they load, so that each base is built once and loaded once
+    per kind (QLoRA, LoRA). The model of the fits rows goes first, so that a run short of time skips measurement
+    rows rather than the fits check; within it the fits rows come last, the paged optimizer's row at the very end
+    (bitsandbytes never gives its managed memory back: the rows after it see up to its states, a few hundred MB
+    for an 8B model's adapters, in `outside_allocator_gib`)."""
+
+    def has_fits(group: list[Row]) -> bool:
+        return any(row.check == "fits" for row in group)
+
+    names = dict.fromkeys(row.model for row in rows)
+    order = []
+    for model in sorted(names, key=lambda name: not has_fits([row for row in rows if row.model == name])):
+        of_model = [row for row in rows if row.model == model]
+        keys = dict.fromkeys(base_key(row.settings) for row in of_model)
+        groups = [[row for row in of_model if base_key(row.settings) == key] for key in keys]
+        ordered = sorted(groups, key=has_fits)
+        order.append((model, [sorted(group, key=lambda row: paged(row.settings)) for group in ordered]))
+    return order
+
+
+def paged(settings: Settings) -> bool:
+    return settings.optimizer.startswith("paged")
+
+
+def run_all(rows: list[Row], context: Context, budget: Budget, save: Callable[[dict[str, dict]], object]) -> dict:
+    """Every row in `run_order`, each result under its row's name; a row the budget leaves no time for is skipped,
+    and an error ends only the rows that need what failed (the row, its loaded base or its built model)."""
+    results: dict[str, dict] = {}
+    on_cuda = context.device == "cuda"
+
+    def skip(pending: list[Row]) -> None:
+        for row in pending:
+            results[row.name] = {"status": "skipped", "reason": "time budget"}
+
+    def fail(pending: list[Row], error: BaseException) -> None:
+        line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        for row in pending:
+            if row.name not in results:
+                results[row.name] = {"status": "failed", "error": line, "traceback": traceback.format_exc()[-3000:]}
+
+    for model_name, groups in run_order(rows):
+        model_rows = [row for group in groups for row in group]
+        if not budget.allows("build", "load", "row"):
+            skip(model_rows)
+            continue
+        spec = model_spec(model_name, context.tiny)
+        folder = context.workdir / slug(model_name)
+        try:
+            with budget.timing("build"):
+                build_random_model(spec, model_rows[0].settings, folder, context.device)
+            for group in groups:
+                if not budget.allows("load", "row"):
+                    skip(group)
+                    continue
+                base = None
+                try:
+                    with budget.timing("load"):
+                        base = load_base(folder, group[0].settings, context.device)
+                    for row in group:
+                        if not budget.allows("row"):
+                            skip([row])
+                            continue
+                        started = time.perf_counter()
+                        with budget.timing("row"):
+                            model = prepare(base, spec, row.settings)
+                            try:
+                                results[row.name] = run_row(model, spec, row, context)
+                            except Exception as error:
+                                fail([row], error)
+                            finally:
+                                base = unprepare(model)
+                                del model
+                        results[row.name]["seconds"] = round(time.perf_counter() - started, 1)
+                        report_row(row, results[row.name], len(results), len(rows))
+                        save(results)
+                except Exception as error:
+                    fail(group, error)
+                finally:
+                    base = None  # the next base is loaded into the memory this one gives back
+                    free_memory(on_cuda)
+        except Exception as error:
+            fail(model_rows, error)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)  # one base on disk at a time: three would fill the disk
+            free_memory(on_cuda)
+        save(results)
+    return results
+
+
+def row_record(row: Row, result: dict[str, Any], spec: ModelSpec, context: Context) -> dict[str, Any]:
+    record = {
+        "name": row.name,
+        "model": row.model,
+        "check": row.check,
+        "settings": row.settings.model_dump(mode="json"),
+    }
+    record |= result
+    record["predicted"] = predicted(spec, row.settings, None, context)
+    if "measured" in result:
+        record["error"] = relative_errors(result["measured"], record["predicted"], speed=context.device == "cuda")
+    return record
+
+
+def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median and worst |error| of each figure over the measure rows that ran."""
+    out: dict[str, Any] = {}
+    measured = [r for r in records if r["check"] == "measure" and r.get("error")]
+    for key in ("allocated", "reserved", "device", "tokens_per_s"):
+        values = [abs(r["error"][key]) for r in measured if r["error"].get(key) is not None]
+        out[key] = {"rows": len(values), "median": statistics.median(values), "worst": max(values)} if values else None
+    fits = [r["fits"] for r in records if "fits" in r and r["fits"]["agrees"] is not None]
+    out["fits_agree"] = f"{sum(f['agrees'] for f in fits)} of {len(fits)}" if fits else None
+    return out
+
+
+# --- printing ---------------------------------------------------------------------------------------------------
+def report_row(row: Row, result: dict[str, Any], done: int, total: int) -> None:
+    extra = f": {result['error']}" if result["status"] == "failed" else ""
+    print(f"[{done:2d}/{total}] {row.name}: {result['status']} in {result.get('seconds', 0):.1f} s{extra}", flush=True)
+
+
+def cell(measured: float | None, predicted: float | None, error: float | None, digits: int) -> str:
+    """measured, lorafit's figure and the relative error, in 24 characters ("-" for what is missing)."""
+    have = f"{measured:,.{digits}f}" if measured is not None else "-"
+    want = f"{predicted:,.{digits}f}" if predicted is not None else "-"
+    err = f"{100 * error:+.1f}%" if error is not None else "-"
+    return f"{have:>8} {want:>8} {err:>6}"
+
+
+def print_table(records: list[dict[str, Any]], env: dict[str, Any]) -> None:
+    print()
+    print(
+        f"{env['gpu'] or 'CPU'}, torch {env['versions']['torch']}; device figure: {env['device_memory_source'] or '-'}"
+    )
+    print(f"each figure: measured, lorafit, (lorafit - measured) / measured; time model: {env['time_model_gpu']}")
+    titles = ("allocated GiB", "reserved GiB", "device GiB", "tokens/s")
+    print(f"{'row':36} {'status':13} " + " ".join(f"{title:>24}" for title in titles))
+    for r in records:
+        m, p, e = r.get("measured", {}), r["predicted"], r.get("error", {})
+        cells = [cell(m.get(f"{k}_gib"), p[f"{k}_gib"], e.get(k), 2) for k in ("allocated", "reserved", "device")]
+        cells.append(cell(m.get("tokens_per_s"), p["tokens_per_s"], e.get("tokens_per_s"), 0))
+        print(f"{r['name'][:36]:36} {r['status'][:13]:13} " + " ".join(cells))
+    fits = [r for r in records if "fits" in r]
+    if not fits:
+        return
+    print()
+    print(f"{FITS_MODEL} QLoRA under each card's memory (lorafit's device estimate at the plan's settings):")
+    print(f"{'row':40} {'card GiB':>8} {'limit GiB':>9} {'estimate':>8}  {'expected':14} {'result':14} agrees")
+    for r in fits:
+        f = r["fits"]
+        limit = f"{f['cap']['allocator_limit_gib']:9.2f}" if isinstance(f["cap"], dict) else f"{'-':>9}"
+        agrees = "-" if f["agrees"] is None else "yes" if f["agrees"] else "NO"
+        print(
+            f"{r['name'][:40]:40} {f['card_gib']:8.2f} {limit} {f['estimated_device_gib']:8.2f}  "
+            f"{f['expected'] or '-':14} {r['status']:14} {agrees}"
+        )
+
+
+# --- main -----------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="the CPU with tiny models (same as --device cpu --tiny)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny shrunken models instead of the real shapes")
+    parser.add_argument("--out", type=Path, help="JSON file (default bench/results/gpu-check-<gpu>.json)")
+    parser.add_argument("--time-budget", type=float, default=DEFAULT_BUDGET_MINUTES, help="minutes (default 7.5)")
+    parser.add_argument("--gpu", help="catalog GPU for the time model (default: the detected one)")
+    parser.add_argument("--workdir", type=Path, help="where the random models are saved (default: a temp folder)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.device, args.tiny = "cpu", True
+    return args
+
+
+def check_device(args: argparse.Namespace) -> None:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise LorafitError("needs a CUDA GPU; use --smoke for the same code path on the CPU with tiny models")
+    if args.device == "cpu" and not args.tiny:
+        raise LorafitError("full-size models on the CPU would take hours; add --tiny (or use --smoke)")
+
+
+def time_model_gpu(args: argparse.Namespace) -> GpuSpec:
+    """The catalog entry of the GPU the check runs on (--gpu, else the detected one); on the CPU, which has no
+    entry, the H200's, and the table says so."""
+    if args.gpu:
+        return hardware.resolve(args.gpu)
+    if args.device == "cpu":
+        return hardware.resolve("H200")
+    found = hardware.detect().gpus
+    if found and found[0].catalog_name:
+        return hardware.resolve(found[0].catalog_name)
+    name = found[0].name if found else torch.cuda.get_device_name(0)
+    raise LorafitError(
+        f"{name} is not in lorafit's GPU catalog; pass --gpu NAME (see `lorafit gpus`) for the time model"
+    )
+
+
+@contextlib.contextmanager
+def process_settings(on_cuda: bool) -> Iterator[None]:
+    """Quiet libraries; on a GPU, the imports' objects frozen (never garbage, so each row's collection skips
+    them); on the CPU, denormals flushed and one thread, as tiny matmuls run 10x slower when their threads wait
+    on a busy machine's other processes. What is changed is put back (the tests run this in their process)."""
+    quiet_libraries()
+    threads = torch.get_num_threads()
+    if on_cuda:
+        gc.freeze()
+    else:
+        torch.set_flush_denormal(True)  # as `lorafit train` on the CPU: unflushed tiny values are 10-100x slower
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        gc.unfreeze()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    budget = Budget(args.time_budget * 60)
+    on_cuda = args.device == "cuda"
+    try:
+        check_device(args)
+        probe = DeviceMemory() if on_cuda else None  # before anything else touches the GPU: its baseline
+        gpu = time_model_gpu(args)
+    except LorafitError as error:
+        print(f"gpu_check: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    name = torch.cuda.get_device_name(0) if on_cuda else "cpu"
+    out = args.out or (
+        SCRATCH / f"gpu-check-{slug(name)}-tiny.json" if args.tiny else RESULTS / f"gpu-check-{slug(name)}.json"
+    )
+    rows = all_rows(args.tiny, args.device)
+    tiny = " (tiny models)" if args.tiny else ""
+    print(f"gpu-check: {len(rows)} rows on {name}{tiny}, time budget {args.time_budget:g} min", flush=True)
+    with process_settings(on_cuda), tempfile.TemporaryDirectory(prefix="gpu-check-", dir=args.workdir) as workdir:
+        timed = TINY_TIMED_STEPS if args.tiny else TIMED_STEPS
+        context = Context(args.device, args.tiny, gpu, probe, Path(workdir), timed)
+        env = environment(context)
+        specs = {model: model_spec(model, args.tiny) for model in dict.fromkeys(row.model for row in rows)}
+
+        def document(results: dict[str, dict]) -> dict[str, Any]:
+            records = [
+                row_record(row, results.get(row.name, {"status": "not run"}), specs[row.model], context) for row in rows
+            ]
+            return {
+                "check": "bench/gpu_check.py",
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "mode": "tiny" if args.tiny else "full",
+                "environment": env,
+                "steps": {"warmup": WARMUP_STEPS, "timed": context.timed_steps},
+                "time_budget_s": budget.seconds,
+                "elapsed_s": round(budget.elapsed(), 1),
+                "skipped": [r["name"] for r in records if r["status"] == "skipped"],
+                "summary": summary(records),
+                "rows": records,
+            }
+
+        def save(results: dict[str, dict]) -> dict[str, Any]:
+            written = document(results)
+            write_atomic(out, json.dumps(written, indent=2) + "\n")
+            return written
+
+        final = save(run_all(rows, context, budget, save))
+    print_table(final["rows"], env)
+    if final["skipped"]:
+        print(f"\nskipped (time budget of {args.time_budget:g} min): {', '.join(final['skipped'])}")
+    failed = [r["name"] for r in final["rows"] if r["status"] == "failed"]
+    if failed:
+        print(f"\nfailed: {', '.join(failed)} (the JSON file has each traceback)")
+    print(f"\nwrote {out} in {final['elapsed_s']:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
