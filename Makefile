@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-litgpt bench-throughput bench-train bench-data bench-exact gpu-check clean
+.PHONY: run test lint install bench-memory bench-litgpt bench-throughput bench-train bench-data bench-exact gpu-check gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -63,8 +63,31 @@ bench-exact: $(STAMP)
 
 # Real training steps of 7-8B models on this machine's CUDA GPU against the estimate and the time model, and the
 # plan's 24/16/8 GB verdicts under a memory cap; writes bench/results/gpu-check-<gpu>.json (bench/results/README.md)
+#
+# A GPU machine that cannot reach a package registry but has torch, transformers and peft: run there
+#   make gpu-check GPU_PYTHON=python3
+# after `make gpu-wheels` here, which puts the wheels that image lacks (bitsandbytes, pydantic; Python 3.12,
+# x86-64) into .whl/; they are installed from there with no index.
+GPU_PYTHON ?=
+GPU_WHEELS := .whl
+GPU_WHEEL_PYTHON ?= 3.12
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(BIN)/pip download -q --no-deps -d $(GPU_WHEELS) --only-binary=:all: --python-version $(GPU_WHEEL_PYTHON) \
+		--platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_28_x86_64 \
+		"bitsandbytes==$$($(BIN)/python -c 'import bitsandbytes; print(bitsandbytes.__version__)')" \
+		"pydantic==$$($(BIN)/python -c 'import pydantic; print(pydantic.VERSION)')" pydantic-core annotated-types \
+		typing-inspection
+	du -sh $(GPU_WHEELS)
+
+ifeq ($(GPU_PYTHON),)
 gpu-check: $(STAMP)
 	$(BIN)/python bench/gpu_check.py
+else
+gpu-check:
+	if [ -d $(GPU_WHEELS) ]; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps $(GPU_WHEELS)/*.whl; fi
+	$(GPU_PYTHON) bench/gpu_check.py
+endif
 
 clean:
 	rm -rf $(VENV) runs bench/out
