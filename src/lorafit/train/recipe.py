@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import random
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +53,7 @@ class RunResult:
     eval_examples: examples.Encoded
 
 
+@checkpoints.one_line_run_errors
 def run(
     config: TrainConfig,
     *,
@@ -62,8 +61,9 @@ def run(
     overwrite: bool = False,
     console: Console | None = None,
     build_model: Callable[[Path], None] | None = None,
-) -> RunResult:
-    """Train `config` into config.output_dir. `build_model(dir)` creates the base model first (the demo)."""
+) -> RunResult | None:
+    """Train `config` into config.output_dir; None if the folder holds this run finished (nothing changes).
+    `build_model(dir)` creates the base model first, or completes one a kill or a full disk cut short (the demo)."""
     console = console or Console(highlight=False)
     started = time.perf_counter()
 
@@ -87,18 +87,21 @@ def run(
     output_dir = Path(config.output_dir).expanduser()
     data_files = [data_path] + ([eval_path] if eval_path else [])
     fingerprint = config.fingerprint() | {"model": str(model_dir), "data_sha256": checkpoints.data_digest(data_files)}
-    start = checkpoints.begin(output_dir, fingerprint, resume=resume, overwrite=overwrite)
+    reads = (data_path, eval_path, None if build_model else model_dir)  # the demo's base is rebuilt
+    inputs = tuple(path for path in reads if path is not None)
+    start = checkpoints.begin(output_dir, fingerprint, resume=resume, overwrite=overwrite, inputs=inputs)
     if start.note:
         console.print(start.note)
+    if start.mode == "finished":
+        return None
     output_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = output_dir / METRICS
     if start.mode == "fresh":
         metrics_path.unlink(missing_ok=True)
         checkpoints.write_run_file(output_dir, {"fingerprint": fingerprint, "status": "started"})
     if build_model is not None:
-        if not (model_dir / "config.json").is_file():
-            _quiet_libraries()
-            build_model(model_dir)
+        _quiet_libraries()
+        build_model(model_dir)
         _check_model(model_dir, config)
     spec = _model_spec(model_dir)
 
@@ -204,18 +207,10 @@ def _model_spec(model_dir: Path) -> ModelSpec:
 
 
 def _quiet_libraries() -> None:
-    """Our own progress bar and messages only: the libraries' bars and advice go."""
-    import os
+    """Our own progress bar and messages only (the one place is `build.quiet_libraries`, shared with --exact)."""
+    from lorafit.train.build import quiet_libraries
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
-    warnings.filterwarnings("ignore", message=".*Paged optimizers are not supported on CPU.*")
-    warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered.*")
+    quiet_libraries()
 
 
 def _load_tokenizer(model_dir: Path, config: TrainConfig) -> PreTrainedTokenizerBase:
@@ -470,10 +465,7 @@ def _train_guarded(
             failed_step = trainer.state.global_step + 1
             reduced = guard.smaller(settings)
             if reduced is None:
-                raise TrainError(
-                    f"out of memory in step {failed_step} at micro-batch 1; lower seq_len or use a smaller "
-                    "method (qlora) or optimizer (paged_adamw_8bit)"
-                ) from None
+                raise guard.out_of_memory_at_one(failed_step, settings) from None
             if trainer.state.global_step == 0:
                 resume_from = start.checkpoint
                 where = "the start" if resume_from is None else resume_from.name
