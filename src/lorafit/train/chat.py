@@ -68,8 +68,9 @@ def _check_folder(run_dir: Path) -> Path | None:
     if (run_dir / "config.json").is_file():
         return None
     newest = checkpoints.latest_checkpoint(run_dir)
-    hint = f"; its newest checkpoint is {newest}" if newest else ""
-    raise TrainError(f"{run_dir} holds no adapter or model yet{hint}; train first (`lorafit train`)")
+    if newest is not None:
+        raise TrainError(f"{run_dir} holds no adapter yet (training has not finished); chat with {newest}")
+    raise TrainError(f"{run_dir} holds no adapter or model yet; train first (`lorafit train`)")
 
 
 def _base_dir(adapter: Path) -> Path:
