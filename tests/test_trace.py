@@ -434,3 +434,23 @@ def test_gemma2_soft_capping_and_post_norms_match_the_trace(checkpointing: bool)
     traced = exact_estimate(spec, settings).peak_allocated_gib
     analytic = memory.estimate(spec, settings).peak_allocated_gib
     assert analytic == pytest.approx(traced, rel=0.02), f"analytic {analytic} GiB, traced {traced} GiB"
+
+
+def test_the_exact_estimate_prints_no_library_warnings(tmp_path: Path) -> None:
+    """`lorafit estimate --exact` in a fresh process with every warning shown: lorafit's table, nothing else
+    (transformers' deprecation notices, bitsandbytes' import-time log lines)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny().to_hf_config()))
+    done = subprocess.run(
+        [sys.executable, "-m", "lorafit.cli", "estimate", "--model", str(tmp_path), "--seq-len", "64", "--exact"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"PYTHONWARNINGS": "always"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "peak" in done.stdout
+    assert done.stderr == ""

@@ -69,7 +69,7 @@ def test_the_demo_dry_run_builds_its_model_where_nothing_stays(
     ("extra", "message"),
     [
         (["--data", "/nonexistent/data.jsonl"], "no dataset at /nonexistent/data.jsonl"),
-        (["--output-dir", "/proc/lorafit-run"], "cannot write in /proc"),
+        (["--output-dir", "/proc/lorafit-run"], "cannot write to --output-dir /proc/lorafit-run"),
         (["--precision", "fp16"], "precision fp16 needs a CUDA GPU"),
         (["--micro-batch", "3"], "micro_batch 3 does not divide batch_size 16"),
         (["--eval-split", "1000"], "eval_split 1000"),

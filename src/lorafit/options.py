@@ -747,7 +747,8 @@ class _TrainConfigBase(_RuledModel):
     def fingerprint(self) -> dict[str, Any]:
         """What makes two runs the same run: everything but where it writes, how often it reports, and safety."""
         ignored = {o.name for o in OPTIONS if o.group in ("checkpoints", "safety")} | {"output_dir", "headroom"}
-        return {key: value for key, value in self.model_dump(mode="json").items() if key not in ignored}
+        values = self.model_dump(mode="json") | {"batch_size": self.effective_batch_size}  # 8 set = 4 x 2 set
+        return {key: value for key, value in values.items() if key not in ignored}
 
 
 def _train_fields() -> list[Option]:

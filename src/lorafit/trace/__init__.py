@@ -17,6 +17,9 @@ __all__ = ["DepthTrace", "StepTrace", "exact_estimate", "real_step", "trace_dept
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
+        from lorafit.train.build import quiet_libraries
+
+        quiet_libraries()  # before torch and bitsandbytes load: the trace prints lorafit's figures only
         from lorafit.trace import api
 
         return getattr(api, name)

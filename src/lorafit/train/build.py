@@ -6,6 +6,9 @@ torch, transformers and peft are imported inside the functions, so importing thi
 
 from __future__ import annotations
 
+import logging
+import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +23,43 @@ if TYPE_CHECKING:
 
     from lorafit.models import ModelSpec
     from lorafit.schema import Settings
+
+
+# The libraries whose advice is for their own developers, not for a person running lorafit (`kernels` is
+# what bitsandbytes asks for a CPU kernel when it is imported, and it logs about the Hub).
+QUIETED_LIBRARIES = (
+    "transformers",
+    "peft",
+    "bitsandbytes",
+    "kernels",
+    "torch",
+    "accelerate",
+    "huggingface_hub",
+    "trl",
+)
+
+
+def quiet_libraries() -> None:
+    """Our own progress bar and messages only: the libraries' bars, log lines and warnings go.
+
+    Training, `lorafit chat` and the `--exact` trace call this before they import torch: bitsandbytes logs
+    at import time, and deprecation notices (transformers' `gradient_checkpointing_enable` in the trace,
+    torch.jit's `script_method` in a resumed run) are about the libraries' APIs, which lorafit pins. Calling it
+    again is harmless: `warnings.filterwarnings` replaces an identical filter instead of adding a second."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for library in QUIETED_LIBRARIES:
+        logging.getLogger(library).setLevel(logging.ERROR)
+        for category in (FutureWarning, UserWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category, module=rf"{library}(\.|$)")
+    # Raised by the libraries with a stack level that names the caller's module, so matched by their text.
+    warnings.filterwarnings("ignore", message=".*Paged optimizers are not supported on CPU.*")
+    warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered.*")
+    from huggingface_hub.utils import logging as hub_logging
+    from transformers.utils import logging as hf_logging
+
+    hub_logging.set_verbosity_error()  # the hub sets its own level when first imported
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 def compute_dtype(settings: Settings) -> torch.dtype:

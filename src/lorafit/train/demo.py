@@ -130,9 +130,33 @@ def corpus() -> list[str]:
     return texts
 
 
+BASE_COMPLETE = "lorafit-demo-base.json"  # written last: a base folder without it was cut short
+
+
 def build_demo_base(model_dir: Path) -> None:
-    tokenizer = build_tokenizer(corpus(), vocab_size=1024)
-    build_model(model_dir, tokenizer, tiny_spec(len(tokenizer)))
+    """The demo's base model, built into a staging folder and renamed into place once complete, so that a
+    kill or a full disk never leaves a half-written base that every later run would trip over. A base that
+    an earlier lorafit left without the marker is rebuilt: it is made from a fixed seed, so it comes out the
+    same."""
+    import json
+    import shutil
+
+    from lorafit.files import fsync_dir, write_atomic
+
+    model_dir = Path(model_dir)
+    if (model_dir / BASE_COMPLETE).is_file():
+        return
+    staging = model_dir.with_name(f".{model_dir.name}.building")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        tokenizer = build_tokenizer(corpus(), vocab_size=1024)
+        build_model(staging, tokenizer, tiny_spec(len(tokenizer)))
+        write_atomic(staging / BASE_COMPLETE, json.dumps({"built_by": "lorafit train --demo"}))
+        shutil.rmtree(model_dir, ignore_errors=True)  # an incomplete base, from before the marker or cut short
+        staging.replace(model_dir)
+        fsync_dir(model_dir.parent)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gives the space of a failed build back
 
 
 def demo_config(overrides: dict[str, Any]) -> Any:
@@ -251,7 +275,9 @@ def run_demo(
     result = run(
         config, resume=resume, overwrite=overwrite, dry_run=dry_run, console=console, build_model=build_demo_base
     )
-    if result is None:  # a dry run
+    if result is None:  # a dry run, or the finished demo: nothing was trained, so there is nothing to compare
+        if not dry_run:
+            console.print(f'try it: lorafit chat {config.output_dir} --prompt "Which animal lives on Duvik?"')
         return True
     comparison = compare(result)
     show(comparison, console)

@@ -89,6 +89,35 @@ def smaller(settings: Settings) -> Settings | None:
     return settings.model_copy(update={"micro_batch": divisor, "grad_accum": settings.grad_accum * factor})
 
 
+def memory_savers(settings: Settings) -> list[str]:
+    """The changes that would lower the peak of this run, and only those: a QLoRA run is not told to use
+    QLoRA, nor a checkpointed one to turn checkpointing on. A shorter sequence always helps."""
+    savers = [f"a shorter --seq-len (now {settings.seq_len})"]
+    if not settings.grad_ckpt:
+        savers.append("--grad-ckpt (recomputes activations in backward)")
+    if settings.method == "full":
+        savers.append("--method qlora or lora (trains adapters; the base gets no gradients or optimizer state)")
+    elif settings.method == "lora":
+        savers.append("--method qlora (a 4-bit base)")
+    elif settings.quant == "int8":
+        savers.append("--quant nf4 (a 4-bit base instead of 8-bit)")
+    elif not settings.double_quant:
+        savers.append("--double-quant (quantised scales)")
+    if settings.optimizer in ("adamw", "adamw_8bit", "paged_adamw_32bit"):
+        savers.append("--optimizer paged_adamw_8bit (8-bit states, paged out under pressure)")
+    if settings.attn == "eager":
+        savers.append("--attn sdpa (no materialised attention matrix)")
+    return savers
+
+
+def out_of_memory_at_one(step: int, settings: Settings) -> TrainError:
+    """The one line for an out-of-memory error that halving cannot fix (micro-batch 1 already)."""
+    return TrainError(
+        f"out of memory in step {step} at micro-batch 1; try {'; or '.join(memory_savers(settings))}; "
+        "or a GPU with more memory"
+    )
+
+
 # --- random state -------------------------------------------------------------------------------------------
 @dataclass
 class RandomState:
@@ -183,8 +212,8 @@ def preflight(
             measured = "ran out of memory" if peak is None else f"needs {gib(peak):.1f} GiB"
             raise TrainError(
                 f"does not fit: one step at micro-batch 1 of the longest row ({len(longest['input_ids'])} tokens) "
-                f"{measured} and {gib(budget):.1f} GiB are free after headroom; lower seq_len, use "
-                "method qlora, grad_ckpt: true, or a paged 8-bit optimizer"
+                f"{measured} and {gib(budget):.1f} GiB are free after headroom; try "
+                f"{'; or '.join(memory_savers(settings))}"
             )
         settings = reduced
         halvings += 1

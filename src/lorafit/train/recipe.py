@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import random
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +53,7 @@ class RunResult:
     eval_examples: examples.Encoded
 
 
+@checkpoints.one_line_run_errors
 def run(
     config: TrainConfig,
     *,
@@ -64,7 +63,8 @@ def run(
     console: Console | None = None,
     build_model: Callable[[Path], None] | None = None,
 ) -> RunResult | None:
-    """Train `config` into config.output_dir. `build_model(dir)` creates the base model first (the demo).
+    """Train `config` into config.output_dir; None if the folder holds this run finished (nothing changes).
+    `build_model(dir)` creates the base model first, or completes one a kill or a full disk cut short (the demo).
     `dry_run`: check and resolve everything, print the plan and the resolved config, write nothing, return None."""
     console = console or Console(highlight=False)
     started = time.perf_counter()
@@ -78,18 +78,20 @@ def run(
     # 2. The output folder: a fresh run, the same run again (resume), or another run (refuse).
     output_dir = Path(config.output_dir).expanduser()
     fingerprint = _fingerprint(config, model_dir, data_path, eval_path)
-    start = checkpoints.begin(output_dir, fingerprint, resume=resume, overwrite=overwrite)
+    inputs = _reads(model_dir, data_path, eval_path, built=build_model is not None)
+    start = checkpoints.begin(output_dir, fingerprint, resume=resume, overwrite=overwrite, inputs=inputs)
     if start.note:
         console.print(start.note)
+    if start.mode == "finished":
+        return None
     output_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = output_dir / METRICS
     if start.mode == "fresh":
         metrics_path.unlink(missing_ok=True)
         checkpoints.write_run_file(output_dir, {"fingerprint": fingerprint, "status": "started"})
     if build_model is not None:
-        if not (model_dir / "config.json").is_file():
-            _quiet_libraries()
-            build_model(model_dir)
+        _quiet_libraries()
+        build_model(model_dir)
         _check_model(model_dir, config)
     spec = _model_spec(model_dir)
 
@@ -193,13 +195,17 @@ def _dry_run(
     train_rows, eval_rows, data_format = _load_data(config, data_path, eval_path)
     output_dir = Path(config.output_dir).expanduser()
     fingerprint = _fingerprint(config, model_dir, data_path, eval_path)
-    start = checkpoints.begin(output_dir, fingerprint, resume=resume, overwrite=overwrite, dry_run=True)
-    _check_writable(output_dir)
+    inputs = _reads(model_dir, data_path, eval_path, built=build_model is not None)
+    start = checkpoints.begin(output_dir, fingerprint, resume=resume, overwrite=overwrite, inputs=inputs, dry_run=True)
+    if start.mode == "finished":
+        console.print(f"dry run: {start.note}")
+        return None
+    checkpoints.check_writable(output_dir)
     _quiet_libraries()
     import torch
 
     with tempfile.TemporaryDirectory(prefix="lorafit-dry-run-") as scratch:
-        if build_model is not None and not (model_dir / "config.json").is_file():
+        if build_model is not None:
             model_dir = Path(scratch) / model_dir.name  # the demo's base model, built where nothing stays
             build_model(model_dir)
         _check_model(model_dir, config)
@@ -248,19 +254,9 @@ def _fingerprint(config: TrainConfig, model_dir: Path, data_path: Path, eval_pat
     return config.fingerprint() | {"model": str(model_dir), "data_sha256": checkpoints.data_digest(data_files)}
 
 
-def _check_writable(output_dir: Path) -> None:
-    """The output folder, or the nearest folder above it that exists, must take a new file: probed with a
-    temporary folder that is removed at once (permission bits say nothing for root, or under /proc)."""
-    import tempfile
-
-    existing = output_dir.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    try:
-        with tempfile.TemporaryDirectory(dir=existing, prefix=".lorafit-probe-"):
-            pass
-    except OSError as error:
-        raise TrainError(f"--output-dir {output_dir}: cannot write in {existing} ({error.strerror or error})") from None
+def _reads(model_dir: Path, data_path: Path, eval_path: Path | None, *, built: bool) -> tuple[Path, ...]:
+    """What the run reads, which --overwrite must never delete (the demo's base is rebuilt, so not that)."""
+    return tuple(path for path in (data_path, eval_path, None if built else model_dir) if path is not None)
 
 
 def _tokenized(
@@ -298,18 +294,10 @@ def _model_spec(model_dir: Path) -> ModelSpec:
 
 
 def _quiet_libraries() -> None:
-    """Our own progress bar and messages only: the libraries' bars and advice go."""
-    import os
+    """Our own progress bar and messages only (the one place is `build.quiet_libraries`, shared with --exact)."""
+    from lorafit.train.build import quiet_libraries
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
-    warnings.filterwarnings("ignore", message=".*Paged optimizers are not supported on CPU.*")
-    warnings.filterwarnings("ignore", message=".*an autograd kernel was not registered.*")
+    quiet_libraries()
 
 
 def _load_tokenizer(model_dir: Path, config: TrainConfig) -> PreTrainedTokenizerBase:
@@ -556,10 +544,7 @@ def _train_guarded(
             failed_step = trainer.state.global_step + 1
             reduced = guard.smaller(settings)
             if reduced is None:
-                raise TrainError(
-                    f"out of memory in step {failed_step} at micro-batch 1; lower seq_len or use a smaller "
-                    "method (qlora) or optimizer (paged_adamw_8bit)"
-                ) from None
+                raise guard.out_of_memory_at_one(failed_step, settings) from None
             if trainer.state.global_step == 0:
                 resume_from = start.checkpoint
                 where = "the start" if resume_from is None else resume_from.name
@@ -622,7 +607,7 @@ def resolved_config(config: TrainConfig, plan: Plan) -> TrainConfig:
     from lorafit.train.config import SETTINGS_KEYS
 
     settings = plan.settings.model_dump()
-    return config.model_copy(update={key: settings[key] for key in SETTINGS_KEYS})
+    return config.model_copy(update={key: settings[key] for key in SETTINGS_KEYS} | {"batch_size": plan.batch_size})
 
 
 def _save_run(

@@ -1,12 +1,16 @@
 """transformers.Trainer with what lorafit adds: a sampler seeded per epoch, atomic checkpoints, the OOM
 fault hook, a token count for tokens/s, and the callbacks that write metrics.jsonl and draw the progress bar.
 
+Losses do not depend on how a batch is split into micro-batches: a training step's loss is the mean over all
+answer tokens of its effective batch (transformers passes `num_items_in_batch`), the logged loss is the mean
+of the steps since the previous line (kept with each checkpoint, so a resumed run logs the same means), and
+the eval loss is the mean over all answer tokens of the eval set, not a mean of per-batch means.
+
 This module imports torch and transformers at the top: only `recipe.run` imports it, inside the function.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import shutil
 import time
@@ -21,10 +25,13 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from lorafit.errors import TrainError
+from lorafit.files import write_atomic
 from lorafit.train import checkpoints
+from lorafit.train.examples import IGNORE_INDEX
 from lorafit.train.guard import InjectedOom, RandomState, capture_random_state, restore_random_state
 
 TOKENS_KEY = "num_tokens"  # added by TokenCountingCollator, removed before the forward pass
+UNLOGGED_LOSSES = "lorafit-unlogged-losses.json"  # in a checkpoint: step losses not yet in a metrics line
 
 
 class EpochSampler(torch.utils.data.Sampler[int]):
@@ -65,12 +72,14 @@ class TokenCountingCollator:
 
 
 class StepWatch:
-    """What the out-of-memory retry needs to know: the random state at the start of the current step, and
-    whether the optimizer was in the middle of its update."""
+    """What outlives one Trainer (the out-of-memory retry builds another): the random state at the start of
+    the current step, whether the optimizer was in the middle of its update, and the loss of each finished
+    step not yet logged."""
 
     def __init__(self) -> None:
         self.random_state: RandomState | None = None
         self.in_optimizer_step = False
+        self.unlogged_losses: dict[int, torch.Tensor | float] = {}
 
 
 class LorafitTrainer(Trainer):
@@ -95,14 +104,59 @@ class LorafitTrainer(Trainer):
         self.tokens_trained = 0
         self._micro_batches_in_step = 0
         self._step_of_micro_batches = -1
+        self._step_loss: torch.Tensor | None = None
 
     def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler:
         group = self.args.train_batch_size * self.args.gradient_accumulation_steps if self.group_by_length else None
         return EpochSampler(self.lengths, self.args.seed, group)
 
+    # --- the run: resume, the end, an interrupt ----------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | None = None, **kwargs: Any) -> Any:
+        """Trainer.train, with the unlogged step losses of the checkpoint restored, and Ctrl-C answered with
+        where the run stopped and how to go on (the exit code stays that of an interrupt)."""
+        self.watch.unlogged_losses = _read_unlogged(resume_from_checkpoint)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        except KeyboardInterrupt as interrupt:
+            callback = self._run_callback()
+            if callback is not None:
+                callback.close()
+            console = callback.console if callback is not None else Console(highlight=False)
+            newest = checkpoints.latest_checkpoint(self.run_dir)
+            if not self.state.max_steps:  # still setting up
+                where = "interrupted before the first step"
+            else:
+                where = f"interrupted after step {self.state.global_step} of {self.state.max_steps}"
+                where += ", before the first checkpoint" if newest is None else ""
+            go_on = f"rerun the same command to resume from {newest.name}" if newest else "rerunning starts over"
+            console.print(f"{where}: {go_on}")
+            raise checkpoints.ReportedInterrupt from interrupt
+
+    def _init_training_state(
+        self,
+        max_steps: int,
+        num_update_steps_per_epoch: int,
+        num_train_epochs: int,
+        resume_from_checkpoint: str | None,
+        trial: Any,
+    ) -> tuple[int, int]:
+        """The Trainer always runs one step after resuming, even from the checkpoint of the last step (it
+        checks for the end after a step); a run resumed there has nothing left to train."""
+        epochs_trained, steps_trained = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if self.state.global_step >= max_steps:
+            return num_train_epochs, 0  # no epoch left to run
+        return epochs_trained, steps_trained
+
+    def _run_callback(self) -> RunCallback | None:
+        return next((c for c in self.callback_handler.callbacks if isinstance(c, RunCallback)), None)
+
+    # --- steps and losses ----------------------------------------------------------------------------------
     def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         if self._step_of_micro_batches != self.state.global_step:
             self._step_of_micro_batches, self._micro_batches_in_step = self.state.global_step, 0
+            self._step_loss = None
         self._micro_batches_in_step += 1
         self.fault.check(
             self.state.global_step + 1,
@@ -111,31 +165,79 @@ class LorafitTrainer(Trainer):
         tokens = inputs.pop(TOKENS_KEY, 0)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.tokens_trained += int(tokens)
+        # Each micro-batch's loss is its share of the step's (normalised by the step's answer tokens), so
+        # their sum is the step's loss; kept as a tensor until it is logged, so no device sync per step.
+        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+        if self._micro_batches_in_step == self.current_gradient_accumulation_steps:
+            self.watch.unlogged_losses[self.state.global_step + 1] = self._step_loss
         return loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The logged training loss is the mean of the step losses since the previous line, also across an
+        out-of-memory retry or a resume (the Trainer's own counts only the steps since it started)."""
+        if "loss" in logs and self.watch.unlogged_losses:
+            losses = [float(value) for value in self.watch.unlogged_losses.values()]
+            logs = logs | {"loss": sum(losses) / len(losses)}
+            self.watch.unlogged_losses = {}
+        super().log(logs, start_time)
+
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """The eval loss as the mean over every answer token of the eval set. The Trainer's is a mean of
+        per-batch means, which changes with the eval batch (the micro-batch, halved after out of memory)."""
+        model = self.model
+        model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.args.device)
+        tokens = 0
+        started = time.perf_counter()
+        with torch.no_grad():
+            for batch in self.get_eval_dataloader(eval_dataset):
+                batch.pop(TOKENS_KEY, None)
+                inputs = self._prepare_inputs(batch)
+                count = int((inputs["labels"][..., 1:] != IGNORE_INDEX).sum())  # the causal shift drops position 0
+                if not count:
+                    continue
+                with self.compute_loss_context_manager():
+                    loss = self.compute_loss(model, inputs)  # the mean over this batch's answer tokens
+                total += loss.detach().double() * count
+                tokens += count
+        metrics = {
+            f"{metric_key_prefix}_loss": (total / tokens).item() if tokens else float("nan"),
+            f"{metric_key_prefix}_runtime": round(time.perf_counter() - started, 4),
+        }
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     def prediction_step(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         inputs.pop(TOKENS_KEY, None)
         return super().prediction_step(model, inputs, *args, **kwargs)
 
+    # --- checkpoints ---------------------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """Write into checkpoints/.staging, then publish with an atomic rename. A failed save (a full disk)
-        deletes the staged copy and stops the run with one line; the previous checkpoint is untouched."""
+        """Write into checkpoints/.staging, then publish with an atomic rename. A failed save (a full disk:
+        torch, safetensors and Python each report it their own way) deletes the staged copy and stops the run
+        with one line; the previous checkpoint is untouched."""
         step = self.state.global_step
         staged = Path(self.args.output_dir) / f"{checkpoints.PREFIX}{step}"
         shutil.rmtree(staged, ignore_errors=True)
-        for callback in self.callback_handler.callbacks:
-            if isinstance(callback, RunCallback):
-                callback.flush()  # the metrics of this step are on disk before its checkpoint is
+        callback = self._run_callback()
         try:
+            if callback is not None:
+                callback.flush()  # the metrics of this step are on disk before its checkpoint is
             super()._save_checkpoint(model, trial)
+            unlogged = {str(key): float(value) for key, value in self.watch.unlogged_losses.items() if key <= step}
+            write_atomic(staged / UNLOGGED_LOSSES, json.dumps(unlogged))
             checkpoints.publish(staged, self.run_dir, step, self.keep)
-        except OSError as error:
-            shutil.rmtree(staged, ignore_errors=True)
-            previous = checkpoints.latest_checkpoint(self.run_dir)
-            kept = f"{previous.name} is intact" if previous else "there is no earlier checkpoint"
-            reason = "no space left on device" if error.errno == errno.ENOSPC else (error.strerror or str(error))
+        except Exception as error:
+            reason = checkpoints.write_failure(error, staged)
+            if reason is None:
+                raise
+            checkpoints.discard_staged(staged)
             raise TrainError(
-                f"cannot write checkpoint-{step} ({reason}); {kept}: free space and rerun the same command to resume"
+                f"cannot write checkpoint-{step} in {checkpoints.checkpoint_root(self.run_dir)}: {reason}; "
+                f"{checkpoints.resume_hint(self.run_dir, checkpoints.fix_for(reason))}"
             ) from None
 
     def save_after_oom(self) -> Path:
@@ -147,6 +249,17 @@ class LorafitTrainer(Trainer):
         self._save_checkpoint(self.model, None)
         restore_random_state(current)
         return checkpoints.checkpoint_root(self.run_dir) / f"{checkpoints.PREFIX}{self.state.global_step}"
+
+
+def _read_unlogged(checkpoint: str | None) -> dict[int, float]:
+    """The step losses a checkpoint saved that no metrics line holds yet (none for a fresh start)."""
+    if checkpoint is None:
+        return {}
+    try:
+        data = json.loads((Path(checkpoint) / UNLOGGED_LOSSES).read_text())
+    except (OSError, ValueError):
+        return {}  # a checkpoint of an earlier lorafit: the first line after it averages the steps since
+    return {int(key): float(value) for key, value in data.items()} if isinstance(data, dict) else {}
 
 
 class RunCallback(TrainerCallback):
