@@ -360,3 +360,16 @@ def test_a_plan_for_a_cpu_run_shows_no_cuda_figures() -> None:
     shown = text.getvalue()
     assert "training on the CPU" in shown and "CPU RAM" in shown
     assert "cuda context" not in shown and "nvidia-smi" not in shown and "reserved" not in shown
+
+
+def test_other_settings_are_estimated_again_with_the_same_tokens_to_train() -> None:
+    plan = planner.make_plan(ask(gpu="RTX 4090"))
+    smaller = plan.settings.model_copy(update={"micro_batch": 1, "grad_accum": 16, "grad_ckpt": True})
+    again = planner.with_settings(plan, smaller)
+    assert again.settings == smaller
+    assert again.estimate == memory.estimate(plan.model, smaller, plan.gpu, plan.estimate.headroom)
+    assert again.tokens_per_s == round(planner.tokens_per_second(plan.model, smaller, plan.gpu), 1)
+    assert again.tokens_per_s < plan.tokens_per_s  # checkpointing recomputes the forward pass
+    # the same run: the tokens to train stay, so the hours grow as the speed falls
+    assert again.hours * again.tokens_per_s == pytest.approx(plan.hours * plan.tokens_per_s, rel=1e-3)
+    assert planner.with_settings(plan, plan.settings) is plan

@@ -402,6 +402,27 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
     )
 
 
+def with_settings(plan: Plan, settings: Settings) -> Plan:
+    """The same plan run with other settings (a setting the user overrides, the pre-flight's or the
+    out-of-memory guard's smaller micro-batch): the memory estimated again, the time and cost with it."""
+    if settings == plan.settings:
+        return plan
+    update: dict = {"settings": settings, "estimate": estimate(plan.model, settings, plan.gpu, plan.estimate.headroom)}
+    if plan.gpu is not None and plan.tokens_per_s:
+        total_tokens = plan.hours * 3600 * plan.tokens_per_s
+        speed = tokens_per_second(plan.model, settings, plan.gpu)
+        hours = total_tokens / speed / 3600
+        cloud, local, break_even = costs(plan.gpu, settings.n_gpus, hours, plan.kwh_price)
+        update |= {
+            "tokens_per_s": round(speed, 1),
+            "hours": round(hours, 3),
+            "cost_cloud_usd": None if cloud is None else round(cloud, 2),
+            "cost_local_usd": None if local is None else round(local, 2),
+            "break_even_runs": None if break_even is None else round(break_even, 1),
+        }
+    return plan.model_copy(update=update)
+
+
 def compare(request: PlanRequest, max_price_hour: float | None = None) -> list[Plan]:
     """Plan the job on every rentable catalog GPU (or under a price cap); fitting ones first, fastest first."""
     plans = []

@@ -351,9 +351,9 @@ def resolve_plan(
     """The settings this run uses, as a Plan. Fresh: `lorafit plan` for the detected device with the user's
     settings pinned, every automatic choice (device, GPU, precision, batching) made there and recorded. Resumed:
     the run's saved plan. Where a setting then differs from the plan's (a user override), the memory is
-    estimated again with the same `memory.estimate()`."""
-    from lorafit import hardware, memory, options
-    from lorafit.plan import make_plan, resolve_seq_len
+    estimated again by the planner (`plan.with_settings`)."""
+    from lorafit import hardware, options
+    from lorafit.plan import make_plan, resolve_seq_len, with_settings
     from lorafit.schema import PlanRequest
 
     pinned = config.pinned_settings()
@@ -379,10 +379,7 @@ def resolve_plan(
         seq_len = resolve_seq_len(request)
         plan = make_plan(request, truncated_rows=sum(1 for length in lengths if length > seq_len))
     wanted = Settings.model_validate(plan.settings.model_dump() | pinned | {"method": config.method})
-    if wanted != plan.settings:
-        estimate = memory.estimate(spec, wanted, plan.gpu, config.headroom)
-        plan = plan.model_copy(update={"settings": wanted, "estimate": estimate})
-    return plan
+    return with_settings(plan, wanted)
 
 
 def _check_device(settings: Settings, on_cuda: bool) -> None:
@@ -460,7 +457,7 @@ def _train_guarded(
     import torch
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from lorafit import memory
+    from lorafit.plan import with_settings
     from lorafit.train import guard
     from lorafit.train.trainer import LorafitTrainer, RunCallback, StepWatch, TokenCountingCollator
 
@@ -525,7 +522,8 @@ def _train_guarded(
         )
         if checked.settings != settings:
             settings = checked.settings
-            plan = _replan(plan, spec, settings, config, output_dir)
+            plan = with_settings(plan, settings)
+            _save_plan(output_dir, plan)
             console.print(
                 f"pre-flight: micro-batch {settings.micro_batch} x grad-accum {settings.grad_accum} fits; using that"
             )
@@ -560,9 +558,7 @@ def _train_guarded(
                 f"{reduced.grad_accum} (same effective batch of {reduced.effective_batch})"
             )
             settings = reduced
-            plan = plan.model_copy(
-                update={"settings": settings, "estimate": memory.estimate(spec, settings, plan.gpu, config.headroom)}
-            )
+            plan = with_settings(plan, settings)
             _save_plan(output_dir, plan)
             trainer.optimizer = None
             del trainer
@@ -570,16 +566,6 @@ def _train_guarded(
             if on_cuda:
                 torch.cuda.empty_cache()
             trainer = make_trainer(settings)
-
-
-def _replan(plan: Plan, spec: ModelSpec, settings: Settings, config: TrainConfig, output_dir: Path) -> Plan:
-    from lorafit import memory
-
-    plan = plan.model_copy(
-        update={"settings": settings, "estimate": memory.estimate(spec, settings, plan.gpu, config.headroom)}
-    )
-    _save_plan(output_dir, plan)
-    return plan
 
 
 def _collator(tokenizer: PreTrainedTokenizerBase, plan: Plan, on_cuda: bool) -> Any:
