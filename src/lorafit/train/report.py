@@ -46,10 +46,13 @@ def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str, eval_before
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    temporary = path.with_name(f".{path.name}.tmp.png")
-    figure.savefig(temporary)
-    plt.close(figure)
-    temporary.replace(path)
+    from lorafit.files import atomic_writer
+
+    try:
+        with atomic_writer(path, binary=True) as handle:
+            figure.savefig(handle, format="png")
+    finally:
+        plt.close(figure)
 
 
 def model_card(
