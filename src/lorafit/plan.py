@@ -226,42 +226,23 @@ def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: f
 def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Suggestion]:
     """The smallest changes that fit: a shorter sequence, QLoRA, a bigger GPU, or several GPUs sharded."""
     found: list[Suggestion] = []
-    length = seq_len // 2
-    while length >= 128:
-        fit = best(candidates(request, gpu, length))
+
+    def suggest(change: str, fit: Candidate | None, on: GpuSpec = gpu) -> bool:
         if fit:
-            found.append(
-                Suggestion(
-                    change=f"sequence length {length} instead of {seq_len}",
-                    settings=fit.settings,
-                    gpu=gpu.name,
-                    estimate=fit.estimate,
-                )
-            )
-            break
+            found.append(Suggestion(change=change, settings=fit.settings, gpu=on.name, estimate=fit.estimate))
+        return fit is not None
+
+    length = seq_len // 2
+    while length >= 128 and not suggest(
+        f"sequence length {length} instead of {seq_len}", best(candidates(request, gpu, length))
+    ):
         length //= 2
     if request.method != "qlora" and "quant" not in request.pinned:
-        fit = best(candidates(request, gpu, seq_len, method="qlora"))
-        if fit:
-            found.append(
-                Suggestion(
-                    change=f"QLoRA (4-bit base) instead of {request.method}",
-                    settings=fit.settings,
-                    gpu=gpu.name,
-                    estimate=fit.estimate,
-                )
-            )
+        suggest(
+            f"QLoRA (4-bit base) instead of {request.method}", best(candidates(request, gpu, seq_len, method="qlora"))
+        )
     if request.method == "full":
-        fit = best(candidates(request, gpu, seq_len, method="lora"))
-        if fit:
-            found.append(
-                Suggestion(
-                    change="LoRA instead of full fine-tuning",
-                    settings=fit.settings,
-                    gpu=gpu.name,
-                    estimate=fit.estimate,
-                )
-            )
+        suggest("LoRA instead of full fine-tuning", best(candidates(request, gpu, seq_len, method="lora")))
 
     def size_then_price(g: GpuSpec) -> tuple[int, float, float]:
         return round(g.memory_gib / 8), g.rent_usd_per_hour or 1e9, g.price_usd or 1e9
@@ -269,28 +250,12 @@ def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Sugges
     for bigger in sorted(hardware.catalog().values(), key=size_then_price):
         if bigger.kind == "apple" or bigger.memory_gib <= gpu.memory_gib:
             continue
-        fit = best(candidates(request, bigger, seq_len))
-        if fit:
-            found.append(
-                Suggestion(
-                    change=f"a GPU with more memory: {bigger.name} ({bigger.memory_gib:.0f} GiB)",
-                    settings=fit.settings,
-                    gpu=bigger.name,
-                    estimate=fit.estimate,
-                )
-            )
+        change = f"a GPU with more memory: {bigger.name} ({bigger.memory_gib:.0f} GiB)"
+        if suggest(change, best(candidates(request, bigger, seq_len)), bigger):
             break
     for n_gpus in (2, 4, 8):
         fit = best(candidates(request, gpu, seq_len, n_gpus=n_gpus, shard="zero3"))
-        if fit:
-            found.append(
-                Suggestion(
-                    change=f"{n_gpus}x {gpu.name} with ZeRO-3/FSDP sharding",
-                    settings=fit.settings,
-                    gpu=gpu.name,
-                    estimate=fit.estimate,
-                )
-            )
+        if suggest(f"{n_gpus}x {gpu.name} with ZeRO-3/FSDP sharding", fit):
             break
     return found
 

@@ -280,6 +280,18 @@ def trace_depth(
     )
 
 
+def trace_runtime(spec: ModelSpec, settings: Settings, runtime: Runtime) -> DepthTrace:
+    """`trace_depth` with the code-path facts of a `memory.Runtime` (the stack the estimate describes)."""
+    return trace_depth(
+        spec,
+        settings,
+        fused_optimizer=runtime.fused_optimizer,
+        kbit_upcast=runtime.kbit_upcast,
+        autocast=runtime.autocast,
+        device=runtime.device,
+    )
+
+
 def exact_estimate(
     spec: ModelSpec,
     settings: Settings,
@@ -294,14 +306,7 @@ def exact_estimate(
     from lorafit import memory
 
     runtime = runtime or memory.Runtime()
-    depth = trace_depth(
-        spec,
-        settings,
-        fused_optimizer=runtime.fused_optimizer,
-        kbit_upcast=runtime.kbit_upcast,
-        autocast=runtime.autocast,
-        device=runtime.device,
-    )
+    depth = trace_runtime(spec, settings, runtime)
     return memory.assemble(
         depth.breakdown,
         depth.peak_phase,

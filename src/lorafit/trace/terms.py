@@ -188,17 +188,10 @@ def forgotten(spec: ModelSpec, tokens: int = 2048) -> dict[str, float]:
 
 def compare(spec: ModelSpec, settings: Settings, runtime: memory.Runtime = memory.Runtime()) -> str:
     """One line: the traced peak (phase, categories) next to memory.py's (phase, parts), in GiB."""
-    from lorafit.trace.api import trace_depth
+    from lorafit.trace.api import trace_runtime
 
     gib = BYTES_PER_GIB
-    depth = trace_depth(
-        spec,
-        settings,
-        fused_optimizer=runtime.fused_optimizer,
-        kbit_upcast=runtime.kbit_upcast,
-        autocast=runtime.autocast,
-        device=runtime.device,
-    )
+    depth = trace_runtime(spec, settings, runtime)
     parts, phase = memory.breakdown(spec, settings, runtime)
     analytic = sum(parts.values())
     traced = ", ".join(f"{k} {v / gib:.3f}" for k, v in depth.breakdown.items() if v)
