@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lorafit.hardware import GpuSpec
 from lorafit.models import ModelSpec
+from lorafit.options import DEFAULT_HEADROOM
 from lorafit.schema import Estimate, Settings
 from lorafit.units import BYTES_PER_GIB as GIB
 from lorafit.units import DTYPE_BYTES, gib
@@ -602,7 +603,11 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
 
 
 def estimate(
-    spec: ModelSpec, settings: Settings, gpu: GpuSpec | None = None, headroom: float = 0.1, runtime: Runtime = Runtime()
+    spec: ModelSpec,
+    settings: Settings,
+    gpu: GpuSpec | None = None,
+    headroom: float = DEFAULT_HEADROOM,
+    runtime: Runtime = Runtime(),
 ) -> Estimate:
     """Peak allocated, reserved and device memory of one training step, per GPU."""
     parts, phase = breakdown(spec, settings, runtime)

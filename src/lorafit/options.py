@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from lorafit.errors import InvalidConfig
+from lorafit.hardware import MAX_VRAM_GB
 from lorafit.models import LoraTargets
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ OPTIONS: tuple[Option, ...] = (
         "model",
         unit="GB as sold",
         gt=0,
-        le=2048,
+        le=MAX_VRAM_GB,
     ),
     Option(
         "tokenizer",
@@ -524,6 +525,8 @@ BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
 STEP_KEYS: tuple[str, ...] = tuple(option.name for option in OPTIONS if option.step)
 SEARCHED = ("micro_batch", "grad_accum", "grad_ckpt", "optimizer")  # what the planner chooses when not set
 DEFAULT_BATCH_SIZE = 16
+DEFAULT_HEADROOM: float = BY_NAME["headroom"].default
+DEFAULT_SEQ_LEN: int = BY_NAME["seq_len"].default
 
 
 def for_command(command: Command, *, settings_only: bool = False) -> list[Option]:

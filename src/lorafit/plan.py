@@ -16,7 +16,7 @@ from lorafit.schema import Estimate, Plan, PlanRequest, Settings, Suggestion
 
 # A run when the user gives no data: Alpaca-sized (52k rows of ~300 tokens), three epochs.
 DEFAULT_TOKENS_PER_EPOCH = 15_000_000
-DEFAULT_SEQ_LEN = 2048
+DEFAULT_SEQ_LEN = options.DEFAULT_SEQ_LEN
 
 # Utilisation of the GPU's dense tensor throughput by the Hugging Face stack, as a function of tokens per
 # micro-batch (small matmuls leave the GPU idle): MAX_MFU x N / (N + HALF_TOKENS). Calibrated on published HF

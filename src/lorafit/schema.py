@@ -61,7 +61,7 @@ class Estimate(Frozen):
     breakdown_gib: dict[str, float]
     peak_phase: str
     gpu_memory_gib: float | None = None
-    headroom: float = 0.1
+    headroom: float = options.DEFAULT_HEADROOM
     fits: bool | None = None
     trainable_params: int
     total_params: int

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from lorafit.errors import LorafitError
+from lorafit.options import DEFAULT_HEADROOM
 
 if TYPE_CHECKING:
     from lorafit.hardware import GpuSpec
@@ -296,7 +297,7 @@ def exact_estimate(
     spec: ModelSpec,
     settings: Settings,
     gpu: GpuSpec | None = None,
-    headroom: float = 0.1,
+    headroom: float = DEFAULT_HEADROOM,
     runtime: Runtime | None = None,
 ) -> Estimate:
     """`lorafit estimate --exact`: peak memory of a training step from a trace of the real code path.
