@@ -867,3 +867,15 @@ def test_the_python_api_refuses_chat_options_as_the_flags_do() -> None:
         check_generation(0, 0.0)
     with pytest.raises(InvalidConfig, match="--temperature nan: must be a finite number"):
         check_generation(8, float("nan"))
+
+
+def test_every_file_of_a_run_has_the_mode_an_ordinary_write_gives(finished_run: dict, tmp_path: Path) -> None:
+    """safetensors writes 0600; the adapter a run leaves must be readable by whoever may read the folder."""
+    import stat
+
+    (tmp_path / "plain").write_text("x")
+    ordinary = stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+    run = finished_run["dir"]
+    for path in [run / "adapter_model.safetensors", *run.glob("checkpoints/checkpoint-*/*")]:
+        if path.is_file():
+            assert stat.S_IMODE(path.stat().st_mode) == ordinary, path

@@ -22,6 +22,14 @@ def default_mode() -> int:
     return 0o666 & ~umask
 
 
+def ordinary_mode(folder: Path) -> None:
+    """Give the files in `folder` (not below) the mode an ordinary write would: safetensors writes its files 0600,
+    and a model trained for someone else must be readable by them."""
+    for path in Path(folder).iterdir():
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, default_mode())
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new file in `path` durable (no-op where directories cannot be opened)."""
     with contextlib.suppress(OSError):

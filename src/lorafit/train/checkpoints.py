@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal, ParamSpec, TypeVar
 
 from lorafit.errors import TrainError
-from lorafit.files import fsync_dir, write_atomic
+from lorafit.files import fsync_dir, ordinary_mode, write_atomic
 
 CHECKPOINTS = "checkpoints"
 STAGING = ".staging"
@@ -42,6 +42,7 @@ _R = TypeVar("_R")
 
 # --- files that never end up half written (lorafit.files writes single files) --------------------------
 def _fsync_tree(folder: Path) -> None:
+    ordinary_mode(folder)
     for path in folder.rglob("*"):
         if path.is_file():
             with open(path, "rb") as handle:

@@ -21,7 +21,7 @@ import yaml
 from rich.console import Console
 
 from lorafit.errors import DataError, InvalidConfig, TrainError
-from lorafit.files import write_atomic
+from lorafit.files import ordinary_mode, write_atomic
 from lorafit.schema import Plan, Settings
 from lorafit.train import checkpoints, examples, report
 from lorafit.train.config import TrainConfig
@@ -636,6 +636,7 @@ def _write_outputs(
     eval_after = evals[-1] if evals else None
     trainer.model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
+    ordinary_mode(output_dir)
     if config.method != "full":
         _point_adapter_at(output_dir, model_dir)
     seconds = time.perf_counter() - started
