@@ -879,7 +879,6 @@ def settings_from(
 ) -> Any:
     """A Settings from set values, the defaults that follow from the model and the GPU filled in, checked."""
     given = {key: value for key, value in values.items() if key in STEP_KEYS and value is not None}
-    check_against(given, spec, gpu, on_cpu=on_cpu)
     resolved = given | step_defaults(given, spec, gpu, on_cpu=on_cpu)
     try:
         settings = Settings(**resolved)

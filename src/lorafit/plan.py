@@ -341,10 +341,10 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
         )
     if truncated_rows:
         reasons.append(f"sequence length {seq_len} truncates {truncated_rows} rows of the data")
-    total_tokens = tokens_per_epoch(request) * request.epochs
     speed = chosen.tokens_per_s if gpu else 0.0
-    hours = total_tokens / speed / 3600 if speed else 0.0
-    cloud, local, break_even = costs(gpu, chosen.settings.n_gpus, hours, request.kwh_price)
+    timing = time_and_cost(
+        gpu, chosen.settings.n_gpus, speed, tokens_per_epoch(request) * request.epochs, request.kwh_price
+    )
     return Plan(
         model=request.model,
         gpu=gpu,
@@ -356,15 +356,26 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
         device=request.device,
         tokens=request.tokens,
         truncated_rows=truncated_rows,
-        tokens_per_s=round(speed, 1),
-        hours=round(hours, 3),
-        cost_cloud_usd=None if cloud is None else round(cloud, 2),
-        cost_local_usd=None if local is None else round(local, 2),
         kwh_price=request.kwh_price,
-        break_even_runs=None if break_even is None else round(break_even, 1),
         reasons=reasons,
         suggestions=extra,
+        **timing,
     )
+
+
+def time_and_cost(
+    gpu: GpuSpec | None, n_gpus: int, speed: float, total_tokens: float, kwh_price: float
+) -> dict[str, float | None]:
+    """The Plan's speed, hours and costs for `total_tokens` at `speed` tokens/s, rounded as a Plan shows them."""
+    hours = total_tokens / speed / 3600 if speed else 0.0
+    cloud, local, break_even = costs(gpu, n_gpus, hours, kwh_price)
+    return {
+        "tokens_per_s": round(speed, 1),
+        "hours": round(hours, 3),
+        "cost_cloud_usd": None if cloud is None else round(cloud, 2),
+        "cost_local_usd": None if local is None else round(local, 2),
+        "break_even_runs": None if break_even is None else round(break_even, 1),
+    }
 
 
 def with_settings(plan: Plan, settings: Settings) -> Plan:
@@ -374,17 +385,9 @@ def with_settings(plan: Plan, settings: Settings) -> Plan:
         return plan
     update: dict = {"settings": settings, "estimate": estimate(plan.model, settings, plan.gpu, plan.estimate.headroom)}
     if plan.gpu is not None and plan.tokens_per_s:
-        total_tokens = plan.hours * 3600 * plan.tokens_per_s
         speed = tokens_per_second(plan.model, settings, plan.gpu)
-        hours = total_tokens / speed / 3600
-        cloud, local, break_even = costs(plan.gpu, settings.n_gpus, hours, plan.kwh_price)
-        update |= {
-            "tokens_per_s": round(speed, 1),
-            "hours": round(hours, 3),
-            "cost_cloud_usd": None if cloud is None else round(cloud, 2),
-            "cost_local_usd": None if local is None else round(local, 2),
-            "break_even_runs": None if break_even is None else round(break_even, 1),
-        }
+        total_tokens = plan.hours * 3600 * plan.tokens_per_s  # the same run: the tokens it trains stay
+        update |= time_and_cost(plan.gpu, settings.n_gpus, speed, total_tokens, plan.kwh_price)
     return plan.model_copy(update=update)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, computed_field, create_model
+from pydantic import ConfigDict, Field, ValidationError, computed_field, create_model
 
 from lorafit import options
 from lorafit.errors import InvalidConfig
@@ -19,6 +19,7 @@ from lorafit.models import ModelSpec
 from lorafit.options import (  # noqa: F401 (the step's settings and their choices are part of the schema)
     Attention,
     Batching,
+    Frozen,
     Method,
     Optimizer,
     Precision,
@@ -32,8 +33,7 @@ from lorafit.options import (  # noqa: F401 (the step's settings and their choic
 SCHEMA_VERSION = 2  # 2: `batch_size` (was `target_batch`), `batching` and `device` recorded
 
 
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+Device = Literal["cuda", "cpu"]
 
 
 class TokenProfile(Frozen):
@@ -73,7 +73,7 @@ class _PlanRequestBase(Frozen):
     model: ModelSpec
     gpu: GpuSpec | None = None
     tokens: TokenProfile | None = None
-    device: Literal["cuda", "cpu"] | None = Field(default=None, description="where `train` runs; None: planning")
+    device: Device | None = Field(default=None, description="where `train` runs; None: planning")
     pinned: dict[str, Any] = Field(default_factory=dict, description="Settings fields the user fixed")
 
     @property
@@ -127,7 +127,7 @@ class Plan(Frozen):
     batch_size: int
     epochs: float
     batching: Batching | None = Field(default=None, description="how `train` batches rows; None: not resolved")
-    device: Literal["cuda", "cpu"] | None = Field(default=None, description="where `train` ran; None: planning")
+    device: Device | None = Field(default=None, description="where `train` ran; None: planning")
     tokens: TokenProfile | None = None
     truncated_rows: int | None = None
     tokens_per_s: float

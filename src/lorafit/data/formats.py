@@ -12,8 +12,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Literal, NamedTuple, get_args
 
 from lorafit.errors import DataError
+from lorafit.options import DataFormat as Format  # the formats `data_format` accepts, declared once
 
-Format = Literal["alpaca", "sharegpt", "messages", "prompt_completion", "text"]
 FORMATS: tuple[Format, ...] = get_args(Format)
 Target = Literal["messages", "alpaca", "sharegpt"]
 TARGETS: tuple[Target, ...] = get_args(Target)

@@ -359,8 +359,8 @@ def resolve_plan(
     pinned = config.pinned_settings()
     device = "cuda" if on_cuda else "cpu"
     gpu = gpu if gpu is not None else (hardware.detected_gpu() if on_cuda else None)
-    options.check_against(pinned, spec, gpu, on_cpu=not on_cuda)
-    if saved_plan is not None:
+    if saved_plan is not None:  # (a fresh plan checks the pinned settings itself)
+        options.check_against(pinned, spec, gpu, on_cpu=not on_cuda)
         plan = saved_plan
     else:
         request = PlanRequest(
