@@ -25,3 +25,7 @@ class DataError(LorafitError):
 
 class TrainError(LorafitError):
     pass
+
+
+class ExportError(LorafitError):
+    pass

@@ -52,7 +52,7 @@ def run_settings(run_dir: Path) -> Settings:
     return Settings(method="lora", quant="none", precision="fp32")
 
 
-def _check_folder(run_dir: Path) -> Path | None:
+def check_folder(run_dir: Path) -> Path | None:
     """The adapter config of a run or checkpoint folder (None: a fully fine-tuned model), or one line why not."""
     if not run_dir.is_dir():
         raise TrainError(f"no run folder {run_dir}")
@@ -71,7 +71,7 @@ def _check_folder(run_dir: Path) -> Path | None:
     raise TrainError(f"{run_dir} holds no adapter or model yet; train first (`lorafit train`)")
 
 
-def _base_dir(adapter: Path) -> Path:
+def base_dir_of(adapter: Path) -> Path:
     try:
         base_dir = Path(json.loads(adapter.read_text())["base_model_name_or_path"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -83,7 +83,7 @@ def _base_dir(adapter: Path) -> Path:
     return base_dir
 
 
-def _load_tokenizer(folders: list[Path]) -> PreTrainedTokenizerBase:
+def load_tokenizer(folders: list[Path]) -> PreTrainedTokenizerBase:
     """The tokenizer the run saved (with its chat template); the base model's if the folder has none."""
     from transformers import AutoTokenizer
 
@@ -107,7 +107,7 @@ def load(
     from lorafit.train.build import quiet_libraries
 
     run_dir = Path(run_dir)
-    adapter = _check_folder(run_dir)
+    adapter = check_folder(run_dir)
     quiet_libraries()
     import torch
 
@@ -120,8 +120,8 @@ def load(
     if not on_cuda and settings.precision != "fp32":
         settings = settings.model_copy(update={"precision": "fp32"})
     device_map = {"": torch.cuda.current_device()} if on_cuda else None
-    base_dir = _base_dir(adapter) if adapter is not None else run_dir
-    tokenizer = _load_tokenizer([run_dir, run_folder(run_dir), base_dir])
+    base_dir = base_dir_of(adapter) if adapter is not None else run_dir
+    tokenizer = load_tokenizer([run_dir, run_folder(run_dir), base_dir])
     try:
         if adapter is not None:
             from peft import PeftModel

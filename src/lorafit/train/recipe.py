@@ -93,6 +93,9 @@ def run(
         _quiet_libraries()
         build_model(model_dir)
         _check_model(model_dir, config)
+    if start.mode == "fresh":  # what the adapter is trained against: `lorafit export` refuses another base
+        saved = checkpoints.read_run_file(output_dir) or {}
+        checkpoints.write_run_file(output_dir, saved | {"base_digest": checkpoints.model_digest(model_dir)})
     spec = _model_spec(model_dir)
 
     # 3. Libraries, device, tokenizer, data.
@@ -608,7 +611,8 @@ def _save_run(
     _save_plan(output_dir, plan)
     resolved = resolved_config(config, plan).model_dump(mode="json")
     write_atomic(output_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
-    kept = {key: value for key, value in (saved or {}).items() if key in ("eval_before",)}
+    current = checkpoints.read_run_file(output_dir) or saved or {}
+    kept = {key: value for key, value in current.items() if key in ("eval_before", "base_digest")}
     checkpoints.write_run_file(output_dir, kept | {"fingerprint": fingerprint, "status": status} | extra)
 
 

@@ -1,0 +1,527 @@
+"""A transformers model folder (the merged run) to GGUF, written with the `gguf` package.
+
+The tensors stream: each is read from its memory-mapped safetensors shard, reshaped for llama.cpp (the q/k rows
+of Llama-style models go back to interleaved rotary pairs), converted to the file's type and written before the
+next is read, so the peak memory is one weight matrix, not the model. f32, f16, bf16 and q8_0 are written here
+(q8_0 by gguf-py's quantizer, the one llama.cpp's own converter uses); the K-quants come from llama.cpp's
+quantizer run on the 16-bit file (`quantize`), since their block search lives only there.
+
+Everything llama.cpp needs besides the weights is read from the folder, and where a file can say one thing and
+the tokenizer do another, from behaviour: the pre-tokenizer is the llama.cpp one whose splits of a probe text
+equal the Hugging Face pre-tokenizer's, the end-of-turn token is the one the chat template puts after an
+assistant reply, add-BOS is whether tokenizing adds it. Architectures and pre-tokenizers are data
+(catalog/gguf.toml); anything not in it is refused with a clear line rather than written wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from lorafit.errors import ExportError
+from lorafit.export.source import safetensors_header, weight_files
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+GgufType = Literal["f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q3_k_m"]
+DIRECT: tuple[GgufType, ...] = ("f32", "f16", "bf16", "q8_0")  # written here; the rest by llama.cpp's quantizer
+FILE_TYPES: dict[str, int] = {  # llama_ftype values (gguf-py's LlamaFileType)
+    "f32": 0,
+    "f16": 1,
+    "q8_0": 7,
+    "q3_k_m": 12,
+    "q4_k_s": 14,
+    "q4_k_m": 15,
+    "q5_k_s": 16,
+    "q5_k_m": 17,
+    "q6_k": 18,
+    "bf16": 32,
+}
+# Probe for the pre-tokenizer: contractions in both cases, digit runs, whitespace runs and newlines, punctuation,
+# accented Latin (Spanish, Portuguese), CJK, emoji - where the known pre-tokenizers differ from one another.
+PRETOKENIZER_PROBE = (
+    "Hello world! I'M here, you're THERE; we'll've 'tis. 1 12 123 1234 12345678 3.14159\n\n"
+    "  indented   text\t\ttabs\r\nWindows line\n   \n¿Dónde está la estación? Não há coração sem ação, "
+    "señor. 你好世界 こんにちは 🦙🚀 camelCaseWords HTTPServer x=a+b*(c-d)/e; $100 #tag @user "
+    "   trailing spaces   "
+)
+
+
+@cache
+def _catalog() -> dict[str, Any]:
+    text = resources.files("lorafit").joinpath("catalog", "gguf.toml").read_text()
+    return tomllib.loads(text)
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(_catalog()["architectures"])
+
+
+# --- hyper-parameters ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str
+    arch: str
+    permute_qk: bool
+    norm_offset: float
+    config: dict[str, Any]
+
+    @property
+    def heads(self) -> int:
+        return int(self.config["num_attention_heads"])
+
+    @property
+    def kv_heads(self) -> int:
+        return int(self.config.get("num_key_value_heads") or self.heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.config.get("head_dim") or self.config["hidden_size"] // self.heads)
+
+    @property
+    def layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", False))
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        """The rope settings wherever the config keeps them (transformers 5: rope_parameters; 4: rope_scaling)."""
+        return dict(self.config.get("rope_parameters") or self.config.get("rope_scaling") or {})
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.config.get("rope_theta") or self.rope.get("rope_theta") or 10000.0)
+
+
+def architecture(model_dir: Path) -> Architecture:
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        raise ExportError(f"{model_dir} has no readable config.json") from None
+    model_type = config.get("model_type", "?")
+    known = _catalog()["architectures"]
+    if model_type not in known:
+        raise ExportError(
+            f"lorafit cannot write {model_type!r} models as GGUF yet (it writes: {', '.join(known)}); "
+            "export --to merged and convert that folder with llama.cpp's convert_hf_to_gguf.py"
+        )
+    entry = known[model_type]
+    if config.get("quantization_config"):
+        raise ExportError(f"{model_dir} holds quantised weights; export --to gguf reads a 16-bit merged folder")
+    return Architecture(model_type, entry["arch"], entry["permute_qk"], float(entry.get("norm_offset", 0.0)), config)
+
+
+def rope_scaling(arch: Architecture) -> tuple[dict[str, Any], list[float] | None]:
+    """The rope-scaling keys, and for Llama-3 scaling the per-frequency divisors llama.cpp reads from the
+    `rope_freqs` tensor (its formula: transformers' _compute_llama3_parameters, applied to 1 / factor)."""
+    rope = arch.rope
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind == "default":
+        return {}, None
+    if kind == "linear":
+        return {"type": "linear", "factor": float(rope["factor"])}, None
+    if kind == "yarn":
+        original = rope.get("original_max_position_embeddings") or arch.config.get("max_position_embeddings")
+        return {"type": "yarn", "factor": float(rope["factor"]), "original_context": int(original)}, None
+    if kind == "llama3":
+        factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+        original = float(rope["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = original / low, original / high
+        divisors = []
+        for i in range(0, arch.head_dim, 2):
+            wavelen = 2 * math.pi * arch.rope_theta ** (i / arch.head_dim)
+            if wavelen < high_wavelen:
+                divisors.append(1.0)
+            elif wavelen > low_wavelen:
+                divisors.append(factor)
+            else:
+                smooth = (original / wavelen - low) / (high - low)
+                divisors.append(1 / ((1 - smooth) / factor + smooth))
+        return {}, divisors
+    raise ExportError(f"rope scaling {kind!r} is not written by lorafit's GGUF export yet")
+
+
+# --- tensors ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str  # GGUF name
+    source: str  # safetensors name ("" for a tensor made here, such as rope_freqs)
+    shard: Path | None
+    shape: tuple[int, ...]  # numpy order (rows, columns)
+    ggml_type: str  # F32, F16, BF16, Q8_0
+
+
+def _ggml_type_for(name: str, shape: tuple[int, ...], file_type: GgufType) -> str:
+    """Norms, biases and other 1-D tensors stay f32 (as llama.cpp keeps them); a matrix whose rows are not whole
+    q8_0 blocks falls back to f16."""
+    if len(shape) == 1 or file_type == "f32":
+        return "F32"
+    if file_type == "q8_0":
+        return "Q8_0" if shape[-1] % 32 == 0 else "F16"
+    return "BF16" if file_type == "bf16" else "F16"
+
+
+def tensor_plans(model_dir: Path, arch: Architecture, file_type: GgufType) -> list[TensorPlan]:
+    import gguf
+
+    arch_enum = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch.arch)
+    names = gguf.get_tensor_name_map(arch_enum, arch.layers)
+    plans = []
+    for shard in weight_files(model_dir):
+        header = safetensors_header(shard)
+        for source in sorted(header, key=lambda key: header[key]["data_offsets"][0]):
+            if source == "lm_head.weight" and arch.tied:
+                continue  # llama.cpp reuses token_embd for the output when there is no output.weight
+            if source.endswith(".rotary_emb.inv_freq"):
+                continue
+            name = names.get_name(source, try_suffixes=(".weight", ".bias"))
+            if name is None:
+                raise ExportError(f"{shard.name}: no GGUF name for tensor {source} of a {arch.model_type} model")
+            shape = tuple(header[source]["shape"])
+            plans.append(TensorPlan(name, source, shard, shape, _ggml_type_for(name, shape, file_type)))
+    _, divisors = rope_scaling(arch)
+    if divisors is not None:
+        plans.append(TensorPlan("rope_freqs.weight", "", None, (len(divisors),), "F32"))
+    return plans
+
+
+def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Hugging Face keeps each head's rotary dimensions as two halves (x[:d/2], x[d/2:]); llama.cpp's normal rope
+    rotates adjacent pairs. Row r = h*d + half*(d/2) + j goes to h*d + 2j + half."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def tensor_data(plan: TensorPlan, arch: Architecture) -> np.ndarray:
+    """One tensor as the bytes GGUF stores: read, rearranged for llama.cpp, converted to its type."""
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors import safe_open
+
+    if plan.source == "":
+        _, divisors = rope_scaling(arch)
+        return np.asarray(divisors, dtype=np.float32)
+    with safe_open(plan.shard, framework="pt") as handle:
+        weight = handle.get_tensor(plan.source)
+    if arch.permute_qk and plan.name.endswith(("attn_q.weight", "attn_q.bias")):
+        weight = _unpermute(weight, arch.heads)
+    elif arch.permute_qk and plan.name.endswith(("attn_k.weight", "attn_k.bias")):
+        weight = _unpermute(weight, arch.kv_heads)
+    if arch.norm_offset and plan.name.endswith("norm.weight"):
+        weight = weight.float() + arch.norm_offset
+    if plan.ggml_type == "BF16":
+        return weight.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    if plan.ggml_type == "F16":
+        return weight.to(torch.float16).numpy()
+    values = weight.to(torch.float32).numpy()
+    if plan.ggml_type == "F32":
+        return values
+    return gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+
+
+# --- tokenizer ----------------------------------------------------------------------------------------------
+@dataclass
+class Vocabulary:
+    model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE) or "llama" (SentencePiece)
+    pre: str | None
+    tokens: list[str]
+    types: list[int]
+    scores: list[float] | None = None
+    merges: list[str] = field(default_factory=list)
+    special: dict[str, int] = field(default_factory=dict)  # bos, eos, eot, pad, unk -> id
+    add_bos: bool = False
+    add_eos: bool = False
+    add_space_prefix: bool | None = None
+    chat_template: str | None = None
+
+    def stop_tokens(self) -> list[str]:
+        """The text of each token that ends generation (EOS, end of turn)."""
+        ids = dict.fromkeys(self.special[key] for key in ("eot", "eos") if key in self.special)
+        return [self.tokens[i] for i in ids]
+
+
+def _pieces(text: str, expressions: list[str]) -> list[str]:
+    """Split `text` as llama.cpp's BPE pre-tokenizer does: each expression splits every piece the previous one
+    made; the text between matches stays a piece of its own."""
+    import regex
+
+    pieces = [text]
+    for expression in expressions:
+        pattern = regex.compile(expression)
+        split: list[str] = []
+        for piece in pieces:
+            start = 0
+            for match in pattern.finditer(piece):
+                if match.start() > start:
+                    split.append(piece[start : match.start()])
+                if match.end() > match.start():
+                    split.append(match.group(0))
+                start = match.end()
+            if start < len(piece):
+                split.append(piece[start:])
+        pieces = split
+    return pieces
+
+
+def identify_pretokenizer(backend: Any, ignore_merges: bool) -> str:
+    """The llama.cpp pre-tokenizer that splits the probe exactly as `backend` (a `tokenizers.Tokenizer`) does."""
+    text = PRETOKENIZER_PROBE
+    if backend.normalizer is not None:
+        normalized = backend.normalizer.normalize_str(text)
+        if normalized != text:
+            raise ExportError("the tokenizer normalises text in a way llama.cpp does not; cannot write it as GGUF")
+    if backend.pre_tokenizer is None:
+        raise ExportError("the byte-level tokenizer has no pre-tokenizer; llama.cpp has no equivalent")
+    theirs = [text[start:end] for _, (start, end) in backend.pre_tokenizer.pre_tokenize_str(text)]
+    for name, entry in _catalog()["pretokenizers"].items():
+        if _pieces(text, entry["regex"]) == theirs and entry["ignore_merges"] == ignore_merges:
+            return name
+    raise ExportError(
+        "the tokenizer's pre-tokenizer splits text unlike every llama.cpp pre-tokenizer lorafit knows "
+        f"({', '.join(_catalog()['pretokenizers'])}); a GGUF written with a guess would tokenize differently"
+    )
+
+
+def _end_of_turn(tokenizer: PreTrainedTokenizerBase, special_ids: set[int]) -> int | None:
+    """The special token the chat template writes right after an assistant reply."""
+    if not tokenizer.chat_template:
+        return None
+    marker = "lorafit-reply-marker"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}], tokenize=False
+        )
+    except Exception:  # a template that needs tools or a system turn: no end-of-turn from it
+        return None
+    after = text.split(marker, 1)[1] if marker in text else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    return next((i for i in ids if i in special_ids), None)
+
+
+def read_vocabulary(model_dir: Path, vocab_rows: int) -> Vocabulary:
+    """Everything llama.cpp's tokenizer needs, from tokenizer.json and the tokenizer's behaviour."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ExportError(f"{model_dir} has no tokenizer.json; lorafit writes GGUF from a fast tokenizer")
+    data = json.loads(path.read_text())
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ExportError(f"cannot load the tokenizer in {model_dir}: {str(error).splitlines()[0]}") from None
+    backend = tokenizer.backend_tokenizer
+    model = data.get("model") or {}
+    added = {entry["id"]: entry for entry in data.get("added_tokens", [])}
+    vocab: dict[str, int] = model.get("vocab") or {}
+    if model.get("type") != "BPE" or not isinstance(vocab, dict):
+        raise ExportError(f"a {model.get('type')} tokenizer; lorafit writes BPE and SentencePiece-BPE vocabularies")
+    by_id = {index: token for token, index in vocab.items()} | {i: e["content"] for i, e in added.items()}
+    size = max(vocab_rows, max(by_id) + 1)
+    sentencepiece = bool(model.get("byte_fallback")) or any(t.startswith("▁") for t in list(vocab)[:2000])
+    tokens, types = [], []
+    T = gguf.TokenType
+    for index in range(size):
+        token = by_id.get(index)
+        if token is None:
+            tokens.append(f"[PAD{index}]")
+            types.append(T.UNUSED)
+        elif index in added:
+            tokens.append(token)
+            types.append(T.CONTROL if added[index].get("special") else T.USER_DEFINED)
+        elif sentencepiece and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            tokens.append(token)
+            types.append(T.BYTE)
+        else:
+            tokens.append(token)
+            types.append(T.NORMAL)
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model.get("merges", [])]
+    special = {
+        key: value
+        for key, value in {
+            "bos": tokenizer.bos_token_id,
+            "eos": tokenizer.eos_token_id,
+            "pad": tokenizer.pad_token_id,
+            "unk": tokenizer.unk_token_id,
+        }.items()
+        if isinstance(value, int)
+    }
+    special_ids = {i for i, t in enumerate(types) if t == T.CONTROL}
+    eot = _end_of_turn(tokenizer, special_ids)
+    if eot is not None:
+        special["eot"] = eot
+    if "unk" in special and types[special["unk"]] in (T.CONTROL, T.NORMAL):
+        types[special["unk"]] = T.UNKNOWN if sentencepiece else types[special["unk"]]
+    probe = tokenizer("a", add_special_tokens=True)["input_ids"]
+    vocabulary = Vocabulary(
+        model="llama" if sentencepiece else "gpt2",
+        pre=None,
+        tokens=tokens,
+        types=[int(t) for t in types],
+        merges=merges,
+        special=special,
+        add_bos="bos" in special and bool(probe) and probe[0] == special["bos"],
+        add_eos="eos" in special and bool(probe) and probe[-1] == special["eos"],
+        chat_template=tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None,
+    )
+    if sentencepiece:
+        rank = {merge.replace(" ", ""): -float(i) for i, merge in reversed(list(enumerate(merges)))}
+        vocabulary.scores = [rank.get(token, 0.0) for token in tokens]
+        vocabulary.merges = []
+        first = tokenizer.convert_ids_to_tokens(tokenizer("hello", add_special_tokens=False)["input_ids"])
+        vocabulary.add_space_prefix = bool(first) and first[0].startswith("▁")
+    else:
+        vocabulary.pre = identify_pretokenizer(backend, bool(model.get("ignore_merges", False)))
+    return vocabulary
+
+
+# --- the file -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Written:
+    path: Path
+    file_type: GgufType
+    bytes: int
+    vocabulary: Vocabulary
+
+
+def write_gguf(
+    model_dir: Path, path: Path, file_type: GgufType, *, name: str = "", progress: Callable[[str], None] | None = None
+) -> Written:
+    """Write `model_dir` (a 16-bit transformers folder) as one GGUF file of `file_type` (f32/f16/bf16/q8_0)."""
+    import gguf
+
+    if file_type not in DIRECT:
+        raise ExportError(f"internal: {file_type} is made by llama.cpp's quantizer from a 16-bit GGUF")
+    arch = architecture(model_dir)
+    plans = tensor_plans(model_dir, arch, file_type)
+    embedding = next(plan for plan in plans if plan.name == "token_embd.weight")
+    vocabulary = read_vocabulary(model_dir, embedding.shape[0])
+    if len(vocabulary.tokens) != embedding.shape[0]:
+        raise ExportError(
+            f"the tokenizer has {len(vocabulary.tokens)} tokens but the embedding {embedding.shape[0]} rows"
+        )
+    writer = gguf.GGUFWriter(path, arch.arch)
+    _write_metadata(writer, arch, vocabulary, file_type, name or model_dir.name)
+    for plan in plans:
+        ggml = gguf.GGMLQuantizationType[plan.ggml_type]
+        count = math.prod(plan.shape)
+        block, size = gguf.GGML_QUANT_SIZES[ggml]
+        nbytes = count // block * size
+        if ggml == gguf.GGMLQuantizationType.Q8_0:
+            byte_shape = (*plan.shape[:-1], plan.shape[-1] // block * size)
+            writer.add_tensor_info(plan.name, byte_shape, _np_uint8(), nbytes, raw_dtype=ggml)
+        else:
+            dtype = {"F32": "float32", "F16": "float16", "BF16": "uint16"}[plan.ggml_type]
+            raw = ggml if plan.ggml_type == "BF16" else None
+            writer.add_tensor_info(plan.name, plan.shape, _np_dtype(dtype), nbytes, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for plan in plans:
+        if progress:
+            progress(plan.name)
+        writer.write_tensor_data(tensor_data(plan, arch))
+    writer.close()
+    return Written(path, file_type, path.stat().st_size, vocabulary)
+
+
+def _np_uint8() -> Any:
+    import numpy as np
+
+    return np.dtype(np.uint8)
+
+
+def _np_dtype(name: str) -> Any:
+    import numpy as np
+
+    return np.dtype(name)
+
+
+def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, file_type: GgufType, name: str) -> None:
+    import gguf
+
+    config = arch.config
+    writer.add_name(name)
+    writer.add_file_type(FILE_TYPES[file_type])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_context_length(int(config.get("max_position_embeddings") or 4096))
+    writer.add_embedding_length(int(config["hidden_size"]))
+    writer.add_block_count(arch.layers)
+    writer.add_feed_forward_length(int(config["intermediate_size"]))
+    writer.add_head_count(arch.heads)
+    writer.add_head_count_kv(arch.kv_heads)
+    writer.add_rope_dimension_count(arch.head_dim)
+    writer.add_rope_freq_base(arch.rope_theta)
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-6))
+    if arch.head_dim != int(config["hidden_size"]) // arch.heads or arch.model_type in ("qwen3", "gemma"):
+        writer.add_key_length(arch.head_dim)
+        writer.add_value_length(arch.head_dim)
+    writer.add_vocab_size(len(vocabulary.tokens))
+    scaling, _ = rope_scaling(arch)
+    if scaling.get("type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
+    elif scaling.get("type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_context"])
+    writer.add_tokenizer_model(vocabulary.model)
+    if vocabulary.pre:
+        writer.add_tokenizer_pre(vocabulary.pre)
+    writer.add_token_list(vocabulary.tokens)
+    writer.add_token_types(vocabulary.types)
+    if vocabulary.scores is not None:
+        writer.add_token_scores(vocabulary.scores)
+    if vocabulary.merges:
+        writer.add_token_merges(vocabulary.merges)
+    adders = {
+        "bos": writer.add_bos_token_id,
+        "eos": writer.add_eos_token_id,
+        "eot": writer.add_eot_token_id,
+        "pad": writer.add_pad_token_id,
+        "unk": writer.add_unk_token_id,
+    }
+    for key, token_id in vocabulary.special.items():
+        adders[key](token_id)
+    writer.add_add_bos_token(vocabulary.add_bos)
+    writer.add_add_eos_token(vocabulary.add_eos)
+    if vocabulary.add_space_prefix is not None:
+        writer.add_add_space_prefix(vocabulary.add_space_prefix)
+    if vocabulary.chat_template:
+        writer.add_chat_template(vocabulary.chat_template)
+
+
+# --- K-quants through llama.cpp -----------------------------------------------------------------------------
+def quantize(source: Path, target: Path, file_type: GgufType, threads: int = 0) -> None:
+    """llama.cpp's own quantizer (`llama_model_quantize`), from a 16-bit GGUF to a K-quant mix."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ExportError(
+            f"--quant {file_type} needs llama.cpp's quantizer: pip install 'lorafit[gguf]' (builds llama-cpp-python)"
+        ) from None
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FILE_TYPES[file_type]
+    params.nthread = threads
+    status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params)
+    if status != 0 or not target.is_file():
+        raise ExportError(f"llama.cpp could not quantize {source.name} to {file_type} (status {status})")
+
+
+def iter_types(types: list[str]) -> Iterator[GgufType]:
+    yield from dict.fromkeys(types)  # type: ignore[misc]
