@@ -47,7 +47,7 @@ def _parameter(option: options.Option) -> inspect.Parameter:
         default, annotation, metavar = (False if not option.config else None), bool | None, None
     else:
         declarations = [option.flag]
-        default, annotation = None, str | None
+        default, annotation = None, list[str] | None if option.many else str | None
         metavar = "|".join(option.choices) if option.choices else METAVARS.get(option.type, "TEXT")
     declarations += list(option.flags)
     info = typer.Option(default, *declarations, help=option.help_text(), metavar=metavar, show_default=False)
@@ -218,7 +218,7 @@ def detect(**values: Any) -> None:
 
 @cache  # once per process: main() may run several times in one interpreter (tests, notebooks)
 def _register_subcommands() -> None:
-    for module_name in ("lorafit.data.cli", "lorafit.train.cli"):
+    for module_name in ("lorafit.data.cli", "lorafit.train.cli", "lorafit.export.cli"):
         try:
             module = __import__(module_name, fromlist=["register"])
         except ModuleNotFoundError as error:

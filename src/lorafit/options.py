@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from lorafit.hardware import GpuSpec
     from lorafit.models import ModelSpec
 
-Command = Literal["estimate", "plan", "train", "chat", "gpus", "models", "detect"]
+Command = Literal["estimate", "plan", "train", "chat", "export", "gpus", "models", "detect"]
 Method = Literal["qlora", "lora", "full"]
 Precision = Literal["bf16", "fp16", "fp32"]
 Quant = Literal["none", "int8", "nf4"]
@@ -41,6 +41,8 @@ Shard = Literal["none", "ddp", "zero2", "zero3", "fsdp"]
 DataFormat = Literal["alpaca", "sharegpt", "messages", "prompt_completion", "text"]
 Scheduler = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 Batching = Literal["auto", "length_grouped", "padding_free", "random"]
+ExportTarget = Literal["merged", "gguf"]
+GgufType = Literal["f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q3_k_m"]
 
 ESTIMATE_PLAN_TRAIN: tuple[Command, ...] = ("estimate", "plan", "train")
 
@@ -65,10 +67,12 @@ class Option:
     off_flag: str = ""  # a bool's "false" flag; default --no-NAME
     step: bool = False  # a field of `Settings`, the knobs of one training step
     config: bool = True  # False: a command switch (--json, --exact), not a setting a file can hold
+    many: bool = False  # the flag may be given several times; the value is a list
+    flag_name: str = ""  # the flag where it is not --name-with-dashes
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return self.flag_name or "--" + self.name.replace("_", "-")
 
     @property
     def choices(self) -> tuple[str, ...]:
@@ -101,6 +105,8 @@ class Option:
         if self.type is str:
             bounds["min_length"] = 1
         annotation = self.type | None if optional else self.type
+        if self.many:
+            annotation = list[self.type] | None if optional else list[self.type]
         default = None if optional else self.default
         if self.type is dict:
             annotation = dict[str, str] | None if optional else dict[str, str]
@@ -464,6 +470,43 @@ OPTIONS: tuple[Option, ...] = (
         ge=0,
         le=100,
     ),
+    # export
+    Option(
+        "to",
+        ExportTarget,
+        "what to write: a merged transformers model folder, or GGUF files for llama.cpp / Ollama / LM Studio",
+        ("export",),
+        "export",
+    ),
+    Option(
+        "gguf_types",
+        GgufType,
+        "GGUF type to write; repeat for several (K-quants come from llama.cpp's quantizer)",
+        ("export",),
+        "export",
+        auto="f16",
+        many=True,
+        flag_name="--quant",
+    ),
+    Option("output", str, "the folder to write", ("export",), "export", flags=("-o",)),
+    Option(
+        "ollama",
+        bool,
+        "also write an Ollama Modelfile beside the GGUF",
+        ("export",),
+        "switch",
+        default=False,
+        config=False,
+    ),
+    Option(
+        "no_verify",
+        bool,
+        "skip loading each GGUF in llama.cpp and comparing it with the merged model",
+        ("export",),
+        "switch",
+        default=False,
+        config=False,
+    ),
     # command switches: what to do, not what to train
     Option(
         "exact",
@@ -505,8 +548,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "overwrite",
         bool,
-        "delete the run in output_dir and start over",
-        ("train",),
+        "train: delete the run in output_dir and start over; export: replace the output",
+        ("train", "export"),
         "switch",
         default=False,
         config=False,
@@ -515,7 +558,7 @@ OPTIONS: tuple[Option, ...] = (
         "json",
         bool,
         "print one JSON object for programs",
-        ("estimate", "plan", "gpus", "models", "detect"),
+        ("estimate", "plan", "export", "gpus", "models", "detect"),
         "switch",
         default=False,
         config=False,

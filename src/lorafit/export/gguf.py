@@ -18,22 +18,22 @@ from __future__ import annotations
 import json
 import math
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from lorafit.errors import ExportError
 from lorafit.export.source import safetensors_header, weight_files
+from lorafit.options import GgufType
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
     from transformers import PreTrainedTokenizerBase
 
-GgufType = Literal["f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q3_k_m"]
 DIRECT: tuple[GgufType, ...] = ("f32", "f16", "bf16", "q8_0")  # written here; the rest by llama.cpp's quantizer
 FILE_TYPES: dict[str, int] = {  # llama_ftype values (gguf-py's LlamaFileType)
     "f32": 0,
@@ -509,6 +509,8 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
 # --- K-quants through llama.cpp -----------------------------------------------------------------------------
 def quantize(source: Path, target: Path, file_type: GgufType, threads: int = 0) -> None:
     """llama.cpp's own quantizer (`llama_model_quantize`), from a 16-bit GGUF to a K-quant mix."""
+    import ctypes
+
     try:
         import llama_cpp
     except ImportError:
@@ -518,10 +520,7 @@ def quantize(source: Path, target: Path, file_type: GgufType, threads: int = 0) 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FILE_TYPES[file_type]
     params.nthread = threads
-    status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params)
+    status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
     if status != 0 or not target.is_file():
         raise ExportError(f"llama.cpp could not quantize {source.name} to {file_type} (status {status})")
 
-
-def iter_types(types: list[str]) -> Iterator[GgufType]:
-    yield from dict.fromkeys(types)  # type: ignore[misc]
