@@ -359,7 +359,7 @@ def read_vocabulary(model_dir: Path, vocab_rows: int) -> Vocabulary:
             "pad": tokenizer.pad_token_id,
             "unk": tokenizer.unk_token_id,
         }.items()
-        if isinstance(value, int)
+        if isinstance(value, int) and 0 <= value < size
     }
     special_ids = {i for i, t in enumerate(types) if t == T.CONTROL}
     eot = _end_of_turn(tokenizer, special_ids)

@@ -133,11 +133,11 @@ def corpus() -> list[str]:
 BASE_COMPLETE = "lorafit-demo-base.json"  # written last: a base folder without it was cut short
 
 
-def build_demo_base(model_dir: Path) -> None:
+def build_demo_base(model_dir: Path, hidden_size: int = 128) -> None:
     """The demo's base model, built into a staging folder and renamed into place once complete, so that a
     kill or a full disk never leaves a half-written base that every later run would trip over. A base that
     an earlier lorafit left without the marker is rebuilt: it is made from a fixed seed, so it comes out the
-    same."""
+    same. `hidden_size` 256 gives rows of whole K-quant blocks (the export tests)."""
     import json
     import shutil
 
@@ -150,7 +150,7 @@ def build_demo_base(model_dir: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     try:
         tokenizer = build_tokenizer(corpus(), vocab_size=1024)
-        build_model(staging, tokenizer, tiny_spec(len(tokenizer)))
+        build_model(staging, tokenizer, tiny_spec(len(tokenizer), hidden_size=hidden_size))
         write_atomic(staging / BASE_COMPLETE, json.dumps({"built_by": "lorafit train --demo"}))
         shutil.rmtree(model_dir, ignore_errors=True)  # an incomplete base, from before the marker or cut short
         staging.replace(model_dir)

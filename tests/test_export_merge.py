@@ -1,0 +1,207 @@
+"""`lorafit export --to merged`: the merge against peft's own, the checks on the run and its base, and the output
+folder's safety (refusals, no half-written folder)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lorafit.errors import ExportError
+from tests.conftest import run_cli
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+
+def build_run(root: Path, *, hidden: int = 64, shards: bool = False, dtype: str = "float32") -> Path:
+    """A base model folder and a run folder holding a LoRA adapter with non-zero B (as training leaves it)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lorafit.train import demo
+    from lorafit.train.checkpoints import model_digest, write_run_file
+
+    tokenizer = demo.build_tokenizer(demo.corpus(), vocab_size=512)
+    base_dir, run_dir = root / "base", root / "run"
+    demo.build_model(base_dir, tokenizer, demo.tiny_spec(len(tokenizer), hidden_size=hidden))
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, dtype))
+    if shards or dtype != "float32":
+        shutil.rmtree(base_dir)
+        model.save_pretrained(base_dir, max_shard_size="100KB" if shards else "5GB")
+        tokenizer.save_pretrained(base_dir)
+    config = LoraConfig(r=4, lora_alpha=12, target_modules="all-linear", init_lora_weights=False)
+    torch.manual_seed(1)
+    adapted = get_peft_model(model, config)
+    adapted.save_pretrained(run_dir)
+    tokenizer.save_pretrained(run_dir)
+    adapter_config = run_dir / "adapter_config.json"
+    data = json.loads(adapter_config.read_text()) | {"base_model_name_or_path": str(base_dir)}
+    adapter_config.write_text(json.dumps(data))
+    write_run_file(run_dir, {"status": "finished", "base_digest": model_digest(base_dir)})
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_run(tmp_path_factory.mktemp("merge"))
+
+
+def test_merge_equals_peft_merge_and_unload(run_dir: Path, tmp_path: Path) -> None:
+    """The streamed merge gives the weights peft's merge_and_unload gives, and a folder transformers loads alone."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from lorafit.export import merge, source
+
+    result = merge.merge(source.open_run(run_dir), tmp_path / "merged", overwrite=False)
+    assert result.check is not None and result.check.passed and result.check.max_abs_diff is not None
+    base = AutoModelForCausalLM.from_pretrained(run_dir.parent / "base")
+    expected = PeftModel.from_pretrained(base, run_dir).merge_and_unload().state_dict()
+    ours = load_file(tmp_path / "merged" / "model.safetensors")
+    adapted = [name for name in ours if "proj" in name]
+    assert adapted
+    for name, value in ours.items():
+        assert torch.allclose(value, expected[name], atol=1e-6), name
+    base_weights = load_file(run_dir.parent / "base" / "model.safetensors")
+    assert not torch.equal(ours[adapted[0]], base_weights[adapted[0]])  # the adapter really moved the weights
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert "quantization_config" not in config
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        assert (tmp_path / "merged" / name).is_file(), name
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert loaded.config.vocab_size == base.config.vocab_size
+
+
+def test_sharded_bf16_base_keeps_its_layout_and_dtype(tmp_path: Path) -> None:
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from lorafit.export import merge, source
+
+    run = build_run(tmp_path, shards=True, dtype="bfloat16")
+    base_files = sorted(p.name for p in (tmp_path / "base").glob("*.safetensors"))
+    assert len(base_files) > 1
+    result = merge.merge(source.open_run(run), tmp_path / "merged", overwrite=False)
+    assert sorted(p.name for p in (tmp_path / "merged").glob("*.safetensors")) == base_files
+    assert (tmp_path / "merged" / "model.safetensors.index.json").is_file()
+    assert result.check is not None and result.check.passed
+    merged = {}
+    for name in base_files:
+        merged |= load_file(tmp_path / "merged" / name)
+    assert {value.dtype for value in merged.values()} == {torch.bfloat16}
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    expected = PeftModel.from_pretrained(base, run).merge_and_unload().state_dict()
+    for name, value in merged.items():  # one rounding to bf16 of the fp32 sum
+        assert torch.allclose(value.float(), expected[name], rtol=2**-7, atol=1e-6), name
+
+
+def test_changed_base_is_refused(run_dir: Path, tmp_path: Path) -> None:
+    from lorafit.export import source
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    base_copy = tmp_path / "base"
+    shutil.copytree(run_dir.parent / "base", base_copy)
+    adapter = copy / "adapter_config.json"
+    adapter.write_text(json.dumps(json.loads(adapter.read_text()) | {"base_model_name_or_path": str(base_copy)}))
+    config = json.loads((base_copy / "config.json").read_text()) | {"rms_norm_eps": 1e-3}
+    (base_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="not the one this run trained on"):
+        source.open_run(copy)
+
+
+def test_base_of_another_shape_is_refused_without_a_digest(run_dir: Path, tmp_path: Path) -> None:
+    """A run from before the digest was recorded: the shapes of B @ A against the base still catch another model."""
+    from lorafit.export import source
+    from lorafit.train import demo
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    (copy / "lorafit-run.json").unlink()
+    other = tmp_path / "other"
+    tokenizer = demo.build_tokenizer(demo.corpus(), vocab_size=512)
+    demo.build_model(other, tokenizer, demo.tiny_spec(len(tokenizer), hidden_size=96, heads=4))
+    adapter = copy / "adapter_config.json"
+    adapter.write_text(json.dumps(json.loads(adapter.read_text()) | {"base_model_name_or_path": str(other)}))
+    with pytest.raises(ExportError, match="differs from the one the adapter was trained on"):
+        source.open_run(copy)
+
+
+def test_missing_base_and_non_run_folders(run_dir: Path, tmp_path: Path) -> None:
+    from lorafit.export import source
+
+    with pytest.raises(ExportError, match="no run folder"):
+        source.open_run(tmp_path / "nothing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ExportError, match="holds no adapter or model"):
+        source.open_run(tmp_path / "empty")
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    adapter = copy / "adapter_config.json"
+    adapter.write_text(json.dumps(json.loads(adapter.read_text()) | {"base_model_name_or_path": str(tmp_path / "x")}))
+    with pytest.raises(ExportError, match="base model .* is not there"):
+        source.open_run(copy)
+
+
+def test_output_is_refused_unless_overwrite_and_never_half_written(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lorafit.export import merge, source
+
+    run = source.open_run(run_dir)
+    output = tmp_path / "merged"
+    output.mkdir()
+    (output / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="exists; pass --overwrite"):
+        merge.merge(run, output, overwrite=False)
+    assert (output / "keep.txt").read_text() == "mine"
+
+    def broken(*args: object, **kwargs: object) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(merge, "write_streamed", broken)
+    with pytest.raises(OSError):
+        merge.merge(run, output, overwrite=True)
+    assert (output / "keep.txt").read_text() == "mine"  # the old output stays until the new one is complete
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]  # no staging folder left behind
+    monkeypatch.undo()
+    merge.merge(run, output, overwrite=True)
+    assert not (output / "keep.txt").exists() and (output / "model.safetensors").is_file()
+
+
+def test_not_enough_disk_is_refused_before_writing(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lorafit.export import merge, source
+    from lorafit.train import checkpoints
+
+    monkeypatch.setattr(checkpoints, "free_bytes", lambda path: 1000)
+    with pytest.raises(ExportError, match="not enough disk space"):
+        merge.merge(source.open_run(run_dir), tmp_path / "merged", overwrite=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_merged_json_and_one_line_errors(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code, out, err = run_cli(["export", str(run_dir), "--to", "merged", "--output", str(tmp_path / "m"), "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["files"] == {"merged": str(tmp_path / "m")}
+    assert report["verify"]["merged"]["max_abs_logit_diff"] <= report["verify"]["merged"]["tolerance"]
+    cases = [
+        (["export", str(run_dir), "--to", "merged", "--output", str(tmp_path / "m")], "exists; pass --overwrite"),
+        (["export", str(run_dir), "--output", str(tmp_path / "n")], "pass --to merged"),
+        (["export", str(run_dir), "--to", "onnx", "--output", str(tmp_path / "n")], "must be one of merged, gguf"),
+        (["export", str(tmp_path / "missing"), "--to", "merged", "--output", str(tmp_path / "n")], "no run folder"),
+        (["export", str(run_dir), "--to", "gguf", "--quant", "q7", "--output", str(tmp_path / "n")], "--quant q7"),
+        (["export", str(run_dir), "--to", "merged", "--quant", "f16", "--output", str(tmp_path / "n")], "--to gguf"),
+    ]
+    for args, message in cases:
+        code, out, err = run_cli(args, capsys)
+        assert code == 2, (args, err)
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "n").exists()
