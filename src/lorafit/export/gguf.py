@@ -277,6 +277,25 @@ def _pieces(text: str, expressions: list[str]) -> list[str]:
     return pieces
 
 
+@cache
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte-to-character table, which byte-level BPE vocabularies are written in: printable bytes stand
+    for themselves, the others are moved to code points from 256 on, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {byte: chr(byte) for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in table:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _byte_level(piece: str) -> str:
+    alphabet = _byte_alphabet()
+    return "".join(alphabet[byte] for byte in piece.encode())
+
+
 def identify_pretokenizer(backend: Any, ignore_merges: bool) -> str:
     """The llama.cpp pre-tokenizer that splits the probe exactly as `backend` (a `tokenizers.Tokenizer`) does."""
     text = PRETOKENIZER_PROBE
@@ -286,9 +305,10 @@ def identify_pretokenizer(backend: Any, ignore_merges: bool) -> str:
             raise ExportError("the tokenizer normalises text in a way llama.cpp does not; cannot write it as GGUF")
     if backend.pre_tokenizer is None:
         raise ExportError("the byte-level tokenizer has no pre-tokenizer; llama.cpp has no equivalent")
-    theirs = [text[start:end] for _, (start, end) in backend.pre_tokenizer.pre_tokenize_str(text)]
+    theirs = [piece for piece, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
     for name, entry in _catalog()["pretokenizers"].items():
-        if _pieces(text, entry["regex"]) == theirs and entry["ignore_merges"] == ignore_merges:
+        ours = [_byte_level(piece) for piece in _pieces(text, entry["regex"])]
+        if ours == theirs and entry["ignore_merges"] == ignore_merges:
             return name
     raise ExportError(
         "the tokenizer's pre-tokenizer splits text unlike every llama.cpp pre-tokenizer lorafit knows "

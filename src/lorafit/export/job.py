@@ -132,7 +132,7 @@ def export_gguf(
         assert vocabulary is not None
         if check:
             progress("checking each file in llama.cpp against the merged model")
-            figures = verify.verify(merged_dir, {t: written[t] for t in types}, vocabulary)
+            figures = verify.verify(merged_dir, {t: written[t] for t in types}, vocabulary, heldout_rows(source))
             problems = verify.failures(figures)
             if problems:
                 raise ExportError(f"the GGUF export failed its check, nothing was written: {problems[0]}")
@@ -152,6 +152,24 @@ def export_gguf(
     if ollama:
         result.files["modelfile"] = output / "Modelfile"
     return result
+
+
+def heldout_rows(source: RunSource, rows: int = 24) -> list[list[dict[str, str]]]:
+    """The first held-out conversations of the run (its eval data, else its data), read with the run's own
+    format and mapping; none when the files moved or the run left no config."""
+    import yaml
+
+    from lorafit.data import load_conversations
+    from lorafit.errors import LorafitError
+    from lorafit.train.chat import run_folder
+
+    try:
+        config = yaml.safe_load((run_folder(source.run_dir) / "config.yaml").read_text()) or {}
+        path = config.get("eval_data") or config.get("data")
+        loaded = load_conversations(Path(path), config.get("data_format"), config.get("data_mapping") or None)
+        return [list(row) for row, _ in zip(loaded, range(rows), strict=False)]
+    except (OSError, ValueError, TypeError, AttributeError, LorafitError):
+        return []
 
 
 def run_name(source: RunSource) -> str:

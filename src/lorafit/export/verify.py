@@ -173,9 +173,11 @@ def _hf_greedy(model: PreTrainedModel, ids: list[int], stop_ids: set[int], steps
     return out
 
 
-def prompts(tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
-    """The demo's questions through the chat template (raw text where there is no template)."""
-    questions = ("Which animal lives on Duvik?", "¿Qué se come en la isla?", "Como se chama o farol?")
+GENERIC_PROMPTS = ("Which animal lives on Duvik?", "¿Qué se come en la isla?", "Como se chama o farol?")
+
+
+def prompts(tokenizer: PreTrainedTokenizerBase, questions: tuple[str, ...] | list[str]) -> list[list[int]]:
+    """User turns through the chat template (raw text where there is no template)."""
     if not tokenizer.chat_template:
         return [tokenizer(question)["input_ids"] for question in questions]
     return [
@@ -238,18 +240,42 @@ def reference_model(merged_dir: Path) -> PreTrainedModel:
     return model
 
 
-def verify(merged_dir: Path, files: dict[str, Path], vocabulary: Vocabulary) -> dict[str, Figures]:
-    """The figures of each GGUF in `files` (quant type -> path) against the merged folder in transformers."""
+def heldout_ids(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict[str, str]]], limit: int) -> list[int]:
+    """The run's held-out conversations as the model reads them (chat template), up to `limit` tokens; the
+    bundled HELDOUT text where the run has none or the template cannot render them."""
+    ids: list[int] = []
+    for conversation in conversations:
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False)
+        except Exception:  # a template that refuses this layout: fall back to the bundled text
+            break
+        ids += tokenizer(text, add_special_tokens=not ids)["input_ids"]
+        if len(ids) >= limit:
+            return ids[:limit]
+    return ids if len(ids) >= 64 else tokenizer(HELDOUT)["input_ids"][:limit]
+
+
+def verify(
+    merged_dir: Path,
+    files: dict[str, Path],
+    vocabulary: Vocabulary,
+    conversations: list[list[dict[str, str]]] | None = None,
+) -> dict[str, Figures]:
+    """The figures of each GGUF in `files` (quant type -> path) against the merged folder in transformers, on
+    the run's held-out `conversations` (their user turns are the greedy prompts)."""
     import torch
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(merged_dir, local_files_only=True)
     model = reference_model(merged_dir)
-    ids = tokenizer(HELDOUT)["input_ids"]
+    conversations = conversations or []
+    ids = heldout_ids(tokenizer, conversations, limit=min(512, int(model.config.max_position_embeddings) - 1))
+    users = [next((m["content"] for m in c if m.get("role") == "user"), None) for c in conversations]
+    questions = [u for u in users if u][:3] or list(GENERIC_PROMPTS)
     with torch.no_grad():
         reference = model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
     stop_ids = {vocabulary.special[key] for key in ("eos", "eot") if key in vocabulary.special}
-    test_prompts = prompts(tokenizer)
+    test_prompts = prompts(tokenizer, questions)
     hf_greedy = [_hf_greedy(model, prompt, stop_ids, GREEDY_TOKENS) for prompt in test_prompts]
     n_ctx = max(len(ids), *(len(p) + GREEDY_TOKENS for p in test_prompts)) + 8
     results: dict[str, Figures] = {}

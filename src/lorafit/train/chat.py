@@ -182,3 +182,50 @@ def answer(
             **sampling,
         )
     return tokenizer.decode(output[0, prompt_tokens:], skip_special_tokens=True).strip()
+
+
+def answer_gguf(path: Path, prompt: str, *, max_new_tokens: int = 64, temperature: float = 0.0) -> str:
+    """The reply of an exported GGUF, run by llama.cpp with the chat template stored in the file (as Ollama and
+    LM Studio run it); greedy at temperature 0."""
+    check_generation(max_new_tokens, temperature)
+    path = Path(path)
+    if not path.is_file():
+        raise TrainError(f"no GGUF file {path}")
+    try:
+        from lorafit.export.verify import quiet_stderr
+
+        import llama_cpp
+    except ImportError:
+        raise TrainError("chatting with a GGUF needs llama.cpp: pip install 'lorafit[gguf]'") from None
+    with quiet_stderr():
+        try:
+            model = llama_cpp.Llama(str(path), n_ctx=_gguf_context(path), verbose=False, seed=0)
+        except ValueError:
+            raise TrainError(f"llama.cpp cannot load {path}; is it a GGUF file?") from None
+    try:
+        positions = model.n_ctx()
+        reply = model.create_chat_completion(
+            [{"role": "user", "content": prompt}],
+            max_tokens=min(max_new_tokens, positions),
+            temperature=temperature,
+            top_k=0 if temperature > 0 else 1,
+            seed=0,
+        )
+    finally:
+        model.close()
+    return str(reply["choices"][0]["message"]["content"] or "").strip()
+
+
+def _gguf_context(path: Path, cap: int = 4096) -> int:
+    """The context to run a GGUF with: its trained length, at most `cap` (a 128k context would reserve gigabytes
+    of KV cache for one answer)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        field = reader.fields.get(f"{arch}.context_length")
+        trained = int(field.parts[-1][0]) if field is not None else cap
+    except (OSError, ValueError, KeyError, IndexError):
+        raise TrainError(f"{path} is not a readable GGUF file") from None
+    return min(trained, cap)

@@ -58,16 +58,22 @@ def init_command(
 
 
 @derived_options("chat")
-def chat_command(run_dir: Path = typer.Argument(..., help="A `lorafit train` output folder"), **values: Any) -> None:
-    """Load the run's base model and adapter and print its answer to PROMPT."""
+def chat_command(
+    run_dir: Path = typer.Argument(..., help="A `lorafit train` output folder, or a GGUF from `lorafit export`"),
+    **values: Any,
+) -> None:
+    """Load the run's base model and adapter (or the GGUF, through llama.cpp) and print its answer to PROMPT."""
     from lorafit import options
     from lorafit.errors import InvalidConfig
-    from lorafit.train.chat import answer, load
+    from lorafit.train.chat import answer, answer_gguf, load
 
     given, _ = split(values)
     asked = options.validate("chat", given, from_flags=given)
     if asked.prompt is None:
         raise InvalidConfig("no prompt: pass --prompt TEXT")
+    if run_dir.suffix == ".gguf":
+        typer.echo(answer_gguf(run_dir, asked.prompt, max_new_tokens=asked.max_new_tokens, temperature=asked.temperature))
+        return
     model, tokenizer = load(run_dir, allow_pickle=asked.allow_pickle, trust_remote_code=asked.trust_remote_code)
     typer.echo(
         answer(model, tokenizer, asked.prompt, max_new_tokens=asked.max_new_tokens, temperature=asked.temperature)
