@@ -72,7 +72,9 @@ def modelfile(
     """The Modelfile for `gguf_path` (it is written beside it, so FROM is relative).
 
     `bos_token` is the BOS that llama.cpp adds itself (None when it adds none): a leading one is stripped from the
-    Jinja renderings, so the TEMPLATE never adds a second. `stop_tokens` are the end-of-turn strings.
+    Jinja renderings, so the TEMPLATE never adds a second. `stop_tokens` are the end-of-turn strings, the
+    tokenizer's EOS first: it is the `eos_token` the chat template is rendered with (Mistral's prints it after each
+    answer). Empty and repeated ones are dropped; one Ollama's parser cannot read back raises InvalidConfig.
     """
     gguf_path = Path(gguf_path)
     check_name(name)
