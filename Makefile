@@ -10,8 +10,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# llama-cpp-python (the gguf extra) compiles from source; a portable build, without its examples and tests
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF
+
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[train,test]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -q -e '.[train,test,gguf]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,7 +35,7 @@ lint: $(STAMP)
 BENCH_STAMP := $(VENV)/.installed-bench
 
 $(BENCH_STAMP): pyproject.toml | $(STAMP)
-	$(BIN)/pip install -q -e '.[train,test,bench]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -q -e '.[train,test,gguf,bench]'
 	touch $(BENCH_STAMP)
 
 bench-memory: $(BENCH_STAMP)

@@ -41,7 +41,7 @@ def exported(demo_run: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     import io
 
     buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
+    with contextlib.redirect_stdout(buffer), contextlib.suppress(SystemExit):
         main(args)
     return output, json.loads(buffer.getvalue())
 
@@ -69,15 +69,22 @@ def test_f16_equals_the_merged_model_and_quants_stay_close(exported: tuple[Path,
     assert q8["kld_mean"] < q4["kld_mean"]
 
 
-def test_modelfile_names_the_gguf_and_its_end_tokens(exported: tuple[Path, dict]) -> None:
+def test_modelfile_names_the_gguf_and_its_end_tokens(exported: tuple[Path, dict], demo_run: Path) -> None:
     from lorafit.export.ollama import parse_modelfile
 
     output, report = exported
     parsed = parse_modelfile((output / "Modelfile").read_text())
     assert parsed["FROM"] == ["./demo-f16.gguf"]
-    stops = [value.strip('"') for value in parsed.get("PARAMETER", []) if value.startswith("stop")]
-    assert any("<|end|>" in stop for stop in stops)
+    assert parsed["PARAMETER stop"] == ["<|end|>"]  # the demo's EOS, which also ends each turn
     assert any("ollama create" in note for note in report["notes"])
+    from transformers import AutoTokenizer
+
+    from lorafit.export.ollama import render_template
+
+    messages = [{"role": "user", "content": "¿Dónde vive el cangrejo?"}]
+    tokenizer = AutoTokenizer.from_pretrained(demo_run)
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert render_template(parsed["TEMPLATE"][0], messages) == expected
 
 
 def test_chat_answers_from_the_gguf_as_from_the_run(

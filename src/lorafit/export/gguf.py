@@ -249,8 +249,8 @@ class Vocabulary:
     chat_template: str | None = None
 
     def stop_tokens(self) -> list[str]:
-        """The text of each token that ends generation (EOS, end of turn)."""
-        ids = dict.fromkeys(self.special[key] for key in ("eot", "eos") if key in self.special)
+        """The text of each token that ends generation: EOS first (the Modelfile renders with it), end of turn."""
+        ids = dict.fromkeys(self.special[key] for key in ("eos", "eot") if key in self.special)
         return [self.tokens[i] for i in ids]
 
 
