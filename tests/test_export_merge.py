@@ -205,3 +205,39 @@ def test_cli_merged_json_and_one_line_errors(run_dir: Path, tmp_path: Path, caps
         assert code == 2, (args, err)
         assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "n").exists()
+
+
+def test_a_base_stored_in_4_bits_is_dequantised_and_said_so(tmp_path: Path) -> None:
+    """No 16-bit weights to merge into: the NF4 codes are dequantised (bitsandbytes), B @ A added, and the
+    export says so; the merged folder has no quantization_config and loads as a plain model."""
+    from peft.utils.integrations import dequantize_bnb_weight
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    from lorafit.export import job
+
+    run = build_run(tmp_path, hidden=128)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "base",
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32),
+    )
+    quantized.save_pretrained(tmp_path / "qbase")
+    AutoTokenizer.from_pretrained(tmp_path / "base").save_pretrained(tmp_path / "qbase")
+    adapter = run / "adapter_config.json"
+    adapter.write_text(json.dumps(json.loads(adapter.read_text()) | {"base_model_name_or_path": str(tmp_path / "qbase")}))
+    (run / "lorafit-run.json").unlink()
+    result = job.export_merged(run, tmp_path / "merged", overwrite=False)
+    assert any("stored quantised" in note for note in result.notes)
+    check = result.verify["merged"]
+    assert check["max_abs_logit_diff"] <= check["tolerance"]
+    assert "quantization_config" not in json.loads((tmp_path / "merged" / "config.json").read_text())
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    layer = quantized.model.layers[0].self_attn.q_proj
+    dequantised = dequantize_bnb_weight(layer.weight, state=layer.weight.quant_state).float()
+    lora = load_file(run / "adapter_model.safetensors")
+    a = next(v for k, v in lora.items() if "layers.0.self_attn.q_proj.lora_A" in k)
+    b = next(v for k, v in lora.items() if "layers.0.self_attn.q_proj.lora_B" in k)
+    expected = dequantised + (12 / 4) * b @ a
+    assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"].float(), expected, atol=1e-5)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert getattr(plain.config, "quantization_config", None) is None

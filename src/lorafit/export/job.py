@@ -52,7 +52,7 @@ def export_merged(run_dir: Path, output: Path, *, overwrite: bool) -> ExportResu
     result = ExportResult(files={"merged": merged.folder})
     if source.quantized_base:
         result.notes.append(
-            f"the base in {source.model_dir} is stored quantised: its weights were dequantised to bf16 before "
+            f"the base in {source.model_dir} is stored quantised: its weights were dequantised before "
             "merging (a 16-bit base would give a better merged model)"
         )
     if merged.check is not None:

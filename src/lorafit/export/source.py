@@ -177,8 +177,10 @@ def open_run(run_dir: Path) -> RunSource:
             f"the base model in {base_dir} is not the one this run trained on (its config or weights changed "
             "since): restore that model, or train again on this one"
         )
-    check_shapes(adapter, tensor_shapes(base_dir), base_dir)
-    return RunSource(run_dir, base_dir, adapter, tokenizer_dir or base_dir, _quantized(base_dir))
+    quantized = _quantized(base_dir)
+    if not quantized:  # packed 4-bit tensors have other shapes; the dequantising merge checks those
+        check_shapes(adapter, tensor_shapes(base_dir), base_dir)
+    return RunSource(run_dir, base_dir, adapter, tokenizer_dir or base_dir, quantized)
 
 
 def _quantized(model_dir: Path) -> bool:
