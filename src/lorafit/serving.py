@@ -296,7 +296,7 @@ class FormatMemory(Frozen):
     cuda_context_gib: float
     total_gib: float
     fits_gpu: bool | None = Field(default=None, description="fits the plan's GPU after headroom; None: no GPU")
-    smallest_gpu: str | None = Field(default=None, description="the catalog GPU with the least memory it fits")
+    smallest_gpu: str | None = Field(default=None, description="the NVIDIA catalog GPU with the least memory it fits")
 
 
 class Serving(Frozen):
@@ -325,11 +325,12 @@ def runs_on(gpu: GpuSpec, runtime: str) -> bool:
     return gpu.kind != "apple" or runtime == "llama_cpp"
 
 
-def smallest_fitting(total_gib: float, runtime: str, headroom: float, gpus: Iterable[GpuSpec]) -> str | None:
-    fitting = [g for g in gpus if runs_on(g, runtime) and total_gib <= g.usable_gib(headroom)]
+def smallest_fitting(total_gib: float, headroom: float, gpus: Iterable[GpuSpec]) -> str | None:
+    """The NVIDIA catalog card with the least memory that holds `total_gib` (the cheaper of equals)."""
+    fitting = [g for g in gpus if g.kind != "apple" and total_gib <= g.usable_gib(headroom)]
     if not fitting:
         return None
-    return min(fitting, key=lambda g: (g.memory_gib * g.usable_fraction, g.price_usd or math.inf)).name
+    return min(fitting, key=lambda g: (g.memory_gib, g.price_usd or math.inf)).name
 
 
 def check_context(spec: ModelSpec, context: int) -> None:
@@ -362,7 +363,7 @@ def serving(spec: ModelSpec, context: int, gpu: GpuSpec | None = None, headroom:
                 cuda_context_gib=context_gib,
                 total_gib=round(total, 3),
                 fits_gpu=None if gpu is None else (runs_on(gpu, runtime) and total <= gpu.usable_gib(headroom)),
-                smallest_gpu=smallest_fitting(total, runtime, headroom, catalog),
+                smallest_gpu=smallest_fitting(total, headroom, catalog),
             )
         )
     return Serving(context=context, gpu=gpu.name if gpu else None, headroom=headroom, formats=rows)
