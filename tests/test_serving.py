@@ -242,7 +242,7 @@ def test_plan_for_people_shows_the_serving_table() -> None:
     render.show_plan(plan, out)
     text = out.file.getvalue()
     assert "serving the merged model at 4,096 tokens" in text
-    assert "fits RTX 4060 Ti 8GB" in text
+    assert "fits: on the RTX 4060 Ti 8GB with 10% kept free" in " ".join(text.split())
     for row in plan.serving.formats:
         line = next(line for line in text.splitlines() if f" {row.format} " in line and row.runtime in line)
         assert f" {row.total_gib:.2f} " in line

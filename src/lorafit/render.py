@@ -127,15 +127,16 @@ def show_plan(plan: Plan, out: Console | None = None) -> None:
 def serving_table(serving: Serving) -> Table:
     """Each export format of the merged model: bits per weight, weights, KV cache and the total to run it at the
     plan's context, whether that fits the plan's GPU and the smallest catalog card it fits."""
+    where = f"on the {serving.gpu} with {serving.headroom:.0%} kept free" if serving.gpu else "(no GPU given)"
     table = Table(
-        title=f"serving the merged model at {serving.context:,} tokens "
-        "(total: weights + KV cache + compute buffer + CUDA context)",
+        title=f"serving the merged model at {serving.context:,} tokens (GiB)",
+        caption=f"total = weights + KV cache + compute buffer + CUDA context; fits: {where}; "
+        "smallest card: the NVIDIA catalog GPU with the least memory that holds the total",
         header_style="bold",
     )
-    columns = ["format", "runs on", "bits/weight", "weights GiB", "KV cache GiB", "total GiB"]
-    columns += [f"fits {serving.gpu}" if serving.gpu else "fits", "smallest card"]
-    for column in columns:
-        table.add_column(column, justify="right" if "GiB" in column or column == "bits/weight" else "left")
+    for column in ("format", "runs on", "bits/weight", "weights", "KV cache", "total", "fits"):
+        table.add_column(column, justify="left" if column in ("format", "runs on", "fits") else "right")
+    table.add_column("smallest card", no_wrap=True)
     for row in serving.formats:
         table.add_row(
             row.format,
