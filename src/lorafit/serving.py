@@ -3,10 +3,10 @@
 Answers "GGUF, GPTQ or AWQ, and which cards run it at what context" with numbers. Pure Python, no torch.
 
 GGUF weights are summed tensor by tensor, as llama.cpp's converter names and shapes them, each in the ggml type
-llama-quantize would choose for it (`ggml_type`): the file type's base type, except where the "_m"/"_s" mixes
+llama-quantize would choose for it (`ggml_types`): the file type's base type, except where the "_m"/"_s" mixes
 give more bits to the value projections, the down projections and the output matrix, and where a row is not a
 multiple of the type's block (fallback). The block sizes and the fallbacks are data (catalog/formats.toml);
-the rules are read from src/llama-quant.cpp (llama.cpp commit 007dbbf, 2026) and restated here.
+the rules are read from src/llama-quant.cpp (llama.cpp commit 007dbbf) and restated here.
 tests/test_serving.py checks the sums against the byte sizes of published GGUF files.
 """
 
