@@ -367,6 +367,19 @@ OPTIONS: tuple[Option, ...] = (
         unit="GB as sold",
         auto="no minimum",
     ),
+    # serving the merged model
+    Option(
+        "serve_context",
+        int,
+        "context length to size the serving memory of the merged model at (KV cache)",
+        ("plan",),
+        "serving",
+        default=4096,
+        gt=0,
+        le=1 << 22,
+        unit="tokens",
+        auto="4096, or the model's maximum when that is shorter",
+    ),
     # data for training
     Option("data_format", DataFormat, "format of the data", ("train",), "data", auto="detected from the first rows"),
     Option(

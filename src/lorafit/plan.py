@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lorafit import hardware, options
+from lorafit import hardware, options, serving
 from lorafit.hardware import GpuSpec
 from lorafit.memory import estimate
 from lorafit.models import ModelSpec
@@ -302,6 +302,14 @@ def automatic_choices(request: PlanRequest, settings: Settings) -> list[str]:
     return reasons
 
 
+def serve_context(request: PlanRequest) -> int:
+    """The context to size serving at: as set (past the model's maximum is an error), else the default capped at
+    the model's maximum."""
+    if "serve_context" in request.model_fields_set:
+        return request.serve_context
+    return min(request.serve_context, request.model.max_position_embeddings)
+
+
 def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
     """The fastest settings that fit `request.gpu`, with time and cost, or the smallest changes that fit."""
     seq_len = resolve_seq_len(request)
@@ -359,6 +367,7 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
         kwh_price=request.kwh_price,
         reasons=reasons,
         suggestions=extra,
+        serving=serving.serving(request.model, serve_context(request), gpu, request.headroom),
         **timing,
     )
 

@@ -11,6 +11,7 @@ from rich.table import Table
 from lorafit.hardware import GpuSpec, LocalMachine
 from lorafit.models import ModelSpec
 from lorafit.schema import Estimate, Plan, Settings
+from lorafit.serving import Serving
 
 console = Console(highlight=False)
 
@@ -119,6 +120,35 @@ def show_plan(plan: Plan, out: Console | None = None) -> None:
         out.print(table)
     where = "in CPU RAM" if on_cpu else "per GPU"
     out.print(estimate_table(plan.estimate, f"peak memory {where}, at the {plan.estimate.peak_phase}", not on_cpu))
+    if plan.serving is not None:
+        out.print(serving_table(plan.serving))
+
+
+def serving_table(serving: Serving) -> Table:
+    """Each export format of the merged model: bits per weight, weights, KV cache and the total to run it at the
+    plan's context, whether that fits the plan's GPU and the smallest catalog card it fits."""
+    where = f"on the {serving.gpu} with {serving.headroom:.0%} kept free" if serving.gpu else "(no GPU given)"
+    table = Table(
+        title=f"serving the merged model at {serving.context:,} tokens (GiB)",
+        caption=f"total = weights + KV cache + compute buffer + CUDA context; fits: {where}; "
+        "smallest card: the NVIDIA catalog GPU with the least memory that holds the total",
+        header_style="bold",
+    )
+    for column in ("format", "runs on", "bits/weight", "weights", "KV cache", "total", "fits"):
+        table.add_column(column, justify="left" if column in ("format", "runs on", "fits") else "right")
+    table.add_column("smallest card", no_wrap=True)
+    for row in serving.formats:
+        table.add_row(
+            row.format,
+            row.runtime,
+            f"{row.bits_per_weight:.2f}",
+            f"{row.weights_gib:.2f}",
+            f"{row.kv_cache_gib:.2f}",
+            f"{row.total_gib:.2f}",
+            "-" if row.fits_gpu is None else "yes" if row.fits_gpu else "no",
+            row.smallest_gpu or "none in the catalog",
+        )
+    return table
 
 
 def show_compare(plans: list[Plan], cheapest: Plan | None, cheapest_under: Plan | None, cap: float | None) -> None:

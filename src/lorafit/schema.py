@@ -29,6 +29,7 @@ from lorafit.options import (  # noqa: F401 (the step's settings and their choic
     default_quant,
     one_line,
 )
+from lorafit.serving import Serving
 
 SCHEMA_VERSION = 2  # 2: `batch_size` (was `target_batch`), `batching` and `device` recorded
 
@@ -92,6 +93,7 @@ PLAN_REQUEST_KEYS = (
     "headroom",
     "kwh_price",
     "batching",
+    "serve_context",
 )
 PlanRequest = create_model(  # type: ignore[call-overload]
     "PlanRequest",
@@ -138,6 +140,7 @@ class Plan(Frozen):
     break_even_runs: float | None = None
     reasons: list[str] = []
     suggestions: list[Suggestion] = []
+    serving: Serving | None = Field(default=None, description="memory to run the merged model in each format")
 
     # The flat view `lorafit plan --json` promises; derived from `settings`, ignored when read back.
     @computed_field
