@@ -22,6 +22,8 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/lorafit plan
 	$(BIN)/lorafit train --demo --output-dir runs/demo --overwrite
+	$(BIN)/lorafit export runs/demo --to gguf --quant f16 --quant q4_k_m --ollama --output runs/demo-gguf --overwrite
+	$(BIN)/lorafit chat runs/demo-gguf/demo-q4_k_m.gguf --prompt "Which animal lives on Duvik?"
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench

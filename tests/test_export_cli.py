@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from conftest import run_cli
 
 pytest.importorskip("torch")
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is the [gguf] extra")
@@ -51,7 +51,8 @@ def test_files_and_json_shape(exported: tuple[Path, dict]) -> None:
     assert set(report["files"]) == {"f16", "q8_0", "q4_k_m", "modelfile"}
     for key in ("f16", "q8_0", "q4_k_m"):
         assert Path(report["files"][key]) == output / f"demo-{key}.gguf" and Path(report["files"][key]).is_file()
-    assert sorted(p.name for p in output.iterdir()) == ["Modelfile", "demo-f16.gguf", "demo-q4_k_m.gguf", "demo-q8_0.gguf"]
+    expected = ["Modelfile", "demo-f16.gguf", "demo-q4_k_m.gguf", "demo-q8_0.gguf"]
+    assert sorted(p.name for p in output.iterdir()) == expected
     assert not list(output.parent.glob(".*"))  # no staging folder or intermediate file left
 
 

@@ -89,9 +89,7 @@ def hf_logits(model: Any, ids: list[int]) -> Any:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_gives_llama_cpp_the_logits_of_transformers(
-    family: str, tokenizer: Any, tmp_path: Path
-) -> None:
+def test_every_family_gives_llama_cpp_the_logits_of_transformers(family: str, tokenizer: Any, tmp_path: Path) -> None:
     from lorafit.export import gguf, verify
 
     model_type, extra = FAMILIES[family]
@@ -201,10 +199,10 @@ def split_then_bytes(pattern: str) -> Any:
     )
 
 
-LLAMA3 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-QWEN2 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+WORDS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+LLAMA3 = WORDS + r"\p{N}{1,3}" + REST
+QWEN2 = WORDS + r"\p{N}" + REST
 
 
 def test_pretokenizer_is_identified_by_behaviour() -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
 from lorafit.errors import ExportError
-from tests.conftest import run_cli
 
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
@@ -187,7 +187,8 @@ def test_not_enough_disk_is_refused_before_writing(
 
 
 def test_cli_merged_json_and_one_line_errors(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    code, out, err = run_cli(["export", str(run_dir), "--to", "merged", "--output", str(tmp_path / "m"), "--json"], capsys)
+    args = ["export", str(run_dir), "--to", "merged", "--output", str(tmp_path / "m"), "--json"]
+    code, out, err = run_cli(args, capsys)
     assert code == 0, err
     report = json.loads(out)
     assert report["files"] == {"merged": str(tmp_path / "m")}
@@ -224,7 +225,8 @@ def test_a_base_stored_in_4_bits_is_dequantised_and_said_so(tmp_path: Path) -> N
     quantized.save_pretrained(tmp_path / "qbase")
     AutoTokenizer.from_pretrained(tmp_path / "base").save_pretrained(tmp_path / "qbase")
     adapter = run / "adapter_config.json"
-    adapter.write_text(json.dumps(json.loads(adapter.read_text()) | {"base_model_name_or_path": str(tmp_path / "qbase")}))
+    pointed = json.loads(adapter.read_text()) | {"base_model_name_or_path": str(tmp_path / "qbase")}
+    adapter.write_text(json.dumps(pointed))
     (run / "lorafit-run.json").unlink()
     result = job.export_merged(run, tmp_path / "merged", overwrite=False)
     assert any("stored quantised" in note for note in result.notes)
@@ -241,3 +243,20 @@ def test_a_base_stored_in_4_bits_is_dequantised_and_said_so(tmp_path: Path) -> N
     assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"].float(), expected, atol=1e-5)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert getattr(plain.config, "quantization_config", None) is None
+
+
+def test_gguf_without_llama_cpp_writes_unverified_f16_and_refuses_k_quants(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the gguf extra: f16/q8_0 are still written (said to be unverified); a K-quant, which only
+    llama.cpp's quantizer makes, is refused before anything is written."""
+    from lorafit.export import job, verify
+
+    monkeypatch.setattr(verify, "llama_cpp_available", lambda: False)
+    with pytest.raises(ExportError, match="llama.cpp's quantizer"):
+        job.export_gguf(run_dir, tmp_path / "k", ["q4_k_m"], overwrite=False, check=True, ollama=False)
+    assert not (tmp_path / "k").exists()
+    result = job.export_gguf(run_dir, tmp_path / "g", ["f16", "q8_0"], overwrite=False, check=True, ollama=False)
+    assert sorted(result.files) == ["f16", "q8_0"] and all(path.is_file() for path in result.files.values())
+    assert result.verify == {} and any("not verified" in note for note in result.notes)
+    assert sorted(p.name for p in (tmp_path / "g").iterdir()) == ["run-f16.gguf", "run-q8_0.gguf"]

@@ -543,4 +543,3 @@ def quantize(source: Path, target: Path, file_type: GgufType, threads: int = 0) 
     status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params))
     if status != 0 or not target.is_file():
         raise ExportError(f"llama.cpp could not quantize {source.name} to {file_type} (status {status})")
-

@@ -43,7 +43,8 @@ class ExportResult:
     notes: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
-        return {"files": {key: str(path) for key, path in self.files.items()}, "verify": self.verify, "notes": self.notes}
+        files = {key: str(path) for key, path in self.files.items()}
+        return {"files": files, "verify": self.verify, "notes": self.notes}
 
 
 def export_merged(run_dir: Path, output: Path, *, overwrite: bool) -> ExportResult:

@@ -233,7 +233,7 @@ def write_model(source: RunSource, folder: Path) -> int:
             tensors = list(merged_tensors(source, shard))
             producers = {name: produce for name, _, _, produce in tensors}
             entries = [(name, dtype, shape) for name, dtype, shape, _ in tensors]
-            written += write_streamed(folder / shard.name, entries, lambda name: producers[name]())
+            written += write_streamed(folder / shard.name, entries, lambda name, made=producers: made[name]())
         index = source.model_dir / "model.safetensors.index.json"
         if index.is_file():
             shutil.copyfile(index, folder / index.name)

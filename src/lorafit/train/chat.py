@@ -192,9 +192,9 @@ def answer_gguf(path: Path, prompt: str, *, max_new_tokens: int = 64, temperatur
     if not path.is_file():
         raise TrainError(f"no GGUF file {path}")
     try:
-        from lorafit.export.verify import quiet_stderr
-
         import llama_cpp
+
+        from lorafit.export.verify import quiet_stderr
     except ImportError:
         raise TrainError("chatting with a GGUF needs llama.cpp: pip install 'lorafit[gguf]'") from None
     with quiet_stderr():

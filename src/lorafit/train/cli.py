@@ -72,7 +72,8 @@ def chat_command(
     if asked.prompt is None:
         raise InvalidConfig("no prompt: pass --prompt TEXT")
     if run_dir.suffix == ".gguf":
-        typer.echo(answer_gguf(run_dir, asked.prompt, max_new_tokens=asked.max_new_tokens, temperature=asked.temperature))
+        reply = answer_gguf(run_dir, asked.prompt, max_new_tokens=asked.max_new_tokens, temperature=asked.temperature)
+        typer.echo(reply)
         return
     model, tokenizer = load(run_dir, allow_pickle=asked.allow_pickle, trust_remote_code=asked.trust_remote_code)
     typer.echo(
