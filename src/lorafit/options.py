@@ -41,6 +41,7 @@ Shard = Literal["none", "ddp", "zero2", "zero3", "fsdp"]
 DataFormat = Literal["alpaca", "sharegpt", "messages", "prompt_completion", "text"]
 Scheduler = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 Batching = Literal["auto", "length_grouped", "padding_free", "random"]
+Loss = Literal["full", "chunked"]
 ExportTarget = Literal["merged", "gguf"]
 GgufType = Literal["f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q3_k_m"]
 
@@ -288,6 +289,48 @@ OPTIONS: tuple[Option, ...] = (
         default=True,
         step=True,
         auto="on; plan and train: the planner's choice",
+    ),
+    # memory savers: the same step in less memory, each searched by the planner when not set
+    Option(
+        "loss",
+        Loss,
+        "LM head and cross-entropy: full (every token's fp32 logits at once) or chunked (a chunk of tokens at a "
+        "time, recomputed in backward: the same loss and gradients in far less memory)",
+        ESTIMATE_PLAN_TRAIN,
+        "savers",
+        default="full",
+        step=True,
+        auto="full; plan and train: the planner's choice",
+    ),
+    Option(
+        "offload_activations",
+        bool,
+        "keep the checkpointed layer inputs in pinned host memory, copied back for backward (needs grad_ckpt)",
+        ESTIMATE_PLAN_TRAIN,
+        "savers",
+        default=False,
+        step=True,
+        auto="off; plan and train: the planner's choice",
+    ),
+    Option(
+        "offload_embeddings",
+        bool,
+        "keep the frozen input embeddings in host memory (not with tied embeddings or full fine-tuning)",
+        ESTIMATE_PLAN_TRAIN,
+        "savers",
+        default=False,
+        step=True,
+        auto="off; plan and train: the planner's choice",
+    ),
+    Option(
+        "expandable_segments",
+        bool,
+        "PyTorch's expandable-segments allocator (PYTORCH_CUDA_ALLOC_CONF): less memory stranded between steps",
+        ESTIMATE_PLAN_TRAIN,
+        "savers",
+        default=False,
+        step=True,
+        auto="off; plan and train: the planner's choice",
     ),
     Option(
         "attn",
@@ -658,6 +701,18 @@ def _eval_split_whole(v: Mapping[str, Any]) -> str | None:
     return f"eval_split {split:g}: a share below 1 or a whole number of rows" if split >= 1 and split % 1 else None
 
 
+def _offload_needs_checkpointing(v: Mapping[str, Any]) -> str | None:
+    if v["offload_activations"] and not v["grad_ckpt"]:
+        return "offload_activations moves the checkpointed layer inputs to host memory: it needs grad_ckpt on"
+    return None
+
+
+def _embeddings_frozen(v: Mapping[str, Any]) -> str | None:
+    if v["offload_embeddings"] and v["method"] == "full":
+        return "offload_embeddings keeps frozen embeddings in host memory; full fine-tuning trains them"
+    return None
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("method", "quant"), _quant_matches_method),
     Rule(("n_gpus", "shard"), _shard_needs_gpus),
@@ -666,6 +721,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("batch_size", "micro_batch", "grad_accum"), _batch_is_the_product),
     Rule(("eval_data", "eval_split"), _eval_sources),
     Rule(("eval_split",), _eval_split_whole),
+    Rule(("offload_activations", "grad_ckpt"), _offload_needs_checkpointing),
+    Rule(("offload_embeddings", "method"), _embeddings_frozen),
 )
 
 
@@ -712,6 +769,11 @@ def check_against(
     attn, precision = values.get("attn"), values.get("precision")
     if spec is not None:
         spec.check_seq_len(values.get("seq_len"))
+    if spec is not None and values.get("offload_embeddings") and spec.tie_word_embeddings:
+        raise InvalidConfig(
+            f"offload_embeddings: {spec.name} ties its input embeddings to the LM head, which runs on the GPU; "
+            "turn offload_embeddings off"
+        )
     if spec is not None and attn is not None and attn not in spec.attention_implementations:
         raise InvalidConfig(
             f"attn {attn}: {spec.name} ({spec.architecture}) has no {attn} attention in transformers; use attn "
@@ -948,6 +1010,7 @@ def settings_from(
 GROUP_TITLES = {
     "model": "what to train on",
     "step": "method and memory settings (~ = from the plan for this machine)",
+    "savers": "memory savers: the same step in less memory (~ = the planner's choice)",
     "job": "the whole job",
     "data": "data",
     "schedule": "schedule",
