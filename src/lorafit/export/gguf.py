@@ -435,6 +435,8 @@ def write_gguf(
         raise ExportError(
             f"the tokenizer has {len(vocabulary.tokens)} tokens but the embedding {embedding.shape[0]} rows"
         )
+    import numpy as np
+
     writer = gguf.GGUFWriter(path, arch.arch)
     _write_metadata(writer, arch, vocabulary, file_type, name or model_dir.name)
     for plan in plans:
@@ -444,11 +446,11 @@ def write_gguf(
         nbytes = count // block * size
         if ggml == gguf.GGMLQuantizationType.Q8_0:
             byte_shape = (*plan.shape[:-1], plan.shape[-1] // block * size)
-            writer.add_tensor_info(plan.name, byte_shape, _np_uint8(), nbytes, raw_dtype=ggml)
+            writer.add_tensor_info(plan.name, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=ggml)
         else:
             dtype = {"F32": "float32", "F16": "float16", "BF16": "uint16"}[plan.ggml_type]
             raw = ggml if plan.ggml_type == "BF16" else None
-            writer.add_tensor_info(plan.name, plan.shape, _np_dtype(dtype), nbytes, raw_dtype=raw)
+            writer.add_tensor_info(plan.name, plan.shape, np.dtype(dtype), nbytes, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -458,18 +460,6 @@ def write_gguf(
         writer.write_tensor_data(tensor_data(plan, arch))
     writer.close()
     return Written(path, file_type, path.stat().st_size, vocabulary)
-
-
-def _np_uint8() -> Any:
-    import numpy as np
-
-    return np.dtype(np.uint8)
-
-
-def _np_dtype(name: str) -> Any:
-    import numpy as np
-
-    return np.dtype(name)
 
 
 def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, file_type: GgufType, name: str) -> None:

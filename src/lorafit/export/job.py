@@ -65,10 +65,6 @@ def export_merged(run_dir: Path, output: Path, *, overwrite: bool) -> ExportResu
     return result
 
 
-def _parameters(source: RunSource) -> int:
-    return merge._parameters_of(source.model_dir)
-
-
 def export_gguf(
     run_dir: Path,
     output: Path,
@@ -84,21 +80,17 @@ def export_gguf(
     source = open_run(run_dir)
     gguf_writer.architecture(source.model_dir)  # an unsupported family fails here, before the merge
     k_quants = [t for t in types if t not in gguf_writer.DIRECT]
-    if k_quants or check:
-        have = verify.llama_cpp_available()
-        if k_quants and not have:
-            raise ExportError(
-                f"--quant {k_quants[0]} is made by llama.cpp's quantizer: pip install 'lorafit[gguf]' "
-                "(builds llama-cpp-python), or choose f16, bf16 or q8_0"
-            )
-        if check and not have:
-            check = False
-            skipped_note = "not verified: llama-cpp-python is not installed (pip install 'lorafit[gguf]')"
-        else:
-            skipped_note = ""
-    else:
-        skipped_note = "not verified (--no-verify)"
-    parameters = _parameters(source)
+    have_llama_cpp = verify.llama_cpp_available() if k_quants or check else False
+    if k_quants and not have_llama_cpp:
+        raise ExportError(
+            f"--quant {k_quants[0]} is made by llama.cpp's quantizer: pip install 'lorafit[gguf]' "
+            "(builds llama-cpp-python), or choose f16, bf16 or q8_0"
+        )
+    if not check:
+        unchecked = "not verified (--no-verify)"
+    elif not have_llama_cpp:
+        check, unchecked = False, "not verified: llama-cpp-python is not installed (pip install 'lorafit[gguf]')"
+    parameters = merge.parameters_of(source.model_dir)
     intermediate = None if any(t in ("f16", "bf16") for t in types) or not k_quants else "f16"
     needed = int(sum(BYTES_PER_WEIGHT[t] for t in types) * parameters)
     needed += int(2 * parameters) if intermediate else 0
@@ -139,7 +131,7 @@ def export_gguf(
                 raise ExportError(f"the GGUF export failed its check, nothing was written: {problems[0]}")
             result.verify = {t: figures[t].as_dict() for t in types}
         else:
-            result.notes.append(skipped_note)
+            result.notes.append(unchecked)
         if ollama:
             final = output / written[types[0]].name  # the Modelfile names it relatively; the command, where it ends up
             result.notes.append(_write_modelfile(staging, final, vocabulary, stem))

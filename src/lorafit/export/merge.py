@@ -198,7 +198,7 @@ def merged_tensors(source: RunSource, shard: Path) -> Iterator[tuple[str, str, l
 
 def needed_bytes(source: RunSource) -> int:
     if source.quantized_base:
-        return 4 * _parameters_of(source.model_dir) + 2**20
+        return 4 * parameters_of(source.model_dir) + 2**20
     return sum(path.stat().st_size for path in weight_files(source.model_dir)) + 2**20
 
 
@@ -267,7 +267,7 @@ def _write_config(source: RunSource, folder: Path) -> None:
         shutil.copyfile(generation, folder / generation.name)
 
 
-def _parameters_of(model_dir: Path) -> int:
+def parameters_of(model_dir: Path) -> int:
     from lorafit.models import from_config_json
 
     return from_config_json(model_dir / "config.json").num_params
@@ -353,7 +353,7 @@ def check_logits(source: RunSource, merged_dir: Path, texts: tuple[str, ...] = C
 
     quiet_libraries()
     stored = next(iter(safetensors_header(weight_files(merged_dir)[0]).values()))["dtype"]
-    parameters = _parameters_of(merged_dir)
+    parameters = parameters_of(merged_dir)
     available = _available_ram()
     dtype = torch.float32
     if available is not None and parameters * 4 * 1.3 > available:
