@@ -56,6 +56,19 @@ DERIVED_KEYS = ("GGUF.kv_count",)  # the reader's count of the keys, which diffe
 PRE_TOKENIZER = "gpt-2"
 GOAL_RSS_FRACTION = 0.25
 
+# Prefixed to every measured child: at exit it writes its own peak RSS (VmHWM, KiB) where measure() reads it
+PEAK_HOOK = """
+import atexit as _atexit, os as _os
+def _write_peak():
+    try:
+        with open("/proc/self/status") as status:
+            kib = next(line.split()[1] for line in status if line.startswith("VmHWM:"))
+        with open(_os.environ["BENCH_PEAK_FILE"], "w") as out:
+            out.write(kib)
+    except (OSError, KeyError, StopIteration):
+        pass
+_atexit.register(_write_peak)
+"""
 # The floor under both peaks: Python with what both converters import, converting nothing
 CHILD_IMPORTS = """
 import gguf, numpy, safetensors, torch, transformers
@@ -133,6 +146,15 @@ def build(model_dir: Path, tiny: bool = False) -> ModelSpec:
     return spec
 
 
+def build_apart(model_dir: Path, tiny: bool = False) -> ModelSpec:
+    """`build` in a child, so that this process never holds the model (its peak would become the children's
+    ru_maxrss floor, and the memory stays taken while they run)."""
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from export_gguf import build; from pathlib import Path; "
+    code += "build(Path(sys.argv[2]), sys.argv[3] == 'tiny')"
+    subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(model_dir), "tiny" * tiny], check=True)
+    return build(model_dir, tiny)  # reads the spec the child recorded
+
+
 def weights_bytes(model_dir: Path) -> int:
     return sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
 
@@ -152,25 +174,41 @@ class Measured:
     cpu_seconds: float
     peak_rss_bytes: int
     returncode: int
+    peak_rss_source: str  # VmHWM (the child's own) or ru_maxrss
     stdout: str = ""
     stderr_tail: str = ""
 
 
-def measure(command: list[str], env: dict[str, str] | None = None) -> Measured:
-    """Run `command`; its wall time, CPU time and peak RSS from the kernel's accounting of that one child."""
+def measure(code: str, args: list[str], env: dict[str, str] | None = None) -> Measured:
+    """Run Python `code` with `args` in a fresh interpreter: wall time, CPU time and peak RSS.
+
+    The peak is the child's VmHWM, which it writes at exit (PEAK_HOOK): the kernel's ru_maxrss of a child starts
+    from its parent's peak (the mm that fork or vfork copies or shares), so it would report the bench's own peak
+    whenever that is higher. Where /proc is missing, ru_maxrss it is."""
     import tempfile
 
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, tempfile.TemporaryDirectory() as tmp:
+        peak_file = Path(tmp) / "peak"
+        env = (env or dict(os.environ)) | {"BENCH_PEAK_FILE": str(peak_file)}
         start = time.perf_counter()
-        process = subprocess.Popen(command, stdout=out, stderr=err, env=env)
+        process = subprocess.Popen([sys.executable, "-c", PEAK_HOOK + code, *args], stdout=out, stderr=err, env=env)
         _, status, usage = os.wait4(process.pid, 0)
         seconds = time.perf_counter() - start
         process.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-    kib = usage.ru_maxrss if sys.platform != "darwin" else usage.ru_maxrss // 1024
-    return Measured(seconds, usage.ru_utime + usage.ru_stime, kib * 1024, process.returncode, stdout, stderr[-3000:])
+        hwm_kib = int(peak_file.read_text()) if peak_file.is_file() else None
+    kib = hwm_kib or (usage.ru_maxrss if sys.platform != "darwin" else usage.ru_maxrss // 1024)
+    return Measured(
+        seconds,
+        usage.ru_utime + usage.ru_stime,
+        kib * 1024,
+        process.returncode,
+        "VmHWM" if hwm_kib else "ru_maxrss",
+        stdout,
+        stderr[-3000:],
+    )
 
 
 def llama_cpp_version() -> str:
@@ -180,11 +218,16 @@ def llama_cpp_version() -> str:
         return LLAMA_CPP_PYTHON
 
 
-def llama_cpp_converter(version: str, dest: Path) -> Path:
-    """convert_hf_to_gguf.py (with conversion/ and gguf-py/) from llama-cpp-python's sdist, fetched once by pip."""
+def extracted_converter(version: str, dest: Path) -> Path | None:
+    """convert_hf_to_gguf.py of that version where an earlier run extracted it into `dest`."""
     root = dest / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
     script = root / "convert_hf_to_gguf.py"
-    if script.is_file() and (root / "gguf-py" / "gguf").is_dir():
+    return script if script.is_file() and (root / "gguf-py" / "gguf").is_dir() else None
+
+
+def llama_cpp_converter(version: str, dest: Path) -> Path:
+    """convert_hf_to_gguf.py (with conversion/ and gguf-py/) from llama-cpp-python's sdist, fetched once by pip."""
+    if script := extracted_converter(version, dest):
         return script
     dest.mkdir(parents=True, exist_ok=True)
     archive = dest / f"llama_cpp_python-{version}.tar.gz"
@@ -199,18 +242,20 @@ def llama_cpp_converter(version: str, dest: Path) -> Path:
     with tarfile.open(archive) as tar:
         members = [member for member in tar.getmembers() if member.name.startswith(wanted)]
         tar.extractall(dest, members=members, filter="data")
+    if not (script := extracted_converter(version, dest)):
+        raise SystemExit(f"{archive.name} has no vendor/llama.cpp/convert_hf_to_gguf.py with gguf-py beside it")
     return script
 
 
 def convert_lorafit(model_dir: Path, target: Path) -> Measured:
-    return measure([sys.executable, "-c", CHILD_LORAFIT, str(model_dir), str(target)])
+    return measure(CHILD_LORAFIT, [str(model_dir), str(target)])
 
 
 def convert_llama_cpp(script: Path, model_dir: Path, target: Path) -> Measured:
     gguf_py = script.parent / "gguf-py"
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(gguf_py), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-c", CHILD_LLAMA_CPP, str(script), PRE_TOKENIZER, str(model_dir)]
-    return measure([*command, "--outtype", "f16", "--outfile", str(target)], env=env)
+    args = [str(script), PRE_TOKENIZER, str(model_dir), "--outtype", "f16", "--outfile", str(target)]
+    return measure(CHILD_LLAMA_CPP, args, env=env)
 
 
 # --- comparing ----------------------------------------------------------------------------------------------
@@ -341,7 +386,7 @@ def behaviour(path: Path, probe: str) -> dict[str, Any] | None:
 
 # --- the run ------------------------------------------------------------------------------------------------
 def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def print_run(label: str, run: Measured, file_bytes: int, model_bytes: int) -> None:
@@ -368,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     script = llama_cpp_converter(args.llama_cpp_version, OUT / "llama-src")
     print(f"== {'tiny ' if args.tiny else ''}{CATALOG_MODEL} shape, random bf16 weights, in {model_dir} ==")
     start = time.perf_counter()
-    spec = build(model_dir, args.tiny)
+    spec = build_apart(model_dir, args.tiny)
     model_bytes = weights_bytes(model_dir)
     print(
         f"  {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, intermediate {spec.intermediate_size}, "
@@ -384,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  llama.cpp's convert_hf_to_gguf.py from llama-cpp-python {args.llama_cpp_version}, its own gguf-py;")
     print(f'  run with get_vocab_base_pre replaced by "{PRE_TOKENIZER}" (its token-id hash knows no vocabulary')
     print(f'  trained here; lorafit identifies "{PRE_TOKENIZER}" for this tokenizer by behaviour)')
-    imports = measure([sys.executable, "-c", CHILD_IMPORTS])
+    imports = measure(CHILD_IMPORTS, [])
     runs = {"lorafit": convert_lorafit(model_dir, ours), "llama_cpp": convert_llama_cpp(script, model_dir, theirs)}
     for label, run in runs.items():
         if run.returncode != 0:
