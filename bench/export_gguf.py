@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -389,11 +390,49 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
-def print_run(label: str, run: Measured, file_bytes: int, model_bytes: int) -> None:
-    print(
-        f"  {label:<22}{run.seconds:>9.1f} s{run.cpu_seconds:>9.1f} s{gib(run.peak_rss_bytes):>12}"
-        f"{run.peak_rss_bytes / model_bytes:>10.1%}{gib(file_bytes):>12}"
-    )
+@dataclass(frozen=True)
+class Repeats:
+    """One converter's runs: the median wall and CPU time (the machine is shared), the highest peak RSS."""
+
+    runs: list[Measured]
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(run.seconds for run in self.runs)
+
+    @property
+    def cpu_seconds(self) -> float:
+        return statistics.median(run.cpu_seconds for run in self.runs)
+
+    @property
+    def peak_rss_bytes(self) -> int:
+        return max(run.peak_rss_bytes for run in self.runs)
+
+    def to_json(self, file_bytes: int, model_bytes: int) -> dict[str, Any]:
+        return {
+            "seconds_median": self.seconds,
+            "seconds_min": min(run.seconds for run in self.runs),
+            "cpu_seconds_median": self.cpu_seconds,
+            "peak_rss_bytes_max": self.peak_rss_bytes,
+            "peak_rss_bytes_min": min(run.peak_rss_bytes for run in self.runs),
+            "peak_rss_of_model": self.peak_rss_bytes / model_bytes,
+            "file_bytes": file_bytes,
+            "repeats": [measured_json(run) for run in self.runs],
+        }
+
+
+def measured_json(run: Measured) -> dict[str, Any]:
+    return {key: value for key, value in asdict(run).items() if key not in ("stdout", "stderr_tail")}
+
+
+def print_run(label: str, run: Repeats | Measured, file_bytes: int | None, model_bytes: int) -> None:
+    spread = ""
+    if isinstance(run, Repeats) and len(run.runs) > 1:
+        low = min(r.peak_rss_bytes for r in run.runs)
+        spread = f"  (wall {min(r.seconds for r in run.runs):.1f}-{max(r.seconds for r in run.runs):.1f} s, "
+        spread += f"peak {gib(low)}-{gib(run.peak_rss_bytes)})"
+    share = f"{run.peak_rss_bytes / model_bytes:>10.1%}{gib(file_bytes):>12}" if file_bytes else ""
+    print(f"  {label:<14}{run.seconds:>9.1f} s{run.cpu_seconds:>9.1f} s{gib(run.peak_rss_bytes):>12}{share}{spread}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=OUT / "export-gguf")
     parser.add_argument("--keep", action="store_true", help="keep the two GGUF files (the model is always kept)")
     parser.add_argument("--llama-cpp-version", default=llama_cpp_version())
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each converter, in alternating order")
     args = parser.parse_args(argv)
     json_path = args.json or (OUT / "export-gguf-tiny.json" if args.tiny else RESULT)
     work = args.workdir
@@ -430,16 +470,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f'  run with get_vocab_base_pre replaced by "{PRE_TOKENIZER}" (its token-id hash knows no vocabulary')
     print(f'  trained here; lorafit identifies "{PRE_TOKENIZER}" for this tokenizer by behaviour)')
     imports = measure(CHILD_IMPORTS, [])
-    runs = {"lorafit": convert_lorafit(model_dir, ours), "llama_cpp": convert_llama_cpp(script, model_dir, theirs)}
-    for label, run in runs.items():
-        if run.returncode != 0:
-            print(f"{label} failed (exit {run.returncode}):\n{run.stderr_tail}", file=sys.stderr)
-            return 2
-    print(f"  {'':<22}{'wall':>11}{'CPU':>11}{'peak RSS':>12}{'of model':>10}{'file':>12}")
+    converters = {
+        "lorafit": lambda: convert_lorafit(model_dir, ours),
+        "llama_cpp": lambda: convert_llama_cpp(script, model_dir, theirs),
+    }
+    measured: dict[str, list[Measured]] = {label: [] for label in converters}
+    for repeat in range(max(1, args.repeat)):
+        for label in list(converters)[:: 1 if repeat % 2 == 0 else -1]:
+            (ours if label == "lorafit" else theirs).unlink(missing_ok=True)
+            run = converters[label]()
+            if run.returncode != 0:
+                print(f"{label} failed (exit {run.returncode}):\n{run.stderr_tail}", file=sys.stderr)
+                return 2
+            measured[label].append(run)
+    runs = {label: Repeats(values) for label, values in measured.items()}
+    print(f"  {len(runs['lorafit'].runs)} runs of each, alternating which goes first: median times, highest peak")
+    print(f"  {'':<14}{'wall':>11}{'CPU':>11}{'peak RSS':>12}{'of model':>10}{'file':>12}")
     print_run("lorafit", runs["lorafit"], ours.stat().st_size, model_bytes)
     print_run("llama.cpp", runs["llama_cpp"], theirs.stat().st_size, model_bytes)
-    floor = f"{imports.seconds:>9.1f} s{imports.cpu_seconds:>9.1f} s{gib(imports.peak_rss_bytes):>12}"
-    print(f"  {'imports only':<22}{floor}")
+    print_run("imports only", imports, None, model_bytes)
     speedup = runs["llama_cpp"].seconds / runs["lorafit"].seconds
     rss_fraction = runs["lorafit"].peak_rss_bytes / model_bytes
     print(f"  lorafit is {speedup:.2f}x llama.cpp's speed (wall); its peak RSS is {rss_fraction:.1%} of the model")
@@ -516,11 +565,10 @@ def main(argv: list[str] | None = None) -> int:
         | {"dtype": "bfloat16", "rope_theta": 10000.0, "safetensors_bytes": model_bytes},
         "llama_cpp_pre_tokenizer": f"get_vocab_base_pre replaced to return {PRE_TOKENIZER!r} (lorafit identifies it)",
         "runs": {
-            label: {key: value for key, value in asdict(run).items() if key not in ("stdout", "stderr_tail")}
-            | {"file_bytes": path.stat().st_size, "peak_rss_of_model": run.peak_rss_bytes / model_bytes}
+            label: run.to_json(path.stat().st_size, model_bytes)
             for (label, run), path in zip(runs.items(), (ours, theirs), strict=True)
         },
-        "imports_only": {key: value for key, value in asdict(imports).items() if key not in ("stdout", "stderr_tail")},
+        "imports_only": measured_json(imports),
         "speedup_wall": speedup,
         "tensors": {
             "equal": len(tensors.equal),
