@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-litgpt bench-throughput bench-train bench-data bench-exact gpu-check gpu-wheels clean
+.PHONY: run test lint install bench-memory bench-litgpt bench-throughput bench-train bench-data bench-exact bench-export gpu-check gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,12 @@ bench-data: $(STAMP)
 
 bench-exact: $(STAMP)
 	$(BIN)/python bench/exact_speed.py
+
+# lorafit's GGUF writer against llama.cpp's convert_hf_to_gguf.py (from the llama-cpp-python sdist, fetched once by
+# pip into bench/out/llama-src) on a TinyLlama-1.1B-shaped model: identical tensors, time and peak RSS side by side;
+# writes bench/results/export-gguf.json. The bench extra brings sentencepiece, which that converter imports.
+bench-export: $(STAMP) $(BENCH_STAMP)
+	$(BIN)/python bench/export_gguf.py
 
 # Real training steps of 7-8B models on this machine's CUDA GPU against the estimate and the time model, and the
 # plan's 24/16/8 GB verdicts under a memory cap; writes bench/results/gpu-check-<gpu>.json (bench/results/README.md)

@@ -95,8 +95,12 @@ def build_model(
     spec: ModelSpec,
     seed: int = 0,
     lm_head_std: float = LM_HEAD_STD,
+    dtype: str = "float32",
 ) -> None:
-    """Random weights from a fixed seed, saved with the tokenizer as a Hugging Face model directory."""
+    """Random weights from a fixed seed, saved with the tokenizer as a Hugging Face model directory.
+
+    `dtype` ("bfloat16", "float16") builds and saves in that type directly, so a full-size model for a benchmark
+    never exists in fp32 next to its 16-bit copy."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -109,7 +113,7 @@ def build_model(
     config.eos_token_id = tokenizer.eos_token_id
     config.bos_token_id = None
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     torch.nn.init.normal_(model.lm_head.weight, std=lm_head_std)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
