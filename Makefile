@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-litgpt bench-throughput bench-train bench-data bench-exact bench-export gpu-check gpu-wheels clean
+.PHONY: run test lint install bench-memory bench-litgpt bench-throughput bench-train bench-data bench-exact bench-export bench-savers gpu-check gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,11 @@ bench-exact: $(STAMP)
 # writes bench/results/export-gguf.json. The bench extra brings sentencepiece, which that converter imports.
 bench-export: $(STAMP) $(BENCH_STAMP)
 	$(BIN)/python bench/export_gguf.py
+
+# Each memory saver's effect on 7-8B QLoRA at 2048 tokens, estimate and --exact side by side, against an 8 GB card;
+# writes bench/results/savers.json
+bench-savers: $(STAMP)
+	$(BIN)/python bench/savers.py
 
 # Real training steps of 7-8B models on this machine's CUDA GPU against the estimate and the time model, and the
 # plan's 24/16/8 GB verdicts under a memory cap; writes bench/results/gpu-check-<gpu>.json (bench/results/README.md)

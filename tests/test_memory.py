@@ -559,3 +559,86 @@ def test_zero3_gathers_two_layers_of_weights(llama7b: models.ModelSpec) -> None:
     settings = Settings(method="full", quant="none", n_gpus=4, shard="zero3")
     layer = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
     assert memory.gathered_layer_bytes(llama7b, settings, Runtime()) == 2 * layer * 2
+
+
+# --- memory savers ----------------------------------------------------------------------------------------------
+# By hand for the tiny model (h 64, V 256, c 2 for bf16), at micro-batch 2 x 1024 tokens: N = 2048, so lorafit's
+# chunked loss runs two chunks of 1024 tokens.
+LONG = {"micro_batch": 2, "seq_len": 1024}
+
+
+def test_chunked_loss_keeps_one_chunk_of_fp32_logits_and_the_hidden_state_gradient(tiny: models.ModelSpec) -> None:
+    full_loss = memory.logits_bytes(tiny, lora(**LONG), Runtime())
+    chunked = memory.logits_bytes(tiny, lora(**LONG, loss="chunked"), Runtime())
+    assert full_loss == 12 * 256 * 2048  # every token's fp32 logits, their gradient and the one they produce
+    # one chunk's 12 x V bytes per token, plus the bf16 gradient of the final hidden states of all N tokens
+    assert chunked == 12 * 256 * 1024 + 2 * 64 * 2048 == 3_407_872
+    # a micro-batch shorter than a chunk is one chunk of its own length
+    assert memory.logits_bytes(tiny, lora(loss="chunked"), Runtime()) == 12 * 256 * 64 + 2 * 64 * 64
+
+
+def test_chunked_loss_is_lorafits_own_not_torchtunes(tiny: models.ModelSpec) -> None:
+    # torchtune's chunked loss (the Runtime a benchmark sets) keeps every chunk's fp32 log-softmax (4 x V x N)
+    torchtune = memory.logits_bytes(tiny, lora(**LONG), Runtime(loss="chunked"))
+    assert torchtune == 4 * 256 * 2048 + 12 * 256 * 1024
+    assert memory.logits_bytes(tiny, lora(**LONG, loss="chunked"), Runtime()) < torchtune
+
+
+def test_offloaded_embeddings_leave_the_gpu_weights(tiny: models.ModelSpec) -> None:
+    qlora = {"method": "qlora", "quant": "nf4"}
+    for base in ({}, qlora):
+        kept = memory.weights_bytes(tiny, lora(**base), Runtime())
+        moved = memory.weights_bytes(tiny, lora(**base, offload_embeddings=True), Runtime())
+        assert kept - moved == 256 * 64 * 2  # the bf16 V x h input embedding; the untied head stays
+    # peft's kbit upcast made the embedding fp32 first
+    upcast = Runtime(kbit_upcast=True)
+    assert (
+        memory.weights_bytes(tiny, lora(**qlora), upcast)
+        - memory.weights_bytes(tiny, lora(**qlora, offload_embeddings=True), upcast)
+        == 256 * 64 * 4
+    )
+
+
+def test_offloaded_embeddings_do_nothing_when_they_are_the_head(tiny: models.ModelSpec) -> None:
+    tied = tiny.model_copy(update={"tie_word_embeddings": True})
+    assert memory.offloaded_embedding_bytes(tied, lora(offload_embeddings=True), Runtime()) == 0
+    assert memory.weights_bytes(tied, lora(offload_embeddings=True), Runtime()) == memory.weights_bytes(
+        tied, lora(), Runtime()
+    )
+
+
+def test_offloaded_activations_keep_two_checkpointed_inputs_on_the_gpu(tiny: models.ModelSpec) -> None:
+    deep = tiny.scaled(num_hidden_layers=6)
+    ckpt = lora(grad_ckpt=True)
+    # N = 64 tokens; a checkpointed layer keeps its bf16 input: 2 x 64 x 64 = 8192 bytes
+    assert memory.activation_bytes(deep, ckpt, Runtime()) == 6 * 8192
+    offloaded = ckpt.model_copy(update={"offload_activations": True})
+    assert memory.activation_bytes(deep, offloaded, Runtime()) == 2 * 8192
+    assert memory.offloaded_activation_bytes(deep, offloaded) == 6 * 8192  # all of them in pinned host memory
+    assert memory.offloaded_activation_bytes(deep, ckpt) == 0
+
+
+def test_expandable_segments_shrink_only_the_stranded_reserve(llama7b: models.ModelSpec) -> None:
+    step = Settings(micro_batch=1, grad_ckpt=True)
+    plain = memory.estimate(llama7b, step)
+    expandable = memory.estimate(llama7b, step.model_copy(update={"expandable_segments": True}))
+    assert expandable.peak_allocated_gib == plain.peak_allocated_gib
+    assert plain.peak_reserved_gib - expandable.peak_reserved_gib == pytest.approx(0.9 - 0.2, abs=1e-3)
+
+
+def test_savers_together_bring_an_8b_qlora_step_down_by_a_third() -> None:
+    spec = models.resolve("llama-3.1-8b")
+    step = Settings(method="qlora", micro_batch=1, seq_len=2048, grad_ckpt=True, optimizer="paged_adamw_8bit")
+    every = step.model_copy(
+        update={"loss": "chunked", "offload_embeddings": True, "offload_activations": True, "expandable_segments": True}
+    )
+    plain, saved = memory.estimate(spec, step), memory.estimate(spec, every)
+    # by hand: the input embedding 128256 x 4096 x 2 bytes = 0.98 GiB leaves the weights
+    assert plain.breakdown_gib["weights"] - saved.breakdown_gib["weights"] == pytest.approx(
+        128256 * 4096 * 2 / GIB, abs=1e-3
+    )
+    # the loss: 12 x V x 2048 tokens (2.94 GiB) becomes one 1024-token chunk plus the hidden-state gradient
+    assert saved.breakdown_gib["logits_and_loss"] == pytest.approx(
+        (12 * 128256 * 1024 + 2 * 4096 * 2048) / GIB, abs=1e-3
+    )
+    assert saved.peak_device_gib < plain.peak_device_gib * 2 / 3

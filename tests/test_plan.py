@@ -87,10 +87,13 @@ def test_7b_qlora_on_a_16gb_card_needs_checkpointing_and_a_smaller_micro_batch(o
     assert re_estimate(on_4060ti, micro_batch=2 * on_4060ti.micro_batch) > usable_gib(on_4060ti.gpu)
 
 
+SAVERS_OFF = {"loss": "full", "offload_embeddings": False, "offload_activations": False, "expandable_segments": False}
+
+
 @pytest.mark.parametrize("card", ["RTX 4060", "8GB"])
-def test_7b_qlora_on_an_8gb_card(card: str) -> None:
+def test_7b_qlora_on_an_8gb_card_without_the_savers(card: str) -> None:
     gpu = hardware.custom(8) if card == "8GB" else hardware.resolve(card)
-    plan = planner.make_plan(ask(gpu=gpu))
+    plan = planner.make_plan(ask(gpu=gpu, pinned=SAVERS_OFF))
     assert_verdict_follows_from_the_estimate(plan)
     # 8 GB is the edge for a 4-bit 7B at 2048 tokens: only the smallest step comes close, in either case
     assert plan.micro_batch == 1 and plan.grad_ckpt and plan.grad_accum == 16
@@ -104,6 +107,21 @@ def test_7b_qlora_on_an_8gb_card(card: str) -> None:
         for suggestion in plan.suggestions:
             target = gpu if suggestion.gpu == gpu.name else hardware.resolve(suggestion.gpu)
             assert memory.estimate(plan.model, suggestion.settings, target).fits, suggestion.change
+
+
+@pytest.mark.parametrize("card", ["RTX 4060", "8GB"])
+def test_7b_qlora_fits_an_8gb_card_with_the_savers(card: str) -> None:
+    gpu = hardware.custom(8) if card == "8GB" else hardware.resolve(card)
+    plan = planner.make_plan(ask(gpu=gpu))
+    assert plan.fits and not plan.suggestions
+    assert_verdict_follows_from_the_estimate(plan)
+    on = planner.savers_on(plan.settings)
+    assert on
+    # every saver it turned on is needed: the same step without it does not fit
+    for name in on:
+        assert re_estimate(plan, **{name: SAVERS_OFF[name]}) > usable_gib(gpu), name
+    assert re_estimate(plan, **SAVERS_OFF) > usable_gib(gpu)
+    assert re_estimate(plan, micro_batch=2 * plan.micro_batch) > usable_gib(gpu)
 
 
 # --- 7B full fine-tuning ----------------------------------------------------------------------------------------
@@ -258,9 +276,13 @@ def test_an_8_bit_optimizer_only_when_32_bit_states_do_not_fit() -> None:
     need_8 = memory.estimate(spec, tight.model_copy(update={"optimizer": "paged_adamw_8bit"})).peak_device_gib
     assert need_8 < need_32
     between = hardware.custom(1).model_copy(update={"memory_gib": (need_8 + need_32) / 2 / 0.9})
-    plan = planner.make_plan(ask(gpu=between))
+    plan = planner.make_plan(ask(gpu=between, pinned=SAVERS_OFF))
     assert plan.fits and plan.optimizer == "paged_adamw_8bit" and plan.micro_batch == 1
     assert any("32-bit AdamW would need" in reason for reason in plan.reasons)
+    # with the savers free the planner keeps 32-bit AdamW: a saver changes no number of the training, 8-bit
+    # states do
+    free = planner.make_plan(ask(gpu=between))
+    assert free.fits and free.optimizer == "adamw" and planner.savers_on(free.settings)
 
 
 def test_pinned_settings_are_respected() -> None:
@@ -373,3 +395,105 @@ def test_other_settings_are_estimated_again_with_the_same_tokens_to_train() -> N
     # the same run: the tokens to train stay, so the hours grow as the speed falls
     assert again.hours * again.tokens_per_s == pytest.approx(plan.hours * plan.tokens_per_s, rel=1e-3)
     assert planner.with_settings(plan, plan.settings) is plan
+
+
+# --- memory savers ----------------------------------------------------------------------------------------------
+def test_no_saver_where_the_step_fits_without(on_4090: Plan) -> None:
+    assert planner.savers_on(on_4090.settings) == []
+    assert planner.savers_on(planner.make_plan(ask(gpu="A40")).settings) == []
+
+
+def test_savers_are_tried_only_where_they_apply() -> None:
+    tight = hardware.custom(4)
+    # tied embeddings are the LM head's weight: never offloaded
+    tied = planner.candidates(ask("qwen2.5-1.5b", gpu=tight), tight, 2048)
+    assert models.resolve("qwen2.5-1.5b").tie_word_embeddings
+    assert not any(c.settings.offload_embeddings for c in tied)
+    assert any(c.settings.loss == "chunked" for c in tied)
+    # full fine-tuning trains the embeddings; activations are offloaded only where they are checkpointed
+    full = planner.candidates(ask(gpu=tight, method="full"), tight, 2048)
+    assert not any(c.settings.offload_embeddings for c in full)
+    assert all(c.settings.grad_ckpt for c in full + tied if c.settings.offload_activations)
+    # Apple's memory is the host's: nothing to offload to, no CUDA allocator
+    apple = hardware.resolve("Apple M-series 16GB")
+    on_apple = planner.candidates(ask(gpu=apple), apple, 2048)
+    assert not any(c.settings.offload_activations or c.settings.expandable_segments for c in on_apple)
+    # no GPU: the savers stay at their defaults
+    assert all(planner.savers_on(c.settings) == [] for c in planner.candidates(ask(), None, 2048))
+
+
+def test_a_pinned_saver_is_kept() -> None:
+    plan = planner.make_plan(ask(gpu="RTX 4090", pinned={"loss": "chunked", "expandable_segments": True}))
+    assert plan.settings.loss == "chunked" and plan.settings.expandable_segments
+
+
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "qwen2.5-7b"])
+def test_an_8b_qlora_at_2048_tokens_on_8gb_and_the_longest_length_that_fits(model: str) -> None:
+    gpu = hardware.custom(8)
+    request = ask(model, gpu=gpu, method="qlora", seq_len=2048)
+    plan = planner.make_plan(request)
+    assert_verdict_follows_from_the_estimate(plan)
+    # a 1024-token chunk of a 128k-152k vocabulary's fp32 logits (1.5-1.7 GiB) keeps it above 7.2 GiB ...
+    assert not plan.fits
+    # ... though every saver is on in the smallest configuration, and it is far below the plan without them
+    assert set(planner.savers_on(plan.settings)) == set(planner.SAVERS)
+    without = planner.make_plan(ask(model, gpu=gpu, method="qlora", seq_len=2048, pinned=SAVERS_OFF))
+    assert plan.estimate.peak_device_gib < without.estimate.peak_device_gib - 3
+    shorter = [s for s in plan.suggestions if s.change.startswith("sequence length")]
+    assert len(shorter) == 1
+    length = shorter[0].settings.seq_len
+    assert memory.estimate(plan.model, shorter[0].settings, gpu).fits
+    # the longest: the next longer length tried does not fit with any settings
+    lengths = planner.shorter_lengths(2048)
+    longer = lengths[lengths.index(length) - 1]
+    assert planner.best(planner.candidates(request, gpu, longer)) is None
+
+
+def test_shorter_lengths_are_powers_of_two_and_the_steps_between() -> None:
+    assert planner.shorter_lengths(2048) == [1536, 1024, 768, 512, 384, 256, 192, 128]
+    assert planner.shorter_lengths(1000) == [768, 512, 384, 256, 192, 128]
+    assert planner.shorter_lengths(128) == []
+
+
+def test_the_savers_make_an_8b_on_16gb_faster() -> None:
+    # the chunked loss frees the memory of a bigger micro-batch, which uses the GPU better
+    gpu = "RTX 4060 Ti 16GB"
+    plan = planner.make_plan(ask("llama-3.1-8b", gpu=gpu))
+    without = planner.make_plan(ask("llama-3.1-8b", gpu=gpu, pinned=SAVERS_OFF))
+    assert plan.fits and without.fits
+    assert plan.micro_batch > without.micro_batch and plan.tokens_per_s > without.tokens_per_s
+    assert plan.hours < without.hours
+
+
+def test_time_of_each_saver_by_hand() -> None:
+    spec, gpu = models.resolve("llama-2-7b"), hardware.resolve("RTX 4060 Ti 16GB")  # PCIe 4.0 x8: 15.75 GB/s
+    step = Settings(method="qlora", micro_batch=1, seq_len=2048, grad_ckpt=True)
+    # the chunked loss runs the head's forward again: 2 x V x h FLOPs per token
+    chunked = step.model_copy(update={"loss": "chunked"})
+    assert planner.flops_per_token(spec, chunked) - planner.flops_per_token(spec, step) == 2 * 32000 * 4096
+    # offloaded activations: 2 copies x 32 layers x 2048 tokens x 4096 x 2 bytes at 80% of the link, not hidden
+    offloaded = step.model_copy(update={"offload_activations": True})
+    copies = 2 * 32 * 2048 * 4096 * 2 / (15.75e9 * 0.8)
+    assert planner.step_seconds(spec, offloaded, gpu) - planner.step_seconds(spec, step, gpu) == pytest.approx(copies)
+    # offloaded embeddings: the micro-batch's rows, once
+    rows = step.model_copy(update={"offload_embeddings": True})
+    once = 2048 * 4096 * 2 / (15.75e9 * 0.8)
+    assert planner.step_seconds(spec, rows, gpu) - planner.step_seconds(spec, step, gpu) == pytest.approx(once)
+    # the allocator setting costs no time in the model
+    expandable = step.model_copy(update={"expandable_segments": True})
+    assert planner.step_seconds(spec, expandable, gpu) == planner.step_seconds(spec, step, gpu)
+
+
+def test_plan_output_and_json_name_the_savers(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "llama-2-7b", "--vram", "8", "--json"])
+    assert exit_info.value.code == 0
+    printed = json.loads(capsys.readouterr().out)
+    chosen = [name for name in planner.SAVERS if printed["settings"][name] == planner.SAVER_ON[name]]
+    assert printed["fits"] and chosen
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "llama-2-7b", "--vram", "8"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "savers:" in shown
+    for name in chosen:
+        assert f"{name}:" in shown or (name == "loss" and "loss chunked:" in shown), name

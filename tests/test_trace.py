@@ -454,3 +454,14 @@ def test_the_exact_estimate_prints_no_library_warnings(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "peak" in done.stdout
     assert done.stderr == ""
+
+
+@pytest.mark.parametrize(
+    "saver", [{"loss": "chunked"}, {"offload_embeddings": True}, {"offload_activations": True, "grad_ckpt": True}]
+)
+def test_exact_refuses_the_savers_it_cannot_trace(saver: dict) -> None:
+    from lorafit.trace.api import check_traceable
+
+    with pytest.raises(LorafitError, match="does not trace"):
+        check_traceable(Settings(method="qlora", **saver))
+    check_traceable(Settings(method="qlora", expandable_segments=True))  # the allocator only: traced tensors hold

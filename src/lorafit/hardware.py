@@ -34,6 +34,9 @@ class GpuSpec(BaseModel):
     bf16_tflops: float = Field(ge=0, description="dense bf16 tensor-core TFLOP/s (0: no bf16 support)")
     fp16_tflops: float = Field(gt=0, description="dense fp16 tensor-core TFLOP/s, fp32 accumulate")
     bandwidth_gbs: float = Field(gt=0, description="memory bandwidth, GB/s")
+    host_link_gbs: float | None = Field(
+        default=None, gt=0, description="link to host memory (PCIe, NVLink-C2C), GB/s per direction; None: unknown"
+    )
     board_power_w: float = Field(gt=0)
     price_usd: float | None = Field(default=None, description="typical street or launch price")
     rent_usd_per_hour: float | None = Field(default=None, description="typical on-demand cloud price, USD")

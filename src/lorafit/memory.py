@@ -26,6 +26,12 @@ NESTED_BLOCK = 256  # double quantisation groups 256 absmax values
 BNB_8BIT_MIN_SIZE = 4096  # bnb keeps 32-bit optimizer state for tensors smaller than this
 BNB_8BIT_BLOCK = 256
 HEAD_CHUNK = 128  # litgpt's lm_head_chunk_size: the LM head runs on 128 positions of every row at a time
+# lorafit's own chunked loss (settings.loss "chunked", lorafit.train.savers): the LM head and the fp32
+# cross-entropy run over chunks of this many tokens of the micro-batch, recomputed in backward
+LOSS_CHUNK_TOKENS = 1024
+# offload_activations: checkpointed layer inputs on the GPU at once (one being copied back for its layer's
+# backward, the next one arriving)
+OFFLOAD_LAYERS_ON_GPU = 2
 
 
 class Runtime(BaseModel):
@@ -90,6 +96,10 @@ def quantized_weight_bytes(n_params: int, settings: Settings) -> float:
 def weights_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     """Base model weights: all in the compute dtype, or the decoder linears packed and the rest (embeddings,
     LM head, norms, biases) in the compute dtype - fp32 if peft's kbit preparation upcast them."""
+    return _base_weights_bytes(spec, settings, runtime) - offloaded_embedding_bytes(spec, settings, runtime)
+
+
+def _base_weights_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     c = DTYPE_BYTES[settings.precision]
     if settings.method == "full" and runtime.amp_master_fp32:
         c = 4
@@ -103,6 +113,22 @@ def weights_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> floa
         head = spec.lm_head_params + head_copy
         return quantized_weight_bytes(linear + head, settings) + (rest - spec.lm_head_params) * c
     return quantized_weight_bytes(linear, settings) + (rest + head_copy) * (4 if runtime.kbit_upcast else c)
+
+
+def embedding_offload_applies(spec: ModelSpec, settings: Settings) -> bool:
+    """The input embedding can stay on the CPU only when it is frozen (not full fine-tuning) and not the LM
+    head's weight too (tied embeddings: the head runs on the GPU)."""
+    return settings.method != "full" and not spec.tie_word_embeddings
+
+
+def offloaded_embedding_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """offload_embeddings: the frozen input embedding (V x h, in the dtype the rest of the base is in) stays in
+    host memory; each micro-batch gathers its N rows there and copies them (N x h x c) to the GPU, which the
+    embedding's output costs anyway."""
+    if not settings.offload_embeddings or not embedding_offload_applies(spec, settings):
+        return 0.0
+    c = 4 if runtime.kbit_upcast and settings.quant != "none" else DTYPE_BYTES[settings.precision]
+    return spec.embedding_params * c
 
 
 def trainable_params(spec: ModelSpec, settings: Settings) -> int:
@@ -348,12 +374,29 @@ def checkpoint_bytes_per_layer(spec: ModelSpec, settings: Settings, runtime: Run
     return width * spec.hidden_size * settings.tokens_per_micro_batch
 
 
+def checkpointed_layers_on_gpu(spec: ModelSpec, settings: Settings) -> int:
+    """Layers whose checkpointed input is on the GPU at the end of the forward pass: all of them, or with
+    offload_activations (save_on_cpu around the forward) the one or two in flight to or from host memory."""
+    if settings.offload_activations and settings.grad_ckpt:
+        return min(spec.num_hidden_layers, OFFLOAD_LAYERS_ON_GPU)
+    return spec.num_hidden_layers
+
+
+def offloaded_activation_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime()) -> float:
+    """Pinned host memory offload_activations holds: every layer's checkpointed input (N x h x c each), copied
+    out in forward and back in backward."""
+    if not (settings.offload_activations and settings.grad_ckpt):
+        return 0.0
+    width = 4 if runtime.fp32_norms else DTYPE_BYTES[settings.precision]
+    return spec.num_hidden_layers * width * spec.hidden_size * settings.tokens_per_micro_batch
+
+
 def activation_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     """All layers' saved tensors at the end of the forward pass. With frozen embeddings (LoRA) the first
     layer's input norm needs no grad, so it saves nothing."""
     layers = spec.num_hidden_layers
     if settings.grad_ckpt:
-        return layers * checkpoint_bytes_per_layer(spec, settings, runtime)
+        return checkpointed_layers_on_gpu(spec, settings) * checkpoint_bytes_per_layer(spec, settings, runtime)
     first = activation_bytes_per_layer(spec, settings, runtime, input_requires_grad=settings.method == "full")
     rest = activation_bytes_per_layer(spec, settings, runtime)
     return first + (layers - 1) * rest
@@ -410,6 +453,8 @@ def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float
     A chunked loss (torchtune, litgpt) keeps only the fp32 log-softmax of every chunk (4V) and one chunk's
     temporaries."""
     n, vocab = settings.tokens_per_micro_batch, spec.vocab_size
+    if settings.loss == "chunked" and runtime.loss == "hf":
+        return chunked_loss_bytes(spec, settings)
     if runtime.loss == "chunked":
         return 4 * vocab * n + 3 * 4 * vocab * min(n, 1024)
     if runtime.loss == "chunked_compute":
@@ -421,6 +466,22 @@ def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float
     # Gemma-2 soft-caps the logits (tanh(logits / 30) x 30) in the compute dtype: tanh keeps its output
     softcap = DTYPE_BYTES[settings.precision] * vocab * n if spec.logit_softcapping else 0
     return 12 * vocab * n + softcap
+
+
+def loss_chunk_tokens(settings: Settings) -> int:
+    return min(settings.tokens_per_micro_batch, LOSS_CHUNK_TOKENS)
+
+
+def chunked_loss_bytes(spec: ModelSpec, settings: Settings) -> float:
+    """lorafit's chunked loss (settings.loss "chunked"): the head and the fp32 cross-entropy run one chunk of
+    LOSS_CHUNK_TOKENS tokens at a time and again in backward, so unlike torchtune's (Runtime.loss "chunked") no
+    chunk's log-softmax is kept. In a chunk's backward its fp32 logits, the gradient from the loss and the
+    gradient it produces are alive together (12 x V per token, as in the full loss but for one chunk), next to
+    the gradient of the final hidden states that the chunks fill (N x h x c). Gemma-2's soft-capping keeps
+    one chunk's tanh output as well."""
+    c, chunk = DTYPE_BYTES[settings.precision], loss_chunk_tokens(settings)
+    softcap = c * spec.vocab_size * chunk if spec.logit_softcapping else 0
+    return 12 * spec.vocab_size * chunk + softcap + c * spec.hidden_size * settings.tokens_per_micro_batch
 
 
 def grad_buffer_bytes(spec: ModelSpec, settings: Settings) -> float:
@@ -486,9 +547,18 @@ def gathered_layer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) 
 # --- device side --------------------------------------------------------------------------------------------
 RESERVED_TRANSIENT_SHARE = 0.36
 STRANDED_BYTES = 0.9 * GIB
+# expandable_segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): the allocator maps 2 MiB pages into one
+# growing segment per stream instead of cutting separate segments, so a freed range can serve a request of any
+# shape and the blocks stranded by one step's sizes mostly vanish. No run in shared/calibration used it, and we
+# have no measurement of our own: the one published figure for a comparable step, torchtune issue #1185
+# (Llama-3-8B QLoRA, torchtune's single-device recipe, A100 80GB, dynamic padding; 16.39 GiB peak without,
+# 10.83 GiB with, at the same speed), cannot be split between the two parts of the reserve. The model is
+# therefore conservative and unmeasured: the transient share stays at 0.36 and the stranded reserve falls from
+# 0.9 GiB to 0.2 GiB, a margin for partly used pages that is chosen, not measured.
+EXPANDABLE_STRANDED_BYTES = 0.2 * GIB
 
 
-def reserved_bytes(allocated: float, transient: float) -> float:
+def reserved_bytes(allocated: float, transient: float, settings: Settings | None = None) -> float:
     """The caching allocator never gives memory back: it keeps every segment it has cut, and reuses a freed block
     only for a request that fits in it. Two parts of the step's reserve stay on top of the allocated peak:
 
@@ -503,8 +573,12 @@ def reserved_bytes(allocated: float, transient: float) -> float:
       allocated peak plus the transient share, ~0.3 GiB of which is torchtune's heavier loss path. The FMS runs
       fix the sum of this part and the CUDA context (device_bytes) at 1.88 GiB.
     `make bench-memory` prints each of those rows' error.
+
+    With expandable_segments the stranded part is mostly gone (see EXPANDABLE_STRANDED_BYTES).
     """
-    return allocated + RESERVED_TRANSIENT_SHARE * transient + STRANDED_BYTES
+    expandable = settings is not None and settings.expandable_segments
+    stranded = EXPANDABLE_STRANDED_BYTES if expandable else STRANDED_BYTES
+    return allocated + RESERVED_TRANSIENT_SHARE * transient + stranded
 
 
 def device_bytes(reserved: float, settings: Settings, runtime: Runtime, paged_state: float) -> float:
@@ -676,5 +750,5 @@ def device_side(
 ) -> tuple[float, float]:
     """(reserved, device) bytes for an allocated peak: the same device-side model for the analytic estimate
     and the `--exact` trace."""
-    reserved = reserved_bytes(allocated_bytes, transient_bytes)
+    reserved = reserved_bytes(allocated_bytes, transient_bytes, settings)
     return reserved, device_bytes(reserved, settings, runtime, paged_state_bytes)

@@ -6,13 +6,15 @@ with the numbers that forced it. When nothing fits, it says so and finds the sma
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
-from lorafit import hardware, options, serving
+from lorafit import hardware, memory, options, serving
 from lorafit.hardware import GpuSpec
 from lorafit.memory import estimate
 from lorafit.models import ModelSpec
 from lorafit.schema import Estimate, Plan, PlanRequest, Settings, Suggestion
+from lorafit.units import DTYPE_BYTES, gib
 
 # A run when the user gives no data: Alpaca-sized (52k rows of ~300 tokens), three epochs.
 DEFAULT_TOKENS_PER_EPOCH = 15_000_000
@@ -31,6 +33,16 @@ LORA_BACKWARD_PASSES = 0.75
 # bitsandbytes' 4-bit matmul (dequantise, then a bf16 matmul, in forward and backward) slows a step by ~13%
 # (FMS-06/07 vs FMS-03/04, same batch): more than its memory traffic alone explains, so it is a measured factor.
 QLORA_SLOWDOWN = 1.13
+# offload_activations copies with torch.autograd.graph.save_on_cpu(pin_memory=True): both copies are queued on
+# the compute stream, so the GPU runs them between its kernels instead of beside them. None of the transfer is
+# hidden behind compute (OFFLOAD_OVERLAP 0): the cost is the whole transfer at the link's copy rate.
+OFFLOAD_OVERLAP = 0.0
+# Pinned copies reach about 80% of the link's rate (CUDA's bandwidthTest on PCIe 4.0 x16: ~25-26 GB/s of 31.5):
+# a typical figure for large copies, not one measured by this project.
+HOST_COPY_EFFICIENCY = 0.8
+# A GPU whose catalog entry gives no host link (a plan saved before the field existed): PCIe 3.0 x16, the
+# slowest link of the catalog's cards.
+DEFAULT_HOST_LINK_GBS = 15.75
 
 
 # --- time ---------------------------------------------------------------------------------------------------
@@ -48,7 +60,12 @@ def flops_per_token(spec: ModelSpec, settings: Settings) -> float:
     passes = 3.0 if settings.method == "full" else 2.0 + LORA_BACKWARD_PASSES
     if settings.grad_ckpt:
         passes += 1.0
-    return forward * passes
+    return forward * passes + chunked_loss_flops_per_token(spec, settings)
+
+
+def chunked_loss_flops_per_token(spec: ModelSpec, settings: Settings) -> float:
+    """The chunked loss runs the LM head's forward again in backward: 2 x V x h more FLOPs per token."""
+    return 2 * spec.vocab_size * spec.hidden_size if settings.loss == "chunked" else 0.0
 
 
 def mfu(tokens_per_micro_batch: int) -> float:
@@ -56,10 +73,35 @@ def mfu(tokens_per_micro_batch: int) -> float:
 
 
 def step_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
-    """One micro-batch on one GPU at the utilisation above; 4/8-bit bases pay the bitsandbytes factor."""
+    """One micro-batch on one GPU at the utilisation above; 4/8-bit bases pay the bitsandbytes factor, the
+    savers that copy over the host link pay their copies."""
     tokens = settings.tokens_per_micro_batch
     compute = flops_per_token(spec, settings) * tokens / (gpu.tflops(settings.precision) * 1e12 * mfu(tokens))
-    return compute * (QLORA_SLOWDOWN if settings.quant != "none" else 1.0)
+    compute *= QLORA_SLOWDOWN if settings.quant != "none" else 1.0
+    return compute + host_copy_seconds(spec, settings, gpu, compute)
+
+
+def host_link_bytes_per_second(gpu: GpuSpec) -> float:
+    return (gpu.host_link_gbs or DEFAULT_HOST_LINK_GBS) * 1e9 * HOST_COPY_EFFICIENCY
+
+
+def host_copy_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec, compute_seconds: float) -> float:
+    """Time the host-memory savers add to one micro-batch.
+
+    offload_activations: every layer's checkpointed input (N x h x c) goes to host memory in forward and back in
+    backward, 2 x L x N x h x c bytes; what is not overlapped with the micro-batch's compute is added
+    (max(0, transfer - OFFLOAD_OVERLAP x compute)). offload_embeddings: the N rows gathered on the CPU come over
+    once (N x h x c), a copy too small to hide or to matter."""
+    c = DTYPE_BYTES[settings.precision]
+    row_bytes = c * spec.hidden_size * settings.tokens_per_micro_batch
+    rate = host_link_bytes_per_second(gpu)
+    seconds = 0.0
+    if settings.offload_activations and settings.grad_ckpt:
+        transfer = 2 * spec.num_hidden_layers * row_bytes / rate
+        seconds += max(0.0, transfer - OFFLOAD_OVERLAP * compute_seconds)
+    if memory.offloaded_embedding_bytes(spec, settings, memory.Runtime()):
+        seconds += row_bytes / rate
+    return seconds
 
 
 # Bytes the optimizer step reads and writes per trainable parameter: parameter, gradient and two moments.
@@ -103,6 +145,32 @@ def _micro_batches(batch_size: int, n_gpus: int) -> list[int]:
     return [b for b in range(per_gpu, 0, -1) if per_gpu % b == 0 and (b & (b - 1) == 0 or b == per_gpu)]
 
 
+SAVERS = ("loss", "offload_embeddings", "offload_activations", "expandable_segments")
+SAVER_ON = {"loss": "chunked", "offload_embeddings": True, "offload_activations": True, "expandable_segments": True}
+
+
+def savers_on(settings: Settings) -> list[str]:
+    """The memory savers these settings turn on, in SAVERS order."""
+    return [name for name in SAVERS if getattr(settings, name) == SAVER_ON[name]]
+
+
+def saver_choices(fixed: dict, spec: ModelSpec, gpu: GpuSpec | None, on_cpu: bool) -> dict[str, list]:
+    """The values the search tries for each saver not set: off, and on where it can apply. Without a GPU the
+    savers stay off; the host-memory and allocator savers need a CUDA card (Apple's memory is the host's)."""
+    off = {name: options.BY_NAME[name].default for name in SAVERS}
+    cuda = gpu is not None and gpu.kind != "apple" and not on_cpu
+    applies = {
+        "loss": gpu is not None,
+        "offload_embeddings": cuda and fixed["method"] != "full" and not spec.tie_word_embeddings,
+        "offload_activations": cuda,
+        "expandable_segments": cuda,
+    }
+    return {
+        name: [fixed.pop(name)] if name in fixed else [off[name], SAVER_ON[name]] if applies[name] else [off[name]]
+        for name in SAVERS
+    }
+
+
 def candidates(
     request: PlanRequest,
     gpu: GpuSpec | None,
@@ -111,16 +179,20 @@ def candidates(
     shard: str = "none",
     method: str | None = None,
 ) -> list[Candidate]:
-    """Every combination of the free settings, each with its estimate and speed."""
+    """Every combination of the free settings, the memory savers among them, each with its estimate and speed."""
     method = method or request.method
     pinned = dict(request.pinned)
     pinned.pop("method", None)
     if method != request.method:
         pinned.pop("quant", None)  # a suggested method brings its own base
+        if method == "full":
+            pinned.pop("offload_embeddings", None)  # full fine-tuning trains the embeddings
     fixed = {"method": method, "seq_len": seq_len, "n_gpus": n_gpus, "shard": pinned.pop("shard", shard)} | pinned
-    fixed |= options.step_defaults(fixed, request.model, gpu, on_cpu=request.device == "cpu")
+    on_cpu = request.device == "cpu"
+    fixed |= options.step_defaults(fixed, request.model, gpu, on_cpu=on_cpu)
     free_ckpt = [fixed.pop("grad_ckpt")] if "grad_ckpt" in fixed else [False, True]
     free_opt = [fixed.pop("optimizer")] if "optimizer" in fixed else OPTIMIZERS[method]
+    free_savers = saver_choices(fixed, request.model, gpu, on_cpu)
     batch_size = request.effective_batch
     batches = [fixed.pop("micro_batch")] if "micro_batch" in fixed else _micro_batches(batch_size, n_gpus)
     pinned_accum = fixed.pop("grad_accum", None)
@@ -129,16 +201,27 @@ def candidates(
         accum = pinned_accum or max(batch_size // (micro_batch * n_gpus), 1)
         for ckpt in free_ckpt:
             for optimizer in free_opt:
-                settings = Settings(
-                    **(
-                        fixed
-                        | {"micro_batch": micro_batch, "grad_accum": accum, "grad_ckpt": ckpt, "optimizer": optimizer}
-                    )
-                )
-                peak = estimate(request.model, settings, gpu, request.headroom)
-                speed = tokens_per_second(request.model, settings, gpu) if gpu else 0.0
-                found.append(Candidate(settings, peak, speed))
+                step = {"micro_batch": micro_batch, "grad_accum": accum, "grad_ckpt": ckpt, "optimizer": optimizer}
+                fitting: list[set[str]] = []
+                for chosen in saver_sets(free_savers):
+                    on = {name for name in SAVERS if chosen[name] == SAVER_ON[name]}
+                    if chosen["offload_activations"] and not ckpt:
+                        continue  # nothing checkpointed to offload
+                    if any(subset <= on for subset in fitting):
+                        continue  # fewer savers fit already: more only cost time
+                    settings = Settings(**(fixed | chosen | step))
+                    peak = estimate(request.model, settings, gpu, request.headroom)
+                    speed = tokens_per_second(request.model, settings, gpu) if gpu else 0.0
+                    found.append(Candidate(settings, peak, speed))
+                    if peak.fits:
+                        fitting.append(on)
     return found
+
+
+def saver_sets(free_savers: dict[str, list]) -> list[dict[str, object]]:
+    """Every combination of the savers' values, those with the fewest savers on first."""
+    sets = [dict(zip(SAVERS, values, strict=True)) for values in itertools.product(*free_savers.values())]
+    return sorted(sets, key=lambda chosen: sum(chosen[name] == SAVER_ON[name] for name in SAVERS))
 
 
 # Speeds closer than this are equal for the time model: 8-bit optimizer states stream less memory, but that
@@ -148,7 +231,8 @@ SPEED_TIE = 0.01
 
 def best(found: list[Candidate]) -> Candidate | None:
     """The fastest candidate that fits; among equals (within SPEED_TIE), the first optimizer of OPTIMIZERS (a
-    pinned one outside that list after them), then the smallest peak."""
+    pinned one outside that list after them), then the fewest memory savers (a saver is turned on only where it
+    makes the step fit or faster), then the smallest peak."""
     fitting = [c for c in found if c.estimate.fits]
     if not fitting:
         return None
@@ -156,9 +240,10 @@ def best(found: list[Candidate]) -> Candidate | None:
     fastest = max(c.tokens_per_s for c in fitting)
     equal = [c for c in fitting if c.tokens_per_s >= fastest * (1 - SPEED_TIE)]
 
-    def rank(c: Candidate) -> tuple[int, float]:
+    def rank(c: Candidate) -> tuple[int, int, float]:
         optimizer = c.settings.optimizer
-        return (preference.index(optimizer) if optimizer in preference else len(preference), c.estimate.peak_device_gib)
+        order = preference.index(optimizer) if optimizer in preference else len(preference)
+        return (order, len(savers_on(c.settings)), c.estimate.peak_device_gib)
 
     return min(equal, key=rank)
 
@@ -168,7 +253,7 @@ def smallest(found: list[Candidate]) -> Candidate:
 
 
 # --- explanations -------------------------------------------------------------------------------------------
-def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: float) -> list[str]:
+def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: float, spec: ModelSpec) -> list[str]:
     """Plain words for each choice, with the number that forced it."""
     s, card = chosen.settings, gpu.usable_gib(headroom)
     reasons = [
@@ -199,7 +284,7 @@ def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: f
     if bigger:
         reasons.append(
             f"{accum} = effective batch {s.effective_batch}: micro-batch {2 * s.micro_batch} would need "
-            f"{bigger[0].estimate.peak_device_gib:.1f} GiB"
+            f"{smallest(bigger).estimate.peak_device_gib:.1f} GiB"
         )
     else:
         reasons.append(f"{accum} = effective batch {s.effective_batch}")
@@ -211,8 +296,9 @@ def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: f
             and c.settings.micro_batch == s.micro_batch
             and c.settings.grad_ckpt == s.grad_ckpt
         ]
-        need = f" (32-bit AdamW would need {full[0].estimate.peak_device_gib:.1f} GiB)" if full else ""
+        need = f" (32-bit AdamW would need {smallest(full).estimate.peak_device_gib:.1f} GiB)" if full else ""
         reasons.append(f"optimizer {s.optimizer}: 8-bit states are a quarter of 32-bit ones{need}")
+    reasons += explain_savers(chosen, found, gpu, spec)
     if s.method == "qlora":
         reasons.append(
             "QLoRA: the frozen base is stored in 4-bit NF4"
@@ -222,7 +308,70 @@ def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: f
     return reasons
 
 
+def explain_savers(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, spec: ModelSpec) -> list[str]:
+    """One line per memory saver the plan turned on: what it moves or shrinks, what it costs, and what the same
+    plan needs without it."""
+    s = chosen.settings
+    runtime = memory.Runtime()
+    n = s.tokens_per_micro_batch
+    lines = []
+    for name in savers_on(s):
+        off = s.model_copy(update={name: options.BY_NAME[name].default})
+        twin = next((c for c in found if c.settings == off), None)
+        without = f"; without it {twin.estimate.peak_device_gib:.2f} GiB" if twin else ""
+        if name == "loss":
+            full = memory.logits_bytes(spec, off, runtime)
+            chunked = memory.chunked_loss_bytes(spec, s)
+            extra = memory_cost_share(spec, s, off, gpu)
+            lines.append(
+                f"loss chunked: the LM head and fp32 cross-entropy run {memory.loss_chunk_tokens(s)} tokens at a "
+                f"time, {gib(chunked):.2f} GiB instead of {gib(full):.2f} GiB of logits; the head runs again in "
+                f"backward (+{extra:.1%} step time){without}"
+            )
+        elif name == "offload_embeddings":
+            moved = memory.offloaded_embedding_bytes(spec, s, runtime)
+            lines.append(
+                f"offload_embeddings: the frozen input embedding ({gib(moved):.2f} GiB) stays in CPU RAM; each "
+                f"micro-batch copies its {n:,} rows over{without}"
+            )
+        elif name == "offload_activations":
+            host = memory.offloaded_activation_bytes(spec, s, runtime)
+            extra = memory_cost_share(spec, s, off, gpu)
+            lines.append(
+                f"offload_activations: the {spec.num_hidden_layers} checkpointed layer inputs ({gib(host):.2f} GiB) "
+                f"wait in pinned CPU RAM, {2 * host / 1e9:.2f} GB over the "
+                f"{gpu.host_link_gbs or DEFAULT_HOST_LINK_GBS:g} GB/s host link per micro-batch "
+                f"(+{extra:.1%} step time){without}"
+            )
+        elif name == "expandable_segments":
+            lines.append(
+                "expandable_segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; the allocator's stranded "
+                f"reserve modelled at {gib(memory.EXPANDABLE_STRANDED_BYTES):.1f} instead of "
+                f"{gib(memory.STRANDED_BYTES):.1f} GiB (not measured){without}"
+            )
+    return lines
+
+
+def memory_cost_share(spec: ModelSpec, on: Settings, off: Settings, gpu: GpuSpec) -> float:
+    """How much longer a micro-batch takes with a saver on than off."""
+    return step_seconds(spec, on, gpu) / step_seconds(spec, off, gpu) - 1
+
+
 # --- suggestions when nothing fits -------------------------------------------------------------------------
+MIN_SUGGESTED_SEQ_LEN = 128
+
+
+def shorter_lengths(seq_len: int) -> list[int]:
+    """Lengths below `seq_len`, longest first: the powers of two and the halfway steps between them (1536,
+    768, ...), down to 128."""
+    lengths = set()
+    power = MIN_SUGGESTED_SEQ_LEN
+    while power < seq_len:
+        lengths |= {power, power * 3 // 2}
+        power *= 2
+    return sorted((n for n in lengths if n < seq_len), reverse=True)
+
+
 def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Suggestion]:
     """The smallest changes that fit: a shorter sequence, QLoRA, a bigger GPU, or several GPUs sharded."""
     found: list[Suggestion] = []
@@ -232,11 +381,9 @@ def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Sugges
             found.append(Suggestion(change=change, settings=fit.settings, gpu=on.name, estimate=fit.estimate))
         return fit is not None
 
-    length = seq_len // 2
-    while length >= 128 and not suggest(
-        f"sequence length {length} instead of {seq_len}", best(candidates(request, gpu, length))
-    ):
-        length //= 2
+    for length in shorter_lengths(seq_len):
+        if suggest(f"sequence length {length} instead of {seq_len}", best(candidates(request, gpu, length))):
+            break
     if request.method != "qlora" and "quant" not in request.pinned:
         suggest(
             f"QLoRA (4-bit base) instead of {request.method}", best(candidates(request, gpu, seq_len, method="qlora"))
@@ -321,12 +468,13 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
     reasons: list[str] = []
     extra: list[Suggestion] = []
     if chosen:
-        reasons = explain(chosen, found, gpu, request.headroom)
+        reasons = explain(chosen, found, gpu, request.headroom, request.model)
     elif gpu:
         chosen = smallest(found)
         reasons = [
             f"does not fit: even the smallest configuration needs {chosen.estimate.peak_device_gib:.1f} GiB "
-            f"and {gpu.name} has {gpu.usable_gib(request.headroom):.1f} GiB after "
+            + (f"(with {', '.join(savers_on(chosen.settings))}) " if savers_on(chosen.settings) else "")
+            + f"and {gpu.name} has {gpu.usable_gib(request.headroom):.1f} GiB after "
             f"{request.headroom:.0%} headroom"
         ]
         extra = suggestions(request, gpu, seq_len)

@@ -37,11 +37,20 @@ def settings_line(settings: Settings) -> str:
     quant = f" {settings.quant}" if settings.quant != "none" else ""
     lora = f", LoRA r={settings.lora_r} on {settings.lora_targets}" if settings.method != "full" else ""
     gpus = f", {settings.n_gpus} GPUs {settings.shard}" if settings.n_gpus > 1 else ""
+    savers = saver_names(settings)
     return (
         f"{settings.method}{quant} {settings.precision}{lora}, micro-batch {settings.micro_batch} x accumulation "
         f"{settings.grad_accum}, seq {settings.seq_len}, checkpointing {'on' if settings.grad_ckpt else 'off'}, "
-        f"{settings.optimizer}, attention {settings.attn}{gpus}"
+        f"{settings.optimizer}, attention {settings.attn}{gpus}" + (f", savers: {', '.join(savers)}" if savers else "")
     )
+
+
+def saver_names(settings: Settings) -> list[str]:
+    """The memory savers on, by the names of their options (`loss chunked` for the loss)."""
+    names = ["loss chunked"] if settings.loss == "chunked" else []
+    return names + [
+        name for name in ("offload_embeddings", "offload_activations", "expandable_segments") if getattr(settings, name)
+    ]
 
 
 # Parts of the estimate that only a CUDA device has: its caching allocator and its context.
@@ -160,7 +169,8 @@ def show_compare(plans: list[Plan], cheapest: Plan | None, cheapest_under: Plan 
             plan.gpu.name if plan.gpu else "-",
             f"{plan.gpu.memory_gib:.0f} GiB" if plan.gpu else "-",
             "yes" if plan.fits else "no",
-            f"mb {plan.settings.micro_batch}, ckpt {'on' if plan.settings.grad_ckpt else 'off'}",
+            f"mb {plan.settings.micro_batch}, ckpt {'on' if plan.settings.grad_ckpt else 'off'}"
+            + "".join(f", {name}" for name in saver_names(plan.settings)),
             f"{plan.tokens_per_s:,.0f}" if plan.fits else "-",
             _hours(plan.hours) if plan.fits else "-",
             _usd(plan.cost_cloud_usd) if plan.fits else "-",

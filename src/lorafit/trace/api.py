@@ -106,9 +106,23 @@ def optimizer_overrides(settings: Settings, fused: bool) -> dict[str, bool]:
     return {}
 
 
+def untraced_savers(settings: Settings) -> list[str]:
+    """The memory savers on in `settings` that the trace cannot run: the chunked loss and the offloads are the
+    trainer's own code (lorafit.train.savers), which the traced step does not call yet. expandable_segments
+    changes only the allocator, which the device side models from the same traced tensors."""
+    on = ["loss chunked"] if settings.loss == "chunked" else []
+    return on + [name for name in ("offload_activations", "offload_embeddings") if getattr(settings, name)]
+
+
 def check_traceable(settings: Settings) -> None:
     if settings.n_gpus > 1 or settings.shard != "none":
         raise LorafitError("--exact traces a single-GPU step; for --n-gpus > 1 use the analytic estimate")
+    untraced = untraced_savers(settings)
+    if untraced:
+        raise LorafitError(
+            f"--exact does not trace {', '.join(untraced)} yet (the traced step runs without lorafit's savers); "
+            "use the analytic estimate (without --exact)"
+        )
 
 
 def _run(
