@@ -28,7 +28,7 @@ BNB_8BIT_BLOCK = 256
 HEAD_CHUNK = 128  # litgpt's lm_head_chunk_size: the LM head runs on 128 positions of every row at a time
 # lorafit's own chunked loss (settings.loss "chunked", lorafit.train.savers): the LM head and the fp32
 # cross-entropy run over chunks of this many tokens of the micro-batch, recomputed in backward
-LOSS_CHUNK_TOKENS = 1024
+LOSS_CHUNK_TOKENS = 512  # one chunk of a 152k vocabulary: 12 x V x 512 bytes = 0.87 GiB of fp32 logits and gradients
 # offload_activations: checkpointed layer inputs on the GPU at once (one being copied back for its layer's
 # backward, the next one arriving)
 OFFLOAD_LAYERS_ON_GPU = 2
