@@ -471,6 +471,18 @@ def test_the_savers_make_an_8b_on_16gb_faster() -> None:
     assert plan.hours < without.hours
 
 
+def test_the_bigger_micro_batch_it_did_not_choose_is_compared_with_the_same_savers() -> None:
+    """The reason names what micro-batch 2x needs with the chosen savers, not with savers it did not turn on."""
+    plan = planner.make_plan(ask("llama-2-7b", gpu=hardware.custom(16)))
+    bigger = plan.settings.model_copy(
+        update={"micro_batch": 2 * plan.micro_batch, "grad_accum": plan.settings.grad_accum // 2}
+    )
+    need = memory.estimate(models.resolve("llama-2-7b"), bigger, hardware.custom(16)).peak_device_gib
+    reason = next(r for r in plan.reasons if r.startswith(f"micro-batch {plan.micro_batch} x"))
+    assert not planner.savers_on(plan.settings) and need > usable_gib(hardware.custom(16))
+    assert reason.endswith(f"micro-batch {2 * plan.micro_batch} would need {need:.1f} GiB")
+
+
 def test_time_of_each_saver_by_hand() -> None:
     spec, gpu = models.resolve("llama-2-7b"), hardware.resolve("RTX 4060 Ti 16GB")  # PCIe 4.0 x8: 15.75 GB/s
     step = Settings(method="qlora", micro_batch=1, seq_len=2048, grad_ckpt=True)

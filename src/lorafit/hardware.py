@@ -157,6 +157,18 @@ class LocalMachine(BaseModel):
     how: str
 
 
+def available_ram_gib() -> float | None:
+    """RAM the kernel says a new allocation can have without swapping (MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return gib(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _ram_gib() -> float | None:
     try:
         return gib(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -391,6 +391,28 @@ def offloaded_activation_bytes(spec: ModelSpec, settings: Settings, runtime: Run
     return spec.num_hidden_layers * width * spec.hidden_size * settings.tokens_per_micro_batch
 
 
+# The share of the free host RAM the offloading savers may fill: the data loader, the tokenizer and pinned
+# staging buffers need the rest.
+HOST_RAM_SHARE = 0.8
+
+
+def host_saver_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime()) -> float:
+    """Host memory the offloading savers hold during a step: the pinned activations and the embedding table."""
+    return offloaded_activation_bytes(spec, settings, runtime) + offloaded_embedding_bytes(spec, settings, runtime)
+
+
+def host_saver_problem(spec: ModelSpec, settings: Settings, free_gib: float | None) -> str | None:
+    """Why the offloading savers in `settings` do not fit the host RAM that is free, or None."""
+    needed = host_saver_bytes(spec, settings)
+    if not needed or free_gib is None or needed <= HOST_RAM_SHARE * free_gib * GIB:
+        return None
+    on = [name for name in ("offload_activations", "offload_embeddings") if getattr(settings, name)]
+    return (
+        f"{' and '.join(on)} need {gib(needed):.1f} GiB of host RAM and {free_gib:.1f} GiB is free "
+        f"({HOST_RAM_SHARE:.0%} of it may be used); turn {' and '.join(on)} off or free some RAM"
+    )
+
+
 def activation_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     """All layers' saved tensors at the end of the forward pass. With frozen embeddings (LoRA) the first
     layer's input norm needs no grad, so it saves nothing."""

@@ -210,6 +210,8 @@ def candidates(
                     if any(subset <= on for subset in fitting):
                         continue  # fewer savers fit already: more only cost time
                     settings = Settings(**(fixed | chosen | step))
+                    if on - set(pinned) and memory.host_saver_problem(request.model, settings, request.host_ram_gib):
+                        continue  # the planner does not choose an offload the host RAM cannot hold
                     peak = estimate(request.model, settings, gpu, request.headroom)
                     speed = tokens_per_second(request.model, settings, gpu) if gpu else 0.0
                     found.append(Candidate(settings, peak, speed))
@@ -277,15 +279,20 @@ def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: f
         if c.settings.micro_batch == 2 * s.micro_batch
         and c.settings.grad_ckpt == s.grad_ckpt
         and c.settings.optimizer == s.optimizer
+        and savers_on(c.settings) == savers_on(s)
     ]
     accum = f"micro-batch {s.micro_batch} x gradient accumulation {s.grad_accum}"
     if s.n_gpus > 1:
         accum += f" x {s.n_gpus} GPUs"
     if bigger:
-        reasons.append(
-            f"{accum} = effective batch {s.effective_batch}: micro-batch {2 * s.micro_batch} would need "
-            f"{smallest(bigger).estimate.peak_device_gib:.1f} GiB"
+        need = smallest(bigger).estimate
+        larger = f"micro-batch {2 * s.micro_batch}"
+        larger += (
+            f" fits too ({need.peak_device_gib:.1f} GiB) but runs no faster"
+            if need.fits
+            else f" would need {need.peak_device_gib:.1f} GiB"
         )
+        reasons.append(f"{accum} = effective batch {s.effective_batch}: {larger}")
     else:
         reasons.append(f"{accum} = effective batch {s.effective_batch}")
     if s.optimizer != "adamw":

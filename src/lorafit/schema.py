@@ -76,6 +76,9 @@ class _PlanRequestBase(Frozen):
     tokens: TokenProfile | None = None
     device: Device | None = Field(default=None, description="where `train` runs; None: planning")
     pinned: dict[str, Any] = Field(default_factory=dict, description="Settings fields the user fixed")
+    host_ram_gib: float | None = Field(
+        default=None, description="host RAM free for the offloading savers (train); None: not checked"
+    )
 
     @property
     def effective_batch(self) -> int:

@@ -39,6 +39,7 @@ class StepTrace:
     paged_bytes: int  # bnb paged optimizer states (CUDA managed memory, outside peak_bytes)
     trainable_params: int
     total_params: int
+    host_peak_bytes: int = 0  # what the memory savers kept in host memory at most (outside peak_bytes)
 
     @property
     def peak_description(self) -> str:
@@ -106,23 +107,9 @@ def optimizer_overrides(settings: Settings, fused: bool) -> dict[str, bool]:
     return {}
 
 
-def untraced_savers(settings: Settings) -> list[str]:
-    """The memory savers on in `settings` that the trace cannot run: the chunked loss and the offloads are the
-    trainer's own code (lorafit.train.savers), which the traced step does not call yet. expandable_segments
-    changes only the allocator, which the device side models from the same traced tensors."""
-    on = ["loss chunked"] if settings.loss == "chunked" else []
-    return on + [name for name in ("offload_activations", "offload_embeddings") if getattr(settings, name)]
-
-
 def check_traceable(settings: Settings) -> None:
     if settings.n_gpus > 1 or settings.shard != "none":
         raise LorafitError("--exact traces a single-GPU step; for --n-gpus > 1 use the analytic estimate")
-    untraced = untraced_savers(settings)
-    if untraced:
-        raise LorafitError(
-            f"--exact does not trace {', '.join(untraced)} yet (the traced step runs without lorafit's savers); "
-            "use the analytic estimate (without --exact)"
-        )
 
 
 def _run(
@@ -141,11 +128,13 @@ def _run(
     from lorafit.trace.model import cuda_kernel_choices, eager_data_checks, parameter_tensors
     from lorafit.trace.step import run_training_steps, token_batch
     from lorafit.trace.tracker import PARAMETERS, LiveTensorTracker
-    from lorafit.train import build
+    from lorafit.train import build, savers
 
     tracker = LiveTensorTracker()
     for tensor in parameter_tensors(model):
         tracker.track(tensor, PARAMETERS)
+    for tensor in savers.host_tensors(model):
+        tracker.mark_host(tensor)
     make_batch = token_batch(spec.vocab_size, settings.micro_batch, settings.seq_len)
     if before_steps is not None:
         before_steps()
@@ -169,6 +158,7 @@ def _run(
         paged_bytes=tracker.paged_bytes,
         trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
         total_params=total_params,
+        host_peak_bytes=tracker.host_peak_bytes,
     )
 
 
@@ -214,6 +204,7 @@ class DepthTrace:
     trainable_params: int
     total_params: int
     traces: tuple[StepTrace, ...]
+    host_peak_bytes: int = 0
 
     @property
     def transient_bytes(self) -> int:
@@ -256,6 +247,7 @@ def trace_depth(
             trace.trainable_params,
             trace.total_params,
             (trace,),
+            trace.host_peak_bytes,
         )
     a, b = TRACE_DEPTHS
     small, large = (trace_step(spec, settings, n, **options) for n in TRACE_DEPTHS)
@@ -292,6 +284,7 @@ def trace_depth(
         count("trainable_params"),
         count("total_params"),
         (small, large),
+        count("host_peak_bytes"),
     )
 
 

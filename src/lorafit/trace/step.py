@@ -9,6 +9,7 @@ the second's forward; a third would repeat the second). The second step is the f
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Callable
 from functools import partial
@@ -25,7 +26,7 @@ from lorafit.trace.tracker import (
     LiveTensorTracker,
     Phase,
 )
-from lorafit.train import build
+from lorafit.train import build, savers
 
 if TYPE_CHECKING:
     from lorafit.schema import Settings
@@ -138,20 +139,35 @@ def watch_gradients(model: torch.nn.Module, tracker: LiveTensorTracker) -> None:
             param.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, GRADIENTS))
 
 
-def forward(model: torch.nn.Module, batch: dict[str, torch.Tensor], settings: Settings, autocast: bool) -> torch.Tensor:
+def forward(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    settings: Settings,
+    autocast: bool,
+    on_host: Callable[[torch.Tensor], None] | None = None,
+) -> torch.Tensor:
     """The loss of one micro-batch, as the Trainer computes it.
 
     With bf16/fp16, transformers' Trainer hands the model to accelerate, which wraps its forward in
     `torch.autocast` and converts the outputs to fp32 afterwards (`convert_outputs_to_fp32`): the logits get an
     fp32 copy that lives until `compute_loss` drops the outputs. Under autocast peft does not cast the adapters'
-    inputs to fp32 and the fp32 adapters run on bf16 copies of their weights."""
-    if not autocast or settings.precision == "fp32":
-        return model(**batch).loss
+    inputs to fp32 and the fp32 adapters run on bf16 copies of their weights. With the chunked loss or
+    activation offload the trainer's `compute_loss` runs `savers.micro_batch_loss` under the same autocast
+    (its loss is fp32 already); `on_host` hears of each offloaded copy."""
+    own_loss = savers.uses_own_loss(settings)
+    mixed = autocast and settings.precision != "fp32"
+    with (
+        torch.autocast(device_type=batch["input_ids"].device.type, dtype=build.compute_dtype(settings))
+        if mixed
+        else contextlib.nullcontext()
+    ):
+        if own_loss:
+            return savers.micro_batch_loss(model, batch, settings, on_host=on_host)
+        outputs = model(**batch)
+    if not mixed:
+        return outputs.loss
     from accelerate.utils import convert_to_fp32
 
-    device_type = batch["input_ids"].device.type
-    with torch.autocast(device_type=device_type, dtype=build.compute_dtype(settings)):
-        outputs = model(**batch)
     return convert_to_fp32(outputs).loss
 
 
@@ -178,7 +194,7 @@ def run_training_steps(
                 labels.set("batch")
                 tracker.start_forward()
                 batch = make_batch()
-                loss = forward(model, batch, settings, autocast)
+                loss = forward(model, batch, settings, autocast, on_host=tracker.mark_host)
                 if settings.grad_accum > 1:
                     loss = loss / settings.grad_accum
                 tracker.retag_forward_leftovers()

@@ -32,6 +32,9 @@ TEMPORARIES = "temporaries"
 CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER_STATES, ACTIVATIONS, TEMPORARIES)
 # bitsandbytes' paged optimizers keep big states in CUDA managed memory, which torch's allocator never counts.
 PAGED_OPTIMIZER_STATES = "paged_optimizer_states"
+# What the memory savers keep in host memory (offloaded activations, an embedding table on the CPU): the
+# trace runs on the CPU device, so these are told apart by role, not by device.
+HOST = "host"
 
 
 class Phase(NamedTuple):
@@ -80,6 +83,8 @@ class LiveTensorTracker(TorchDispatchMode):
         self.forward_pass = 0
         self.live_bytes = 0
         self.paged_bytes = 0
+        self.host_bytes = 0
+        self.host_peak_bytes = 0
         self.by_category: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.phase_peaks: dict[Phase, Snapshot] = {}
         self.phase_starts: dict[Phase, Snapshot] = {}  # live bytes when each phase first began
@@ -128,6 +133,10 @@ class LiveTensorTracker(TorchDispatchMode):
             if storage.category == TEMPORARIES and storage.born_in == self.forward_pass:
                 self._move(storage, ACTIVATIONS)
 
+    def mark_host(self, tensor: torch.Tensor) -> None:
+        """`tensor` lives in host memory (savers.ActivationOffload's copies, a HostEmbedding's table)."""
+        self.retag(tensor, HOST)
+
     def pack_saved(self, tensor: torch.Tensor) -> torch.Tensor:
         """saved_tensors_hooks pack hook: what autograd saves for backward is an activation."""
         self.retag(tensor, ACTIVATIONS, only_from=(TEMPORARIES,))
@@ -155,6 +164,10 @@ class LiveTensorTracker(TorchDispatchMode):
     def _add(self, category: str, nbytes: int) -> None:
         if category == PAGED_OPTIMIZER_STATES:
             self.paged_bytes += nbytes
+            return
+        if category == HOST:
+            self.host_bytes += nbytes
+            self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
             return
         self.live_bytes += nbytes
         self.by_category[category] += nbytes

@@ -144,6 +144,7 @@ def load_model(
 def prepare(model: PreTrainedModel, spec: ModelSpec, settings: Settings) -> PreTrainedModel:
     """Gradient checkpointing and LoRA adapters, the same for training and for the trace.
 
+    With offload_embeddings the frozen input embedding moves to host memory (`savers.keep_embeddings_on_host`).
     We do not call peft's `prepare_model_for_kbit_training`: it upcasts every non-quantised parameter
     (embeddings, LM head, norms) to fp32, which costs 4 bytes x vocab x hidden twice for nothing the adapters
     need. Non-reentrant checkpointing needs no input that requires grad, so nothing else is required.
@@ -155,7 +156,12 @@ def prepare(model: PreTrainedModel, spec: ModelSpec, settings: Settings) -> PreT
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if settings.method == "full":
         return model
-    return get_peft_model(model, lora_config(spec, settings))
+    model = get_peft_model(model, lora_config(spec, settings))
+    if settings.offload_embeddings:
+        from lorafit.train import savers
+
+        savers.keep_embeddings_on_host(model)
+    return model
 
 
 # --- shared checks and the optimizer (used by `lorafit train` and by the `--exact` trace) ---------------

@@ -173,7 +173,7 @@ def demo_config(overrides: dict[str, Any]) -> Any:
         "eval_data": str(demo_file("heldout.jsonl")),
         "eval_split": 0,
     }
-    return validate(data | overrides | {"output_dir": str(output_dir)}, "the demo config")
+    return validate(data | overrides | {"output_dir": str(output_dir)}, "the demo config", from_flags=overrides)
 
 
 # --- before / after -----------------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def run(
     saved_plan = _saved_plan(output_dir) if start.mode == "resume" else None
     plan = resolve_plan(config, spec, profile, encoded.lengths, saved_plan=saved_plan, on_cuda=on_cuda, console=console)
     settings = plan.settings
-    _check_device(settings, on_cuda)
+    _check_device(settings, on_cuda, spec)
     from lorafit.render import show_plan
 
     show_plan(plan, console)
@@ -128,9 +128,10 @@ def run(
         raise DataError(f"no training row has an answer token within seq_len {settings.seq_len}")
 
     # 5. The model, set up by the code the --exact trace runs too.
-    from lorafit.train import build
+    from lorafit.train import build, savers
 
     build.check_settings(spec, settings)
+    savers.use_allocator_settings(settings, on_cuda)
     model = _load_model(model_dir, spec, settings, config, on_cuda)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -224,7 +225,7 @@ def _dry_run(
         on_cuda=torch.cuda.is_available(),
         console=console,
     )
-    _check_device(plan.settings, plan.device == "cuda")
+    _check_device(plan.settings, plan.device == "cuda", spec)
     build.check_settings(spec, plan.settings)
     show_plan(plan, console)
     console.print("resolved config (`lorafit train` would run exactly this):")
@@ -247,8 +248,11 @@ def _inputs(config: TrainConfig, *, check_model: bool) -> tuple[Path, Path, Path
         if path is not None and not path.exists():
             raise DataError(f"no dataset at {path}")
     if check_model:
+        from lorafit import options
+
         _check_model(model_dir, config)
-        _model_spec(model_dir)
+        # what the model alone rules out (its positions, tied embeddings, attention kernels), before any write
+        options.check_against(config.pinned_settings(), _model_spec(model_dir))
     return model_dir, data_path, eval_path
 
 
@@ -378,6 +382,7 @@ def resolve_plan(
             headroom=config.headroom,
             batching=config.batching,
             pinned=pinned,
+            host_ram_gib=hardware.available_ram_gib() if on_cuda else None,
         )
         seq_len = resolve_seq_len(request)
         plan = make_plan(request, truncated_rows=sum(1 for length in lengths if length > seq_len))
@@ -385,7 +390,14 @@ def resolve_plan(
     return with_settings(plan, wanted)
 
 
-def _check_device(settings: Settings, on_cuda: bool) -> None:
+def _check_device(settings: Settings, on_cuda: bool, spec: ModelSpec) -> None:
+    """What this machine cannot run: several GPUs, or offloads that the free host RAM cannot hold."""
+    if on_cuda:
+        from lorafit import hardware, memory
+
+        problem = memory.host_saver_problem(spec, settings, hardware.available_ram_gib())
+        if problem:
+            raise TrainError(problem)
     if settings.n_gpus > 1:
         raise TrainError(
             f"lorafit train runs on one device; the plan asks for {settings.n_gpus} GPUs "
@@ -500,6 +512,7 @@ def _train_guarded(
             keep=config.save_total_limit,
             fault=fault,
             watch=watch,
+            settings=settings,
         )
         trainer.remove_callback(PrinterCallback)
         trainer.remove_callback(ProgressCallback)

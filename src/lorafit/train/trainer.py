@@ -16,7 +16,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -26,9 +26,12 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from lorafit.errors import TrainError
 from lorafit.files import write_atomic
-from lorafit.train import checkpoints
+from lorafit.train import checkpoints, savers
 from lorafit.train.examples import IGNORE_INDEX
 from lorafit.train.guard import InjectedOom, RandomState, capture_random_state, restore_random_state
+
+if TYPE_CHECKING:
+    from lorafit.schema import Settings
 
 TOKENS_KEY = "num_tokens"  # added by TokenCountingCollator, removed before the forward pass
 UNLOGGED_LOSSES = "lorafit-unlogged-losses.json"  # in a checkpoint: step losses not yet in a metrics line
@@ -92,9 +95,11 @@ class LorafitTrainer(Trainer):
         keep: int,
         fault: InjectedOom,
         watch: StepWatch,
+        settings: Settings,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.settings = settings
         self.run_dir = Path(run_dir)
         self.lengths = lengths
         self.group_by_length = group_by_length
@@ -170,6 +175,21 @@ class LorafitTrainer(Trainer):
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
         if self._micro_batches_in_step == self.current_gradient_accumulation_steps:
             self.watch.unlogged_losses[self.state.global_step + 1] = self._step_loss
+        return loss
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """With the chunked loss or activation offload on, the decoder and the loss run through
+        `savers.micro_batch_loss`, under the autocast accelerate puts around the model's own forward; the
+        loss is normalised as transformers normalises it (by the step's answer tokens, across processes)."""
+        if return_outputs or not savers.uses_own_loss(self.settings):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        with self.accelerator.autocast():
+            loss = savers.micro_batch_loss(model, inputs, self.settings, num_items_in_batch=num_items_in_batch)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:  # as Trainer.compute_loss
+            processes = self.accelerator.num_processes // self.get_tp_size()
+            loss = loss * (processes if self.args.n_gpu <= 1 else self.args.n_gpu)
         return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
