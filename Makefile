@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-litgpt bench-throughput bench-train bench-data bench-exact bench-export bench-savers gpu-check gpu-wheels clean
+.PHONY: run test lint install bench-memory bench-litgpt bench-throughput bench-train bench-data bench-exact bench-export bench-savers bench-serve screenshots serve gpu-check gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,19 @@ bench-export: $(STAMP) $(BENCH_STAMP)
 # writes bench/results/savers.json
 bench-savers: $(STAMP)
 	$(BIN)/python bench/savers.py
+
+# How fast `lorafit serve` answers /api/plan server-side, beside the planner called directly; writes
+# bench/results/serve.json
+bench-serve: $(STAMP)
+	$(BIN)/python bench/serve.py
+
+# The page as a browser shows it (the system's Chromium): the screenshots in docs/ that the README shows
+screenshots: $(STAMP)
+	LORAFIT_SCREENSHOTS=docs/screenshots LORAFIT_BROWSER_REQUIRED=1 $(BIN)/python -m pytest -q tests/test_web_browser.py
+
+# The planner as a local web page on http://127.0.0.1:8765/
+serve: $(STAMP)
+	$(BIN)/lorafit serve --open
 
 # Real training steps of 7-8B models on this machine's CUDA GPU against the estimate and the time model, and the
 # plan's 24/16/8 GB verdicts under a memory cap; writes bench/results/gpu-check-<gpu>.json (bench/results/README.md)

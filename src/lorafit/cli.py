@@ -9,17 +9,14 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import typer
 from pydantic import ValidationError
 
-from lorafit import hardware, memory, models, options, render
+from lorafit import answers, hardware, models, options, render
 from lorafit.errors import LorafitError
-from lorafit.hardware import GpuSpec
 from lorafit.options import one_line
-from lorafit.schema import PLAN_REQUEST_KEYS, PlanRequest
 
 app = typer.Typer(
     name="lorafit",
@@ -32,8 +29,6 @@ app = typer.Typer(
 
 
 # --- options, derived from lorafit.options -----------------------------------------------------------------
-DEFAULT_MODEL = "llama-2-7b"
-EMBEDDED_GPUS = ("RTX 4090", "RTX 4060 Ti 16GB")
 SWITCHES = {option.name for option in options.OPTIONS if not option.config}
 METAVARS = {int: "INTEGER", float: "NUMBER", str: "TEXT", dict: "FIELD=COLUMN,..."}
 
@@ -71,109 +66,34 @@ def split(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return given, {key: value for key, value in values.items() if key in SWITCHES}
 
 
-def target_gpu(gpu: str | None, vram: float | None) -> GpuSpec | None:
-    """--gpu, else --vram, else the detected GPU (torch is not imported for this: NVML only)."""
-    if gpu and vram:
-        raise LorafitError("pass --gpu or --vram, not both")
-    if gpu:
-        return hardware.resolve(gpu)
-    if vram is not None:
-        return hardware.custom(vram)
-    return hardware.detected_gpu(use_torch=False)
-
-
 # --- commands -----------------------------------------------------------------------------------------------
 @app.command()
 @derived_options("estimate")
 def estimate(**values: Any) -> None:
     """Peak memory of one training step, as a breakdown, and whether it fits the GPU."""
     given, switches = split(values)
-    request = options.validate("estimate", given, from_flags=given)
-    spec = models.resolve(request.model or DEFAULT_MODEL)
-    target = target_gpu(request.gpu, request.vram)
-    settings = options.settings_from(request.model_dump(), spec, target)
-    if switches["exact"]:
-        from lorafit import trace
-
-        result = trace.exact_estimate(spec, settings, target, request.headroom)
-    else:
-        result = memory.estimate(spec, settings, target, request.headroom)
+    answer = answers.estimate(given, exact=switches["exact"])
     if switches["json"]:
-        render.print_json(
-            result.model_dump(mode="json")
-            | {
-                "exact": switches["exact"],
-                "model": spec.model_dump(mode="json"),
-                "settings": settings.model_dump(mode="json"),
-                "gpu": target.model_dump(mode="json") if target else None,
-            }
-        )
+        render.print_json(answer.to_json())
     else:
-        render.show_estimate(spec, settings, result, target)
+        render.show_estimate(answer.spec, answer.settings, answer.result, answer.gpu)
 
 
 @app.command()
 @derived_options("plan")
 def plan(**values: Any) -> None:
     """Will it fit, with which settings, how long, at what cost: the fastest configuration that fits."""
-    from lorafit import plan as planner
-
     given, switches = split(values)
-    asked = options.validate("plan", given, from_flags=given)
-    spec = models.resolve(asked.model or DEFAULT_MODEL)
-    pinned = {key: getattr(asked, key) for key in options.STEP_KEYS if key in given and key not in PLAN_REQUEST_KEYS}
-    profile, truncated = None, None
-    if asked.data is not None:
-        from lorafit.data import length_profile
-
-        options.check_against({"seq_len": asked.seq_len}, spec)
-        lengths = length_profile(Path(asked.data), tokenizer=asked.tokenizer)
-        profile = lengths.profile
-        truncated = lengths.truncated_rows(asked.seq_len or min(profile.max, spec.max_position_embeddings))
-    request = PlanRequest(
-        model=spec,
-        tokens=profile,
-        pinned=pinned,
-        **{key: getattr(asked, key) for key in PLAN_REQUEST_KEYS if key in asked.model_fields_set},
-    )
-    as_json = switches["json"]
-    if switches["compare"]:
-        plans = planner.compare(request)
-        best_any, best_under = planner.cheapest(plans), planner.cheapest(plans, asked.max_price_hour)
-        if as_json:
-            render.print_json(
-                {
-                    "plans": [p.model_dump(mode="json") for p in plans],
-                    "cheapest": best_any.gpu.name if best_any and best_any.gpu else None,
-                    "cheapest_under_price": best_under.gpu.name if best_under and best_under.gpu else None,
-                    "max_price_hour": asked.max_price_hour,
-                }
-            )
-        else:
-            render.show_compare(plans, best_any, best_under, asked.max_price_hour)
-        return
-    target = target_gpu(asked.gpu, asked.vram)
-    if target is None and asked.model is None:
-        # The embedded default: a 7B model on a comfortable and on a tight consumer card.
-        plans = [
-            planner.make_plan(request.model_copy(update={"gpu": hardware.resolve(name)}), truncated)
-            for name in EMBEDDED_GPUS
-        ]
-        if as_json:
-            render.print_json([p.model_dump(mode="json") for p in plans])
-        else:
-            for result in plans:
-                render.show_plan(result)
-        return
-    if target is None:
-        target = hardware.resolve(EMBEDDED_GPUS[0])
-        if not as_json:
-            render.console.print(f"no GPU detected: planning for {target.name} (pass --gpu or --vram)")
-    result = planner.make_plan(request.model_copy(update={"gpu": target}), truncated)
-    if as_json:
-        render.print_json(result.model_dump(mode="json"))
+    answer = answers.plan(given, compare=switches["compare"])
+    if switches["json"]:
+        render.print_json(answer.to_json())
+    elif answer.kind == "compare":
+        render.show_compare(answer.plans, answer.cheapest, answer.cheapest_under_price, answer.max_price_hour)
     else:
-        render.show_plan(result)
+        if answer.note:
+            render.console.print(answer.note)
+        for result in answer.plans:
+            render.show_plan(result)
 
 
 @app.command()
@@ -214,6 +134,17 @@ def detect(**values: Any) -> None:
         render.print_json(machine.model_dump(mode="json"))
     else:
         render.show_machine(machine)
+
+
+@app.command()
+@derived_options("serve")
+def serve(**values: Any) -> None:
+    """The planner as a local web page (and its JSON API): form, memory chart, GPU table, shareable links."""
+    given, switches = split(values)
+    asked = options.validate("serve", given, from_flags=given)
+    from lorafit import web
+
+    web.serve(asked.host, asked.port, open_browser=switches["open"])
 
 
 @cache  # once per process: main() may run several times in one interpreter (tests, notebooks)

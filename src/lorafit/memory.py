@@ -10,6 +10,7 @@ kv = kv_heads x head_dim, I intermediate, V vocabulary, r LoRA rank, c bytes of 
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -357,6 +358,7 @@ def bnb_held_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> flo
     return per_token * settings.tokens_per_micro_batch
 
 
+@lru_cache(maxsize=4096)  # the planner asks for the same few thousand times a plan; all four are frozen values
 def activation_bytes_per_layer(
     spec: ModelSpec, settings: Settings, runtime: Runtime, input_requires_grad: bool = True
 ) -> float:

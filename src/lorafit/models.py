@@ -16,10 +16,10 @@ import math
 import re
 import tomllib
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache, wraps
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -43,6 +43,21 @@ MODEL_TYPES: dict[str, Architecture] = {
     "mixtral": "mixtral",
 }
 HF_MODEL_TYPES: dict[Architecture, str] = {architecture: model_type for model_type, architecture in MODEL_TYPES.items()}
+
+
+# The planner asks the same spec for its shapes thousands of times a plan; a spec is frozen (and hashable), so its
+# derived counts are memoised by value (not on the instance, which `model_copy` would carry over stale).
+@lru_cache(maxsize=4096)
+def _memoised(method: Any, spec: ModelSpec, args: tuple[Any, ...]) -> Any:
+    return method(spec, *args)
+
+
+def memoised(method: Any) -> Any:
+    @wraps(method)
+    def by_value(self: ModelSpec, *args: Any) -> Any:
+        return _memoised(method, self, args)
+
+    return by_value
 
 
 class ModelSpec(BaseModel):
@@ -133,25 +148,27 @@ class ModelSpec(BaseModel):
             return {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
         return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
-    def layer_linears(self) -> list[tuple[str, int, int, int]]:
+    @memoised
+    def layer_linears(self) -> tuple[tuple[str, int, int, int], ...]:
         """Every linear layer of one decoder block: (name, in, out, copies). Copies > 1 for MoE experts."""
         copies = max(self.num_local_experts, 1)
         rows = [(name, i, o, 1) for name, (i, o) in self.attention_linears().items()]
         rows += [(name, i, o, copies) for name, (i, o) in self.mlp_linears().items()]
-        return rows
+        return tuple(rows)
 
-    def lora_target_names(self, targets: LoraTargets) -> list[str]:
+    @memoised
+    def lora_target_names(self, targets: LoraTargets) -> tuple[str, ...]:
         """The module names LoRA wraps for `--lora-targets`; Phi-3's fused qkv_proj stands in for q and v.
 
         MoE experts are fused parameters, not modules: peft reaches them only through `target_parameters`,
         whose wrapper refuses lora_dropout, so on Mixtral "all" adapts the attention projections, as "attn" does.
         """
-        attn = list(self.attention_linears())
+        attn = tuple(self.attention_linears())
         if targets == "all":
-            return attn if self.is_moe else attn + list(self.mlp_linears())
+            return attn if self.is_moe else attn + tuple(self.mlp_linears())
         if targets == "attn":
             return attn
-        return ["qkv_proj"] if self.architecture == "phi3" else ["q_proj", "v_proj"]
+        return ("qkv_proj",) if self.architecture == "phi3" else ("q_proj", "v_proj")
 
     # --- parameter counts -----------------------------------------------------------------------------------
     @property
@@ -163,11 +180,13 @@ class ModelSpec(BaseModel):
         return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
     @property
+    @memoised
     def expert_params(self) -> int:
         """Weights of one block's MoE experts (0 for a dense model)."""
         return self.num_local_experts * sum(i * o for i, o in self.mlp_linears().values()) if self.is_moe else 0
 
     @property
+    @memoised
     def layer_linear_params(self) -> int:
         """Weights of one block's `nn.Linear` layers, biases excluded: what 4-bit quantisation replaces.
 
@@ -177,6 +196,7 @@ class ModelSpec(BaseModel):
         return sum(i * o * n for _, i, o, n in self.layer_linears()) - self.expert_params
 
     @property
+    @memoised
     def layer_other_params(self) -> int:
         """What stays 16/32-bit under QLoRA: norms, attention biases, MoE router and experts, q/k norms."""
         other = self.norms_per_layer * self.hidden_size
@@ -189,6 +209,7 @@ class ModelSpec(BaseModel):
         return other
 
     @property
+    @memoised
     def num_params(self) -> int:
         """Total parameters, counting tied embeddings once (as `model.num_parameters()` does)."""
         per_layer = self.layer_linear_params + self.layer_other_params
@@ -196,6 +217,7 @@ class ModelSpec(BaseModel):
         return self.num_hidden_layers * per_layer + self.embedding_params + self.lm_head_params + final_norm
 
     @property
+    @memoised
     def active_params(self) -> int:
         """Parameters one token passes through (MoE routes each token to `num_experts_per_tok` experts)."""
         if not self.is_moe:
@@ -204,6 +226,7 @@ class ModelSpec(BaseModel):
         idle = (self.num_local_experts - self.num_experts_per_tok) * mlp_one * self.num_hidden_layers
         return self.num_params - idle
 
+    @memoised
     def lora_params(self, r: int, targets: LoraTargets) -> int:
         """LoRA A (r x in) and B (out x r) for each targeted module of every layer."""
         names = set(self.lora_target_names(targets))

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from lorafit.hardware import GpuSpec
     from lorafit.models import ModelSpec
 
-Command = Literal["estimate", "plan", "train", "chat", "export", "gpus", "models", "detect"]
+Command = Literal["estimate", "plan", "train", "chat", "export", "gpus", "models", "detect", "serve"]
 Method = Literal["qlora", "lora", "full"]
 Precision = Literal["bf16", "fp16", "fp32"]
 Quant = Literal["none", "int8", "nf4"]
@@ -563,6 +563,17 @@ OPTIONS: tuple[Option, ...] = (
         default=False,
         config=False,
     ),
+    # serve
+    Option(
+        "host",
+        str,
+        "address to listen on; the default answers this machine only (0.0.0.0: every network)",
+        ("serve",),
+        "serve",
+        default="127.0.0.1",
+    ),
+    Option("port", int, "port to listen on", ("serve",), "serve", default=8765, ge=1, le=65535),
+    Option("open", bool, "open the page in the default browser", ("serve",), "switch", default=False, config=False),
     # command switches: what to do, not what to train
     Option(
         "exact",
@@ -1017,6 +1028,7 @@ GROUP_TITLES = {
     "loss": "loss and batching",
     "checkpoints": "logging, evaluation, checkpoints",
     "safety": "safety",
+    "serve": "the web page",
 }
 
 

@@ -61,7 +61,7 @@ def lora_kwargs(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
         "r": settings.lora_r,
         "lora_alpha": settings.lora_alpha,
         "lora_dropout": settings.lora_dropout,
-        "target_modules": spec.lora_target_names(settings.lora_targets),
+        "target_modules": list(spec.lora_target_names(settings.lora_targets)),
         "bias": "none",
         "task_type": "CAUSAL_LM",
     }

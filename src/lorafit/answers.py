@@ -1,0 +1,174 @@
+"""What `lorafit estimate` and `lorafit plan` answer, as values and as the JSON their `--json` prints.
+
+One place for the command line and the web API (`lorafit serve`): both hand in the settings that were set (as
+text, as a flag or a query string gives them) and get the same answer, so the page cannot drift from the CLI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from lorafit import hardware, memory, models, options
+from lorafit.errors import LorafitError
+from lorafit.hardware import GpuSpec
+from lorafit.models import ModelSpec
+from lorafit.schema import PLAN_REQUEST_KEYS, Estimate, Plan, PlanRequest, Settings
+
+DEFAULT_MODEL = "llama-2-7b"
+# `lorafit plan` with no model and no GPU: a comfortable and a tight card
+EMBEDDED_GPUS = ("RTX 4090", "RTX 4060 Ti 16GB")
+
+
+def target_gpu(gpu: str | None, vram: float | None) -> GpuSpec | None:
+    """--gpu, else --vram, else the detected GPU (torch is not imported for this: NVML only)."""
+    if gpu and vram:
+        raise LorafitError("pass --gpu or --vram, not both")
+    if gpu:
+        return hardware.resolve(gpu)
+    if vram is not None:
+        return hardware.custom(vram)
+    return hardware.detected_gpu(use_torch=False)
+
+
+# --- estimate -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EstimateAnswer:
+    spec: ModelSpec
+    settings: Settings
+    result: Estimate
+    gpu: GpuSpec | None
+    exact: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return self.result.model_dump(mode="json") | {
+            "exact": self.exact,
+            "model": self.spec.model_dump(mode="json"),
+            "settings": self.settings.model_dump(mode="json"),
+            "gpu": self.gpu.model_dump(mode="json") if self.gpu else None,
+        }
+
+
+def estimate(given: Mapping[str, Any], *, exact: bool = False) -> EstimateAnswer:
+    """`lorafit estimate` for the settings that were set."""
+    request = options.validate("estimate", given, from_flags=given)
+    spec = models.resolve(request.model or DEFAULT_MODEL)
+    target = target_gpu(request.gpu, request.vram)
+    settings = options.settings_from(request.model_dump(), spec, target)
+    if exact:
+        from lorafit import trace
+
+        result = trace.exact_estimate(spec, settings, target, request.headroom)
+    else:
+        result = memory.estimate(spec, settings, target, request.headroom)
+    return EstimateAnswer(spec, settings, result, target, exact)
+
+
+# --- plan ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanAnswer:
+    """One plan; the embedded default's two; or (compare) one per catalog GPU, with the cheapest named."""
+
+    kind: Literal["one", "embedded", "compare"]
+    plans: list[Plan]
+    note: str | None = None  # said before the plan when lorafit chose the GPU (none detected)
+    max_price_hour: float | None = None
+
+    @property
+    def cheapest(self) -> Plan | None:
+        from lorafit.plan import cheapest
+
+        return cheapest(self.plans)
+
+    @property
+    def cheapest_under_price(self) -> Plan | None:
+        from lorafit.plan import cheapest
+
+        return cheapest(self.plans, self.max_price_hour)
+
+    def to_json(self) -> Any:
+        if self.kind == "one":
+            return self.plans[0].model_dump(mode="json")
+        dumped = [p.model_dump(mode="json") for p in self.plans]
+        if self.kind == "embedded":
+            return dumped
+        best_any, best_under = self.cheapest, self.cheapest_under_price
+        return {
+            "plans": dumped,
+            "cheapest": best_any.gpu.name if best_any and best_any.gpu else None,
+            "cheapest_under_price": best_under.gpu.name if best_under and best_under.gpu else None,
+            "max_price_hour": self.max_price_hour,
+        }
+
+
+def plan(given: Mapping[str, Any], *, compare: bool = False, data_path: Callable[[str], Path] = Path) -> PlanAnswer:
+    """`lorafit plan` for the settings that were set. `data_path` turns the `data` setting into the file to
+    profile (the web server maps it into its upload folder)."""
+    from lorafit import plan as planner
+
+    asked = options.validate("plan", given, from_flags=given)
+    spec = models.resolve(asked.model or DEFAULT_MODEL)
+    pinned = {key: getattr(asked, key) for key in options.STEP_KEYS if key in given and key not in PLAN_REQUEST_KEYS}
+    profile, truncated = None, None
+    if asked.data is not None:
+        from lorafit.data import length_profile
+
+        options.check_against({"seq_len": asked.seq_len}, spec)
+        lengths = length_profile(data_path(asked.data), tokenizer=asked.tokenizer)
+        profile = lengths.profile
+        truncated = lengths.truncated_rows(asked.seq_len or min(profile.max, spec.max_position_embeddings))
+    request = PlanRequest(
+        model=spec,
+        tokens=profile,
+        pinned=pinned,
+        **{key: getattr(asked, key) for key in PLAN_REQUEST_KEYS if key in asked.model_fields_set},
+    )
+    if compare:
+        return PlanAnswer("compare", planner.compare(request), max_price_hour=asked.max_price_hour)
+    target = target_gpu(asked.gpu, asked.vram)
+    if target is None and asked.model is None:
+        return PlanAnswer(
+            "embedded",
+            [
+                planner.make_plan(request.model_copy(update={"gpu": hardware.resolve(name)}), truncated)
+                for name in EMBEDDED_GPUS
+            ],
+        )
+    note = None
+    if target is None:
+        target = hardware.resolve(EMBEDDED_GPUS[0])
+        note = f"no GPU detected: planning for {target.name} (pass --gpu or --vram)"
+    return PlanAnswer("one", [planner.make_plan(request.model_copy(update={"gpu": target}), truncated)], note)
+
+
+# --- the run that carries a plan out --------------------------------------------------------------------------
+def train_settings(plan: Plan) -> dict[str, Any]:
+    """The settings `lorafit train` needs to run exactly this plan, in the order of the declaration: each one
+    that `train` would otherwise choose itself (the planner's) and each that differs from its default."""
+    chosen = plan.settings.model_dump(mode="json") | {"batch_size": plan.batch_size, "epochs": plan.epochs}
+    return {
+        o.name: chosen[o.name]
+        for o in options.for_command("train")
+        if o.name in chosen and (o.auto or chosen[o.name] != o.default)
+    }
+
+
+def train_command(plan: Plan, model_dir: str = "MODEL_DIR", data: str = "DATA.jsonl") -> str:
+    """The `lorafit train` line that runs this plan (flags from the declaration; the model as a local folder)."""
+    parts = ["lorafit", "train", "--model", model_dir, "--data", data]
+    for name, value in train_settings(plan).items():
+        option = options.BY_NAME[name]
+        if option.is_bool:
+            parts.append(option.flag if value else option.off_flag or "--no-" + option.flag.removeprefix("--"))
+        else:
+            parts += [option.flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    return " ".join(parts)
+
+
+def train_yaml(plan: Plan, model_dir: str = "MODEL_DIR", data: str = "DATA.jsonl") -> str:
+    """The same run as a `lorafit train` config file."""
+    import yaml
+
+    return yaml.safe_dump({"model": model_dir, "data": data} | train_settings(plan), sort_keys=False)

@@ -1,0 +1,336 @@
+"""`lorafit serve`: the planner as a local web page and a JSON API.
+
+The API answers with `lorafit.answers`, the code behind `lorafit plan --json` and `lorafit estimate --json`, so
+`/api/plan?model=llama-2-7b&gpu=rtx-4090` is exactly `lorafit plan --model llama-2-7b --gpu rtx-4090 --json`.
+The page builds its form from the option declaration (`/api/options`) and its words from one dictionary per
+language (`strings/*.json`). Nothing is fetched from the internet: the page, its script and its styles ship in
+the package. Starlette is imported only here, so `lorafit plan` stays free of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tempfile
+import time
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from lorafit import answers, hardware, models, options
+from lorafit.errors import LorafitError
+
+STATIC = Path(__file__).resolve().parent / "static"
+STRINGS = Path(__file__).resolve().parent / "strings"
+LANGUAGES = ("en", "es", "pt")
+UPLOAD_PREFIX = "upload:"
+# A config.json is a few kB; a dataset for a plan is read only for its token lengths.
+UPLOAD_LIMITS = {"model": 1 << 20, "data": 64 << 20}
+DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")
+FALSE, TRUE = ("false", "0", "no", "off"), ("true", "1", "yes", "on")
+
+
+class BadRequest(LorafitError):
+    """A request the user can fix: HTTP 400 with one line, and the field it is about where there is one."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+# --- languages -----------------------------------------------------------------------------------------------
+def language_of(accept_language: str | None, asked: str | None = None) -> str:
+    """?lang= if it names a language the page has, else the first of Accept-Language's (by weight) that it has
+    (es-MX -> es, pt-BR -> pt), else English."""
+    if asked and asked.lower() in LANGUAGES:
+        return asked.lower()
+    weighted = []
+    for position, part in enumerate((accept_language or "").split(",")):
+        tag, _, params = part.strip().partition(";")
+        weight = 1.0
+        match = re.search(r"q=([0-9.]+)", params)
+        if match:
+            try:
+                weight = float(match.group(1))
+            except ValueError:
+                weight = 0.0
+        weighted.append((-weight, position, tag.strip().lower().split("-")[0]))
+    for _, _, language in sorted(weighted):
+        if language in LANGUAGES:
+            return language
+    return "en"
+
+
+@cache
+def strings(language: str) -> dict[str, str]:
+    """The page's words in `language`. English takes each field's help and unit from the option declaration
+    (the CLI's --help), so they are never copied; the other languages translate them."""
+    table = json.loads((STRINGS / f"{language}.json").read_text(encoding="utf-8"))
+    if language == "en":
+        table |= {f"help.{o.name}": o.help for o in form_options()}
+        table |= {f"unit.{o.name}": o.unit for o in form_options() if o.unit}
+    return table
+
+
+# --- the form's declaration --------------------------------------------------------------------------------
+def form_options() -> list[options.Option]:
+    """The settings of `lorafit plan` a file or a form can hold (not --json and the other switches)."""
+    return [o for o in options.for_command("plan") if o.config]
+
+
+def options_json() -> dict[str, Any]:
+    names = {o.name for o in form_options()}
+    return {
+        "options": [row for row in options.as_dicts() if row["name"] in names],
+        "groups": options.GROUP_TITLES,
+        "models": sorted(models.catalog()),
+        "gpus": [
+            {"name": gpu.name, "memory_gb": gpu.memory_gb, "rent_usd_per_hour": gpu.rent_usd_per_hour}
+            for gpu in hardware.gpus()
+        ],
+        "upload_limits": UPLOAD_LIMITS,
+    }
+
+
+# --- query strings into the CLI's settings -----------------------------------------------------------------
+def given_from_query(items: list[tuple[str, str]], command: options.Command, switches: tuple[str, ...]) -> tuple:
+    """(the settings that were set, as the CLI's flags hand them to `answers`, the switches that were on).
+    Values stay text, checked by the same validation as a flag; a bool is true/false; an empty value is not
+    set (a form's empty field)."""
+    known = {o.name: o for o in options.for_command(command)}
+    given: dict[str, Any] = {}
+    on: dict[str, bool] = dict.fromkeys(switches, False)
+    for key, value in items:
+        if key == "lang":
+            continue
+        option = known.get(key)
+        if option is None:
+            raise BadRequest(options.unknown_key(key, [name for name in known if known[name].config] + list(switches)))
+        if value == "":
+            continue
+        if option.is_bool:
+            text = value.strip().lower()
+            if text not in TRUE + FALSE:
+                raise BadRequest(f"{key} {value!r}: must be true or false", key)
+            value = text in TRUE
+            if not option.config:
+                if key not in switches:
+                    raise BadRequest(f"{key}: not a setting of /api/{command}", key)
+                on[key] = value
+                continue
+        if option.many:
+            given.setdefault(key, []).append(value)
+        elif key in given:
+            raise BadRequest(f"{key} is given twice", key)
+        else:
+            given[key] = value
+    return given, on
+
+
+def field_of(message: str, given: Mapping[str, Any]) -> str | None:
+    """The setting a one-line error is about, for the page to show it next to that field."""
+    for name in given:
+        option = options.BY_NAME.get(name)
+        spellings = (option.flag, name) if option else (name,)
+        if any(message.startswith(spelling + " ") or message.startswith(spelling + ":") for spelling in spellings):
+            return name
+    for name, value in given.items():
+        if re.search(rf"\b{re.escape(name)}\b", message) or (isinstance(value, str) and f"'{value}'" in message):
+            return name
+    return None
+
+
+# --- uploads ----------------------------------------------------------------------------------------------
+def too_large(kind: str, name: str) -> str:
+    limit = UPLOAD_LIMITS.get(kind, max(UPLOAD_LIMITS.values())) >> 20
+    return f"{name or 'the upload'} is larger than the {limit} MiB an upload of {kind or 'a file'} may be"
+
+
+class Uploads:
+    """Files the page sent (a config.json, a dataset), kept under their digest so that a link names them. The
+    server reads no other path: a model or dataset the URL names must be a catalog entry or an upload."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def save(self, kind: str, name: str, body: bytes) -> str:
+        if kind not in UPLOAD_LIMITS:
+            raise BadRequest(f"upload kind {kind!r}: must be model (a config.json) or data (a dataset file)")
+        if len(body) > UPLOAD_LIMITS[kind]:
+            raise BadRequest(too_large(kind, name), kind)
+        if not body:
+            raise BadRequest(f"{name or 'the upload'} is empty", kind)
+        if kind == "model":
+            name = "config.json"
+        else:
+            name = re.sub(r"[^A-Za-z0-9._-]", "_", Path(name or "data.jsonl").name)[-100:]
+            if not name.lower().endswith(DATA_SUFFIXES):
+                raise BadRequest(f"{name}: a dataset upload is {', '.join(DATA_SUFFIXES)}", "data")
+        digest = hashlib.sha256(body).hexdigest()[:16]
+        folder = self.root / digest
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(body)
+        return f"{UPLOAD_PREFIX}{digest}/{name}"
+
+    def path(self, value: str, field: str) -> Path:
+        """The file an `upload:` value names, or a clear refusal of any other path."""
+        if not value.startswith(UPLOAD_PREFIX):
+            raise BadRequest(f"{field} {value}: the server reads only files sent to it; upload the file", field)
+        relative = value.removeprefix(UPLOAD_PREFIX)
+        if not re.fullmatch(r"[0-9a-f]{16}/[A-Za-z0-9._-]+", relative):
+            raise BadRequest(f"{field} {value}: not an upload of this server", field)
+        path = self.root / relative
+        if not path.is_file():
+            raise BadRequest(f"{field} {value}: no such upload on this server (upload the file again)", field)
+        return path
+
+    def model(self, given: dict[str, Any]) -> dict[str, Any]:
+        """`given` with an uploaded model's value turned into its file; a local path is refused."""
+        if "tokenizer" in given:
+            raise BadRequest("tokenizer: the server counts a dataset's tokens without a local tokenizer", "tokenizer")
+        value = given.get("model")
+        if value is None:
+            return given
+        if value.startswith(UPLOAD_PREFIX):
+            return given | {"model": str(self.path(value, "model"))}
+        if Path(value).expanduser().exists() or Path(value).suffix == ".json":
+            raise BadRequest(f"model {value}: the server reads only files sent to it; upload the config.json", "model")
+        return given
+
+
+# --- the app ------------------------------------------------------------------------------------------------
+def create_app(upload_dir: Path | None = None) -> Any:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import HTMLResponse, JSONResponse, Response
+    from starlette.routing import Mount, Route
+    from starlette.staticfiles import StaticFiles
+
+    uploads = Uploads(upload_dir or Path(tempfile.mkdtemp(prefix="lorafit-serve-")))
+
+    def answer(request: Request, command: options.Command, switches: tuple[str, ...], run: bool = False) -> Response:
+        """The JSON of `lorafit COMMAND --json` for the query's settings; `run`: the `lorafit train` command and
+        config that carry that plan out."""
+        started = time.perf_counter()
+        given: dict[str, Any] = {}
+        try:
+            given, on = given_from_query(list(request.query_params.multi_items()), command, switches)
+            given = uploads.model(given)
+            if command == "plan":
+                result = answers.plan(given, compare=on["compare"], data_path=lambda v: uploads.path(v, "data"))
+            else:
+                result = answers.estimate(given, exact=on["exact"])
+            body = result.to_json()
+            if run and command == "plan":
+                if result.kind != "one":
+                    raise BadRequest("/api/run takes the settings of one plan: a model and a GPU, no compare")
+                body = {"command": answers.train_command(result.plans[0]), "yaml": answers.train_yaml(result.plans[0])}
+        except BadRequest as error:
+            return JSONResponse({"error": str(error), "field": error.field or field_of(str(error), given)}, 400)
+        except LorafitError as error:
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            return JSONResponse({"error": message, "field": field_of(message, given)}, 400)
+        except ValidationError as error:
+            message = options.one_line(error)
+            return JSONResponse({"error": message, "field": field_of(message, given)}, 400)
+        elapsed = (time.perf_counter() - started) * 1000
+        return JSONResponse(body, headers={"Server-Timing": f"answer;dur={elapsed:.2f}"})
+
+    async def plan(request: Request) -> Response:
+        return answer(request, "plan", ("compare",))
+
+    async def run(request: Request) -> Response:
+        return answer(request, "plan", ("compare",), run=True)
+
+    async def estimate(request: Request) -> Response:
+        return answer(request, "estimate", ("exact",))
+
+    async def options_route(request: Request) -> Response:
+        return JSONResponse(options_json())
+
+    async def strings_route(request: Request) -> Response:
+        language = request.path_params["language"]
+        if language not in LANGUAGES:
+            return JSONResponse({"error": f"language {language!r}: one of {', '.join(LANGUAGES)}"}, 400)
+        return JSONResponse(strings(language))
+
+    async def upload(request: Request) -> Response:
+        kind, name = request.query_params.get("kind", ""), request.query_params.get("name", "")
+        limit = UPLOAD_LIMITS.get(kind, max(UPLOAD_LIMITS.values()))
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return JSONResponse({"error": too_large(kind, name), "field": kind}, 413)
+        body = bytearray()
+        async for chunk in request.stream():  # stop reading at the limit: an oversized body is never held
+            body += chunk
+            if len(body) > limit:
+                return JSONResponse({"error": too_large(kind, name), "field": kind}, 413)
+        try:
+            value = uploads.save(kind, name, bytes(body))
+        except BadRequest as error:
+            return JSONResponse({"error": str(error), "field": error.field or kind}, 400)
+        path = uploads.path(value, kind)
+        described: dict[str, Any] = {"value": value}
+        try:
+            if kind == "model":
+                spec = models.from_config_json(path)
+                described["model"] = spec.model_dump(mode="json") | {"num_params": spec.num_params}
+            else:
+                from lorafit.data import length_profile
+
+                described["tokens"] = length_profile(path).profile.model_dump(mode="json")
+        except LorafitError as error:  # the file as the user named it, not where the server keeps it
+            message = str(error).splitlines()[0].replace(str(path), name or path.name)
+            return JSONResponse({"error": message, "field": kind}, 400)
+        return JSONResponse(described)
+
+    async def page(request: Request) -> Response:
+        language = language_of(request.headers.get("accept-language"), request.query_params.get("lang"))
+        html = (STATIC / "index.html").read_text(encoding="utf-8").replace("{{lang}}", language)
+        return HTMLResponse(html, headers={"Content-Language": language, "Vary": "Accept-Language"})
+
+    async def server_error(request: Request, error: Exception) -> Response:
+        line = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+        return JSONResponse({"error": f"internal error ({line}); please report it", "field": None}, 500)
+
+    return Starlette(
+        routes=[
+            Route("/", page),
+            Route("/api/plan", plan),
+            Route("/api/estimate", estimate),
+            Route("/api/run", run),
+            Route("/api/options", options_route),
+            Route("/api/strings/{language}", strings_route),
+            Route("/api/upload", upload, methods=["POST"]),
+            Mount("/static", StaticFiles(directory=STATIC), name="static"),
+        ],
+        exception_handlers={Exception: server_error},
+    )
+
+
+def serve(host: str = "127.0.0.1", port: int = 8765, open_browser: bool = False) -> None:
+    import uvicorn
+
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/"
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"lorafit serve: listening on {host}, reachable from other machines")
+    print(f"lorafit serve: {url}  (Ctrl-C stops it)")
+    if open_browser:
+        import threading
+        import webbrowser
+
+        threading.Timer(1.0, webbrowser.open, args=(url,)).start()
+    uvicorn.run(create_app(upload_folder()), host=host, port=port, log_level="warning")
+
+
+def upload_folder() -> Path:
+    """Where `lorafit serve` keeps uploads: the user's cache, so that a link to a plan of an uploaded file still
+    opens after a restart."""
+    import os
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "lorafit" / "uploads"

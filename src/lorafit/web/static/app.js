@@ -1,0 +1,595 @@
+// lorafit serve: the page. The form comes from /api/options (the CLI's option declaration), the words from
+// /api/strings/<lang>, every answer from /api/plan, /api/estimate and /api/run (the CLI's own JSON).
+"use strict";
+
+const BASIC = ["model", "method", "gpu", "vram", "seq_len", "batch_size", "tokens_per_epoch", "data", "epochs",
+  "kwh_price", "max_price_hour"];
+const HIDDEN = ["tokenizer"]; // the server counts a dataset's tokens without a local tokenizer
+const DEFAULTS = { model: "llama-2-7b", gpu: "RTX 4090" }; // what `lorafit plan` answers with no model and GPU
+// the estimator's parts (memory.breakdown and its device side), in the order they stack
+const PARTS = ["weights", "lora_adapters", "gradients", "optimizer_states", "paged_optimizer_states", "activations",
+  "logits_and_loss", "previous_micro_batch", "layer_backward", "dequant_buffer", "optimizer_step_temp",
+  "sharded_gather", "allocator_reserve", "cuda_context"];
+const MICRO_BATCHES = [1, 2, 4, 8, 16, 32, 64];
+
+const page = {
+  lang: document.documentElement.dataset.lang || "en",
+  strings: {},
+  declaration: null,
+  values: {},        // the settings in the URL and the form (text, as a query string holds them)
+  plan: null,        // the last /api/plan answer
+  whatif: null,      // overrides of the plan's settings, or null
+  shown: null,       // the estimate the chart shows
+  gpuRows: [],
+  sort: { key: "fits", descending: true },
+  requests: 0,
+};
+
+// --- words and numbers --------------------------------------------------------------------------------------
+function t(key, fill = {}) {
+  const text = page.strings[key] ?? key;
+  return text.replace(/\{([a-z_]+)\}/g, (_, name) => (name in fill ? fill[name] : `{${name}}`));
+}
+
+function locale() {
+  const browser = navigator.language || "";
+  return browser.split("-")[0] === page.lang ? browser : { en: "en-US", es: "es", pt: "pt-BR" }[page.lang];
+}
+
+function number(value, digits = 2) {
+  return new Intl.NumberFormat(locale(), { maximumFractionDigits: digits }).format(value);
+}
+
+function gib(value) {
+  return `${new Intl.NumberFormat(locale(), { minimumFractionDigits: 2, maximumFractionDigits: 2 }).format(value)} GiB`;
+}
+
+function money(value) {
+  return value == null ? "–" : new Intl.NumberFormat(locale(), { style: "currency", currency: "USD" }).format(value);
+}
+
+function duration(hours) {
+  return hours < 1 ? t("ui.minutes", { n: number(hours * 60, 0) }) : t("ui.hours", { n: number(hours, 1) });
+}
+
+function translateStatic() {
+  document.documentElement.lang = page.lang;
+  document.documentElement.dataset.lang = page.lang;
+  document.title = t("ui.title");
+  for (const element of document.querySelectorAll("[data-i18n]")) element.textContent = t(element.dataset.i18n);
+  document.getElementById("lang-select").value = page.lang;
+}
+
+// --- the form, from the declaration ------------------------------------------------------------------------
+function option(name) {
+  return page.declaration.options.find((row) => row.name === name);
+}
+
+function fieldHelp(row) {
+  const unit = page.strings[`unit.${row.name}`];
+  const shown = row.default_text && row.default_text !== "not set" ? ` [${row.default_text}]` : "";
+  return `${t(`help.${row.name}`)}${unit ? ` (${unit})` : ""}${shown}`;
+}
+
+function control(row) {
+  const id = `f-${row.name}`;
+  let element;
+  if (row.name === "gpu") {
+    element = document.createElement("select");
+    element.append(new Option(t("ui.gpu_custom"), ""));
+    for (const gpu of page.declaration.gpus) element.append(new Option(`${gpu.name} (${gpu.memory_gb} GB)`, gpu.name));
+  } else if (row.type === "choice" || row.type === "bool") {
+    element = document.createElement("select");
+    element.append(new Option(`${t("ui.auto")} (${row.default_text})`, ""));
+    const choices = row.type === "bool" ? [["true", t("ui.on")], ["false", t("ui.off")]] : row.choices.map((c) => [c, c]);
+    for (const [value, label] of choices) element.append(new Option(label, value));
+  } else if (row.name === "data") {
+    element = document.createElement("input");
+    element.type = "file";
+    element.accept = ".jsonl,.json,.csv,.parquet,.txt";
+  } else {
+    element = document.createElement("input");
+    if (row.type === "int" || row.type === "float") {
+      element.type = "number";
+      element.inputMode = row.type === "int" ? "numeric" : "decimal";
+      element.step = row.type === "int" ? "1" : "any";
+      const low = row.bounds.ge ?? row.bounds.gt;
+      const high = row.bounds.le ?? row.bounds.lt;
+      if (low != null) element.min = String(low);
+      if (high != null) element.max = String(high);
+    } else {
+      element.type = "text";
+      element.autocomplete = "off";
+      element.spellcheck = false;
+    }
+    if (row.default_text && row.default_text !== "not set") element.placeholder = row.default_text;
+  }
+  element.id = id;
+  element.name = row.name;
+  element.setAttribute("aria-describedby", `help-${row.name} error-${row.name}`);
+  return element;
+}
+
+function field(row) {
+  const box = document.createElement("div");
+  box.className = "field";
+  box.dataset.field = row.name;
+  const label = document.createElement("label");
+  label.htmlFor = `f-${row.name}`;
+  label.dataset.i18n = `label.${row.name}`;
+  label.textContent = t(`label.${row.name}`);
+  const input = control(row);
+  box.append(label);
+  if (row.name === "model") {
+    input.setAttribute("list", "model-list");
+    const list = document.createElement("datalist");
+    list.id = "model-list";
+    for (const name of page.declaration.models) list.append(new Option(name, name));
+    const upload = document.createElement("input");
+    upload.type = "file";
+    upload.accept = ".json,application/json";
+    upload.id = "upload-model";
+    const uploadLabel = document.createElement("label");
+    uploadLabel.htmlFor = upload.id;
+    uploadLabel.className = "upload";
+    uploadLabel.dataset.i18n = "ui.upload_config";
+    uploadLabel.textContent = t("ui.upload_config");
+    upload.addEventListener("change", () => upload.files[0] && sendFile("model", upload.files[0]));
+    box.append(input, list, uploadLabel, upload);
+  } else if (row.name === "data") {
+    const zone = document.createElement("div");
+    zone.className = "dropzone";
+    zone.id = "data-drop";
+    const hint = document.createElement("span");
+    hint.dataset.i18n = "ui.upload_data";
+    hint.textContent = t("ui.upload_data");
+    zone.append(hint, input);
+    input.addEventListener("change", () => input.files[0] && sendFile("data", input.files[0]));
+    zone.addEventListener("dragover", (event) => { event.preventDefault(); zone.classList.add("over"); });
+    zone.addEventListener("dragleave", () => zone.classList.remove("over"));
+    zone.addEventListener("drop", (event) => {
+      event.preventDefault();
+      zone.classList.remove("over");
+      if (event.dataTransfer.files[0]) sendFile("data", event.dataTransfer.files[0]);
+    });
+    box.append(zone);
+  } else {
+    box.append(input);
+  }
+  const upload = document.createElement("p");
+  upload.className = "uploaded";
+  upload.id = `uploaded-${row.name}`;
+  upload.hidden = true;
+  const help = document.createElement("small");
+  help.id = `help-${row.name}`;
+  help.className = "help";
+  help.textContent = fieldHelp(row);
+  const error = document.createElement("p");
+  error.id = `error-${row.name}`;
+  error.className = "error";
+  error.setAttribute("role", "alert");
+  error.hidden = true;
+  box.append(upload, help, error);
+  if (row.name !== "data") {
+    input.addEventListener("change", () => { page.values[row.name] = input.value; changed(); });
+    if (input.tagName === "INPUT") input.addEventListener("input", debounce(() => {
+      page.values[row.name] = input.value;
+      changed();
+    }, 350));
+  }
+  return box;
+}
+
+function buildForm() {
+  const rows = page.declaration.options.filter((row) => !HIDDEN.includes(row.name));
+  const basic = document.getElementById("fields-basic");
+  const advanced = document.getElementById("fields-advanced");
+  const savers = document.getElementById("fields-savers");
+  for (const box of [basic, advanced, savers]) box.replaceChildren();
+  for (const name of BASIC) basic.append(field(option(name)));
+  for (const row of rows) {
+    if (BASIC.includes(row.name)) continue;
+    (row.group === "savers" ? savers : advanced).append(field(row));
+  }
+  fillForm();
+}
+
+function fillForm() {
+  for (const row of page.declaration.options) {
+    const input = document.getElementById(`f-${row.name}`);
+    if (!input || input.type === "file") continue;
+    input.value = page.values[row.name] ?? "";
+  }
+  showUpload("model", page.values.model?.startsWith("upload:") ? page.values.model : null);
+  showUpload("data", page.values.data ?? null);
+}
+
+function showUpload(kind, value, described) {
+  const line = document.getElementById(`uploaded-${kind}`);
+  if (!line) return;
+  line.replaceChildren();
+  line.hidden = !value;
+  if (!value) return;
+  const text = document.createElement("span");
+  if (described && kind === "model") {
+    text.textContent = t("ui.uploaded_model", { name: described.model.name, params: number(described.model.num_params / 1e9, 2) + " B" });
+  } else if (described && kind === "data") {
+    const tokens = described.tokens;
+    text.textContent = t("ui.uploaded_data", { rows: number(tokens.rows, 0), tokens: number(tokens.total_tokens ?? tokens.tokens ?? 0, 0), max: number(tokens.max, 0) });
+  } else {
+    text.textContent = value.split("/").pop();
+  }
+  const remove = document.createElement("button");
+  remove.type = "button";
+  remove.className = "secondary small";
+  remove.textContent = t("ui.remove_upload");
+  remove.addEventListener("click", () => {
+    delete page.values[kind];
+    fillForm();
+    changed();
+  });
+  line.append(text, " ", remove);
+}
+
+async function sendFile(kind, file) {
+  clearErrors();
+  const response = await fetch(`/api/upload?kind=${kind}&name=${encodeURIComponent(file.name)}`, { method: "POST", body: file });
+  const body = await response.json();
+  if (!response.ok) return showError(body);
+  page.values[kind] = body.value;
+  const input = document.getElementById(`f-${kind}`);
+  if (kind === "model" && input) input.value = body.value;
+  showUpload(kind, body.value, body);
+  changed();
+}
+
+// --- the URL holds every setting -------------------------------------------------------------------------------
+function readUrl() {
+  const params = new URLSearchParams(location.search);
+  page.values = {};
+  for (const [key, value] of params) if (key !== "lang" && value !== "") page.values[key] = value;
+  if (!params.has("model") && !params.has("gpu") && !params.has("vram")) Object.assign(page.values, DEFAULTS);
+}
+
+function query(values = page.values) {
+  const params = new URLSearchParams();
+  for (const [key, value] of Object.entries(values)) if (value !== "" && value != null) params.append(key, value);
+  return params;
+}
+
+function writeUrl() {
+  const params = query();
+  params.set("lang", page.lang);
+  history.replaceState(null, "", `${location.pathname}?${params}`);
+}
+
+// --- answers ---------------------------------------------------------------------------------------------------
+function debounce(run, wait) {
+  let timer;
+  return (...args) => { clearTimeout(timer); timer = setTimeout(() => run(...args), wait); };
+}
+
+function clearErrors() {
+  for (const element of document.querySelectorAll(".error")) { element.hidden = true; element.textContent = ""; }
+  for (const element of document.querySelectorAll("[aria-invalid]")) element.removeAttribute("aria-invalid");
+}
+
+function showError(body) {
+  const target = body.field && document.getElementById(`error-${body.field}`);
+  const line = target || document.getElementById("form-error");
+  line.textContent = body.error;
+  line.hidden = false;
+  const input = body.field && document.getElementById(`f-${body.field}`);
+  if (input) input.setAttribute("aria-invalid", "true");
+  document.getElementById("results").classList.add("stale");
+}
+
+async function changed() {
+  writeUrl();
+  const request = ++page.requests;
+  const response = await fetch(`/api/plan?${query()}`);
+  const body = await response.json();
+  if (request !== page.requests) return; // a newer change is on its way
+  clearErrors();
+  if (!response.ok) return showError(body);
+  document.getElementById("results").classList.remove("stale");
+  page.plan = body;
+  page.whatif = null;
+  renderPlan();
+  loadRun(request);
+  loadGpus(request);
+}
+
+async function loadRun(request) {
+  const response = await fetch(`/api/run?${query()}`);
+  const body = await response.json();
+  if (request !== page.requests || !response.ok) return;
+  document.getElementById("train-command").textContent = body.command;
+  document.getElementById("train-yaml").textContent = body.yaml;
+}
+
+const loadGpus = debounce(async (request) => {
+  const values = { ...page.values };
+  delete values.gpu;
+  delete values.vram;
+  document.getElementById("cheapest").textContent = t("ui.gpus_loading");
+  const response = await fetch(`/api/plan?${query(values)}&compare=true`);
+  const body = await response.json();
+  if (request !== page.requests || !response.ok) return;
+  page.gpuRows = body.plans;
+  page.cheapest = body.cheapest;
+  renderGpus();
+}, 300);
+
+// --- rendering ---------------------------------------------------------------------------------------------
+function usableGib(plan) {
+  return plan.gpu.memory_gib * (plan.gpu.usable_fraction ?? 1) * (1 - plan.estimate.headroom);
+}
+
+function settingsSummary(settings) {
+  return t("ui.settings_summary", {
+    method: settings.method === "qlora" ? `QLoRA ${settings.quant}` : settings.method === "lora" ? "LoRA" : "full",
+    micro_batch: settings.micro_batch,
+    grad_accum: settings.grad_accum,
+    seq_len: number(settings.seq_len, 0),
+    grad_ckpt: settings.grad_ckpt ? t("ui.on") : t("ui.off"),
+    optimizer: settings.optimizer,
+  });
+}
+
+function saversOf(settings) {
+  const on = [];
+  if (settings.loss === "chunked") on.push("loss chunked");
+  for (const name of ["offload_activations", "offload_embeddings", "expandable_segments"]) if (settings[name]) on.push(name);
+  return on;
+}
+
+function renderPlan() {
+  const plan = page.plan;
+  const verdict = document.getElementById("verdict");
+  const name = plan.gpu.name;
+  const fill = {
+    verdict: plan.fits ? t("ui.fits", { gpu: name }) : t("ui.does_not_fit", { gpu: name }),
+    settings: settingsSummary(plan.settings),
+    peak: gib(plan.estimate.peak_device_gib),
+    usable: gib(usableGib(plan)),
+    hours: duration(plan.hours),
+    epochs: number(plan.epochs, 2),
+    cost_cloud: money(plan.cost_cloud_usd),
+    cost_local: money(plan.cost_local_usd),
+  };
+  const key = !plan.fits ? "ui.verdict_no_fit" : plan.cost_cloud_usd == null ? "ui.verdict_line_no_rent" : "ui.verdict_line";
+  verdict.textContent = t(key, fill);
+  verdict.dataset.fits = String(plan.fits);
+  const savers = saversOf(plan.settings);
+  const saversLine = document.getElementById("savers-line");
+  saversLine.hidden = savers.length === 0;
+  saversLine.textContent = t("ui.savers_on", { savers: savers.join(", ") });
+  const reasons = document.getElementById("reasons");
+  reasons.replaceChildren(...plan.reasons.map((reason) => Object.assign(document.createElement("li"), { textContent: reason })));
+  renderSuggestions(plan);
+  setWhatif(plan.settings);
+  page.shown = plan.estimate;
+  renderChart();
+}
+
+function renderSuggestions(plan) {
+  const box = document.getElementById("suggestions-box");
+  const rows = plan.suggestions || [];
+  box.hidden = plan.fits || rows.length === 0;
+  const body = box.querySelector("tbody");
+  body.replaceChildren(...rows.map((row) => {
+    const line = document.createElement("tr");
+    const gpu = row.gpu && row.gpu !== plan.gpu.name ? ` (${row.gpu})` : "";
+    for (const text of [row.change, settingsSummary(row.settings) + gpu, gib(row.estimate.peak_device_gib)]) {
+      line.append(Object.assign(document.createElement("td"), { textContent: text }));
+    }
+    return line;
+  }));
+}
+
+function renderChart() {
+  const estimate = page.shown;
+  const plan = page.plan;
+  const chart = document.getElementById("chart");
+  const capacity = plan.gpu.memory_gib * (plan.gpu.usable_fraction ?? 1);
+  const usable = usableGib(plan);
+  const scale = Math.max(capacity, estimate.peak_device_gib) * 1.04;
+  const parts = Object.entries(estimate.breakdown_gib);
+  const ordered = [...PARTS.filter((part) => part in estimate.breakdown_gib), ...parts.map(([part]) => part).filter((part) => !PARTS.includes(part))];
+  const bar = document.createElement("div");
+  bar.className = "bar";
+  for (const part of ordered) {
+    const value = estimate.breakdown_gib[part];
+    if (value <= 0) continue;
+    const segment = document.createElement("div");
+    segment.className = `segment part-${PARTS.includes(part) ? part : "other"}`;
+    segment.dataset.part = part;
+    segment.dataset.gib = String(value);
+    segment.style.width = `${(100 * value) / scale}%`;
+    segment.title = `${t(`ui.part.${part}`)}: ${gib(value)}`;
+    bar.append(segment);
+  }
+  const markers = [["capacity", capacity, t("ui.capacity", { gib: gib(capacity) })], ["usable", usable, t("ui.usable", { gib: gib(usable) })]];
+  for (const [kind, value, label] of markers) {
+    const marker = document.createElement("div");
+    marker.className = `marker marker-${kind}`;
+    marker.dataset.gib = String(value);
+    marker.style.left = `${(100 * value) / scale}%`;
+    marker.append(Object.assign(document.createElement("span"), { textContent: label }));
+    bar.append(marker);
+  }
+  chart.replaceChildren(bar);
+  chart.dataset.fits = String(estimate.fits);
+  chart.setAttribute("aria-label", `${t("ui.device")}: ${gib(estimate.peak_device_gib)}; ${t("ui.usable", { gib: gib(usable) })}`);
+  const legend = document.getElementById("chart-legend");
+  legend.replaceChildren(...ordered.filter((part) => estimate.breakdown_gib[part] > 0).map((part) => {
+    const item = document.createElement("li");
+    item.dataset.part = part;
+    const swatch = Object.assign(document.createElement("span"), { className: `swatch part-${PARTS.includes(part) ? part : "other"}` });
+    item.append(swatch, `${t(`ui.part.${PARTS.includes(part) ? part : "other"}`)} ${gib(estimate.breakdown_gib[part])}`);
+    return item;
+  }));
+  const totals = document.getElementById("chart-totals");
+  totals.replaceChildren();
+  for (const [key, value] of [["allocated", estimate.peak_allocated_gib], ["reserved", estimate.peak_reserved_gib], ["device", estimate.peak_device_gib]]) {
+    const term = Object.assign(document.createElement("dt"), { textContent: t(`ui.${key}`) });
+    const figure = Object.assign(document.createElement("dd"), { textContent: gib(value), id: `total-${key}` });
+    figure.dataset.gib = String(value);
+    totals.append(term, figure);
+  }
+  document.getElementById("whatif-badge").hidden = page.whatif === null;
+}
+
+// --- what if -------------------------------------------------------------------------------------------------
+function setWhatif(settings) {
+  const slider = document.getElementById("whatif-seq_len");
+  slider.value = String(Math.round(Math.log2(settings.seq_len)));
+  document.getElementById("whatif-seq_len-value").textContent = number(settings.seq_len, 0);
+  const micro = document.getElementById("whatif-micro_batch");
+  if (!micro.options.length) for (const n of MICRO_BATCHES) micro.append(new Option(String(n), String(n)));
+  micro.value = String(settings.micro_batch);
+  document.getElementById("whatif-grad_ckpt").checked = settings.grad_ckpt;
+}
+
+async function whatifChanged() {
+  const plan = page.plan;
+  const seqLen = 2 ** Number(document.getElementById("whatif-seq_len").value);
+  document.getElementById("whatif-seq_len-value").textContent = number(seqLen, 0);
+  page.whatif = {
+    seq_len: seqLen,
+    micro_batch: Number(document.getElementById("whatif-micro_batch").value),
+    grad_ckpt: document.getElementById("whatif-grad_ckpt").checked,
+  };
+  const values = { ...plan.settings, ...page.whatif };
+  for (const key of ["model", "gpu", "vram", "headroom"]) if (page.values[key]) values[key] = page.values[key];
+  if (!page.values.gpu && !page.values.vram) values.gpu = plan.gpu.name;
+  const request = ++page.requests;
+  const response = await fetch(`/api/estimate?${query(values)}`);
+  const body = await response.json();
+  if (request !== page.requests) return;
+  clearErrors();
+  if (!response.ok) return showError(body);
+  page.shown = body;
+  renderChart();
+}
+
+// --- the GPU table -------------------------------------------------------------------------------------------
+function gpuValue(row, key) {
+  return {
+    gpu: row.gpu.name,
+    memory: row.gpu.memory_gib,
+    fits: row.fits ? 1 : 0,
+    tokens_per_s: row.tokens_per_s,
+    hours: row.hours,
+    cost_cloud: row.cost_cloud_usd ?? Infinity,
+    cost_local: row.cost_local_usd ?? Infinity,
+  }[key];
+}
+
+function renderGpus() {
+  const { key, descending } = page.sort;
+  const rows = [...page.gpuRows].sort((a, b) => {
+    const x = gpuValue(a, key);
+    const y = gpuValue(b, key);
+    const order = typeof x === "string" ? x.localeCompare(y) : x - y;
+    return descending ? -order : order;
+  });
+  const body = document.querySelector("#gpus tbody");
+  body.replaceChildren(...rows.map((row) => {
+    const line = document.createElement("tr");
+    line.dataset.gpu = row.gpu.name;
+    line.dataset.fits = String(row.fits);
+    const s = row.settings;
+    const cells = [
+      row.gpu.name,
+      `${number(row.gpu.memory_gb, 0)} GB`,
+      row.fits ? t("ui.yes") : t("ui.no"),
+      `mb ${s.micro_batch} × ${s.grad_accum}${s.n_gpus > 1 ? ` × ${s.n_gpus} GPUs` : ""}${s.grad_ckpt ? ", ckpt" : ""}`,
+      number(row.tokens_per_s, 0),
+      duration(row.hours),
+      money(row.cost_cloud_usd),
+      money(row.cost_local_usd),
+    ];
+    for (const text of cells) line.append(Object.assign(document.createElement("td"), { textContent: text }));
+    return line;
+  }));
+  for (const header of document.querySelectorAll("#gpus th[data-sort]")) {
+    header.setAttribute("aria-sort", header.dataset.sort === key ? (descending ? "descending" : "ascending") : "none");
+  }
+  document.getElementById("cheapest").textContent = page.cheapest ? t("ui.cheapest", { gpu: page.cheapest }) : "";
+}
+
+// --- language and theme --------------------------------------------------------------------------------------
+async function setLanguage(lang) {
+  page.lang = lang;
+  const response = await fetch(`/api/strings/${lang}`);
+  page.strings = await response.json();
+  translateStatic();
+  if (page.declaration) {
+    buildForm();
+    if (page.plan) { renderPlan(); renderGpus(); }
+    writeUrl();
+  }
+}
+
+function setTheme(theme) {
+  document.documentElement.dataset.theme = theme;
+  document.getElementById("theme-toggle").setAttribute("aria-pressed", String(theme === "dark"));
+}
+
+// --- start ---------------------------------------------------------------------------------------------------
+async function start() {
+  const stored = localStorage.getItem("lorafit-theme");
+  setTheme(stored || (matchMedia("(prefers-color-scheme: dark)").matches ? "dark" : "light"));
+  document.getElementById("theme-toggle").addEventListener("click", () => {
+    const theme = document.documentElement.dataset.theme === "dark" ? "light" : "dark";
+    localStorage.setItem("lorafit-theme", theme);
+    setTheme(theme);
+  });
+  document.getElementById("lang-select").addEventListener("change", (event) => setLanguage(event.target.value));
+  for (const id of ["whatif-seq_len", "whatif-micro_batch", "whatif-grad_ckpt"]) {
+    document.getElementById(id).addEventListener("input", debounce(whatifChanged, 120));
+  }
+  document.getElementById("whatif-reset").addEventListener("click", () => {
+    page.whatif = null;
+    setWhatif(page.plan.settings);
+    page.shown = page.plan.estimate;
+    renderChart();
+  });
+  for (const header of document.querySelectorAll("#gpus th[data-sort] button")) {
+    header.addEventListener("click", () => {
+      const key = header.parentElement.dataset.sort;
+      page.sort = { key, descending: page.sort.key === key ? !page.sort.descending : key !== "gpu" && key !== "hours" && !key.startsWith("cost") };
+      renderGpus();
+    });
+  }
+  for (const button of document.querySelectorAll("button.copy")) {
+    button.addEventListener("click", () => copy(document.getElementById(button.dataset.copy).textContent, button));
+  }
+  document.getElementById("share").addEventListener("click", (event) => copy(location.href, event.currentTarget));
+  readUrl();
+  const [declaration] = await Promise.all([fetch("/api/options").then((r) => r.json()), setLanguage(page.lang)]);
+  page.declaration = declaration;
+  buildForm();
+  document.body.dataset.ready = "true";
+  changed();
+}
+
+async function copy(text, button) {
+  try {
+    await navigator.clipboard.writeText(text);
+  } catch {
+    const area = Object.assign(document.createElement("textarea"), { value: text });
+    document.body.append(area);
+    area.select();
+    document.execCommand("copy");
+    area.remove();
+  }
+  const label = button.querySelector("span");
+  const before = label.textContent;
+  label.textContent = t("ui.copied");
+  setTimeout(() => { label.textContent = before; }, 1200);
+}
+
+start();

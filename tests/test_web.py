@@ -1,0 +1,333 @@
+"""`lorafit serve`'s API: the same JSON as the CLI for the same options, one-line 400s for every bad input, the
+page in the browser's language, and one dictionary per language with the same keys."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from conftest import run_cli
+from lorafit import options, web
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> TestClient:
+    return TestClient(web.create_app(tmp_path_factory.mktemp("uploads")))
+
+
+def cli_json(args: list[str], capsys: pytest.CaptureFixture[str]) -> object:
+    code, out, err = run_cli([*args, "--json"], capsys)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def as_flags(query: dict[str, str]) -> list[str]:
+    flags = []
+    for key, value in query.items():
+        option = options.BY_NAME[key]
+        if option.is_bool:
+            flags.append(option.flag if value == "true" else "--no-" + option.flag.removeprefix("--"))
+        else:
+            flags += [option.flag, value]
+    return flags
+
+
+PLAN_QUERIES = {
+    "7b qlora on a 4090": {"model": "llama-2-7b", "gpu": "rtx-4090", "seq_len": "2048"},
+    "7b qlora on a 4060 ti": {"model": "llama-2-7b", "gpu": "RTX 4060 Ti 16GB"},
+    "8b on 8 GB with savers": {"model": "llama-3.1-8b", "vram": "8", "method": "qlora"},
+    "full fine-tuning does not fit": {"model": "llama-2-7b", "gpu": "rtx-4090", "method": "full"},
+    "every kind of value": {
+        "model": "qwen2.5-7b",
+        "gpu": "a40",
+        "lora_r": "64",
+        "lora_targets": "attn",
+        "grad_ckpt": "false",
+        "optimizer": "paged_adamw_8bit",
+        "epochs": "1.5",
+        "batch_size": "32",
+        "tokens_per_epoch": "2000000",
+        "kwh_price": "0.12",
+        "loss": "chunked",
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(PLAN_QUERIES))
+def test_the_plan_api_answers_what_lorafit_plan_json_prints(
+    case: str, client: TestClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    query = PLAN_QUERIES[case]
+    response = client.get("/api/plan", params=query)
+    assert response.status_code == 200, response.text
+    assert response.json() == cli_json(["plan", *as_flags(query)], capsys)
+
+
+def test_the_estimate_api_answers_what_lorafit_estimate_json_prints(
+    client: TestClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    query = {"model": "mistral-7b-v0.3", "gpu": "rtx-4090", "micro_batch": "4", "grad_ckpt": "true", "seq_len": "1024"}
+    response = client.get("/api/estimate", params=query)
+    assert response.status_code == 200
+    assert response.json() == cli_json(["estimate", *as_flags(query)], capsys)
+    assert "answer;dur=" in response.headers["server-timing"]
+
+
+def test_the_gpu_comparison_is_plan_compare(client: TestClient, capsys: pytest.CaptureFixture[str]) -> None:
+    query = {"model": "llama-2-7b", "max_price_hour": "1"}
+    response = client.get("/api/plan", params=query | {"compare": "true"})
+    expected = cli_json(["plan", *as_flags(query), "--compare"], capsys)
+    assert response.json() == expected
+    assert len(expected["plans"]) > 20 and expected["cheapest_under_price"]
+
+
+def test_the_run_of_a_plan_is_a_train_command_and_config_that_pin_its_settings(client: TestClient) -> None:
+    import yaml
+
+    query = {"model": "llama-2-7b", "gpu": "RTX 4060 Ti 16GB"}
+    plan = client.get("/api/plan", params=query).json()
+    run = client.get("/api/run", params=query).json()
+    config = yaml.safe_load(run["yaml"])
+    for key in ("micro_batch", "grad_accum", "grad_ckpt", "optimizer", "seq_len"):
+        assert config[key] == plan["settings"][key]
+        assert options.BY_NAME[key].flag in run["command"]
+    assert config["batch_size"] == plan["batch_size"]
+    assert run["command"].startswith("lorafit train --model MODEL_DIR --data DATA.jsonl")
+    checked = options.validate("train", {k: v for k, v in config.items() if k not in ("model", "data")})
+    assert checked.micro_batch == plan["settings"]["micro_batch"]
+
+
+def test_a_train_command_from_the_page_runs_the_plan(
+    client: TestClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command the page shows for an uploaded config.json, with that model's folder and data filled in,
+    passes every check of `lorafit train`."""
+    from lorafit.train.demo import build_model, build_tokenizer, corpus, tiny_spec
+
+    tokenizer = build_tokenizer(corpus(), vocab_size=512)
+    build_model(tmp_path / "model", tokenizer, tiny_spec(len(tokenizer), hidden_size=64), seed=0)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"q {i}", "output": f"a {i}"}) + "\n" for i in range(16)))
+    config = (tmp_path / "model" / "config.json").read_bytes()
+    model = client.post("/api/upload?kind=model&name=config.json", content=config).json()["value"]
+    command = client.get("/api/run", params={"model": model, "gpu": "rtx-4090"}).json()["command"]
+    args = command.replace("MODEL_DIR", str(tmp_path / "model")).replace("DATA.jsonl", str(data)).split()[1:]
+    code, out, err = run_cli([*args, "--output-dir", str(tmp_path / "run"), "--dry-run"], capsys)
+    assert code == 0, err
+    assert not (tmp_path / "run").exists()
+
+
+BAD_QUERIES = {
+    "unknown model": ("/api/plan", {"model": "no-such-model", "gpu": "rtx-4090"}, "model", "no model"),
+    "unknown gpu": ("/api/plan", {"model": "llama-2-7b", "gpu": "zzz"}, "gpu", "no GPU 'zzz'"),
+    "not a number": ("/api/plan", {"model": "llama-2-7b", "seq_len": "long"}, "seq_len", "whole number"),
+    "out of range": ("/api/estimate", {"model": "llama-2-7b", "vram": "-3"}, "vram", "greater than 0"),
+    "bad choice": ("/api/plan", {"method": "qlorra"}, "method", "must be one of"),
+    "bad bool": ("/api/plan", {"grad_ckpt": "maybe"}, "grad_ckpt", "true or false"),
+    "unknown key": ("/api/plan", {"sequence": "2048"}, None, "unknown key 'sequence'"),
+    "given twice": ("/api/plan", [("seq_len", "512"), ("seq_len", "1024")], "seq_len", "given twice"),
+    "a switch of the other command": ("/api/estimate", {"compare": "true"}, None, "unknown key 'compare'"),
+    "json switch": ("/api/plan", {"json": "true"}, "json", "not a setting"),
+    "a broken rule": ("/api/plan", {"method": "lora", "quant": "nf4"}, None, "quant"),
+    "gpu and vram": ("/api/plan", {"gpu": "rtx-4090", "vram": "8"}, None, "not both"),
+    "a local model path": ("/api/plan", {"model": "/etc", "gpu": "rtx-4090"}, "model", "upload"),
+    "a local data path": ("/api/plan", {"data": "/etc/passwd", "gpu": "rtx-4090"}, "data", "upload"),
+    "a forged upload": ("/api/plan", {"model": "upload:../../etc/x", "gpu": "rtx-4090"}, "model", "not an upload"),
+    "a vanished upload": ("/api/plan", {"data": "upload:0123456789abcdef/x.jsonl"}, "data", "upload the file again"),
+    "a tokenizer path": ("/api/plan", {"tokenizer": "/tmp"}, "tokenizer", "without a local tokenizer"),
+    "run for several plans": ("/api/run", {"compare": "true"}, None, "one plan"),
+    "seq_len past the model": ("/api/plan", {"model": "llama-2-7b", "seq_len": "999999"}, "seq_len", "999999"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_QUERIES))
+def test_bad_input_is_a_400_with_one_line_next_to_its_field(case: str, client: TestClient) -> None:
+    path, query, field, expected = BAD_QUERIES[case]
+    response = client.get(path, params=query)
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert expected in body["error"] and "\n" not in body["error"] and "Traceback" not in body["error"]
+    if field is not None:
+        assert body["field"] == field
+
+
+def test_bad_input_gets_the_clis_own_words(client: TestClient, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(["plan", "--model", "llama-2-7b", "--seq-len", "long"], capsys)
+    assert code == 2
+    body = client.get("/api/plan", params={"model": "llama-2-7b", "seq_len": "long"}).json()
+    assert err.strip() == f"lorafit: error: {body['error']}"
+
+
+# --- uploads --------------------------------------------------------------------------------------------------
+CONFIG = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_an_uploaded_config_is_planned_as_the_cli_plans_that_file(
+    client: TestClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    uploaded = client.post("/api/upload?kind=model&name=config.json", content=json.dumps(CONFIG).encode())
+    assert uploaded.status_code == 200, uploaded.text
+    value = uploaded.json()["value"]
+    assert re.fullmatch(r"upload:[0-9a-f]{16}/config\.json", value)
+    assert uploaded.json()["model"]["num_hidden_layers"] == 22
+    served = client.get("/api/plan", params={"model": value, "gpu": "rtx-4090"}).json()
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    local = cli_json(["plan", "--model", str(tmp_path / "config.json"), "--gpu", "rtx-4090"], capsys)
+    assert served["estimate"] == local["estimate"] and served["settings"] == local["settings"]
+    assert served["model"] | {"name": "-"} == local["model"] | {"name": "-"}  # named after their folders
+
+
+def test_an_uploaded_dataset_gives_the_plan_of_lorafit_plan_data(
+    client: TestClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = "".join(json.dumps({"instruction": "word " * i, "output": "answer " * (3 * i)}) + "\n" for i in range(1, 60))
+    uploaded = client.post("/api/upload?kind=data&name=my data.jsonl", content=rows.encode())
+    assert uploaded.status_code == 200, uploaded.text
+    assert uploaded.json()["tokens"]["rows"] == 59
+    value = uploaded.json()["value"]
+    served = client.get("/api/plan", params={"model": "llama-2-7b", "gpu": "rtx-4090", "data": value}).json()
+    (tmp_path / "data.jsonl").write_text(rows)
+    local = cli_json(
+        ["plan", "--model", "llama-2-7b", "--gpu", "rtx-4090", "--data", str(tmp_path / "data.jsonl")], capsys
+    )
+    drop_source = {"source": "-"}
+    assert served["tokens"] | drop_source == local["tokens"] | drop_source
+    assert served["hours"] == local["hours"] and served["settings"] == local["settings"]
+
+
+BAD_UPLOADS = {
+    "malformed config": ("model", "config.json", b"{not json", 400, "config.json is not valid JSON"),
+    "config of an unknown family": ("model", "config.json", b'{"model_type": "zz"}', 400, "config.json"),
+    "empty": ("data", "d.jsonl", b"", 400, "empty"),
+    "not a dataset": ("data", "notes.exe", b"MZ", 400, "a dataset upload is"),
+    "rows with errors": ("data", "d.jsonl", b'{"instruction": "a", "output": "b"}\n{"instruction": \n', 400, "d.jsonl"),
+    "unknown kind": ("weights", "w.bin", b"x", 400, "must be model"),
+    "oversized config": ("model", "config.json", b" " * ((1 << 20) + 1), 413, "larger than the 1 MiB"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_UPLOADS))
+def test_bad_uploads_are_refused_in_one_line(case: str, client: TestClient) -> None:
+    kind, name, body, status, expected = BAD_UPLOADS[case]
+    response = client.post(f"/api/upload?kind={kind}&name={name}", content=body)
+    assert response.status_code == status, response.text
+    message = response.json()["error"]
+    assert expected in message and "\n" not in message
+    assert "lorafit-serve" not in message and str(Path.cwd()) not in message  # no server-side paths
+
+
+# --- the page and its languages --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("header", "query", "language"),
+    [
+        ("es-MX,es;q=0.9,en;q=0.8", "", "es"),
+        ("pt-BR", "", "pt"),
+        ("de-DE,de;q=0.9,pt;q=0.5", "", "pt"),
+        ("en-US,es;q=0.5", "", "en"),
+        ("fr", "", "en"),
+        ("", "", "en"),
+        ("es-MX", "?lang=pt", "pt"),
+        ("pt-BR", "?lang=xx", "pt"),
+        ("es;q=0.2,pt;q=0.8", "", "pt"),
+    ],
+)
+def test_the_page_comes_in_the_browsers_language_unless_lang_says_otherwise(
+    header: str, query: str, language: str, client: TestClient
+) -> None:
+    response = client.get("/" + query, headers={"accept-language": header})
+    assert response.status_code == 200
+    assert f'<html lang="{language}"' in response.text
+    assert response.headers["content-language"] == language
+
+
+def test_every_key_exists_in_all_three_languages() -> None:
+    tables = {language: web.strings(language) for language in web.LANGUAGES}
+    english = set(tables["en"])
+    for language, table in tables.items():
+        assert set(table) == english, (language, set(table) ^ english)
+        for key, text in table.items():
+            assert text.strip(), (language, key)
+            assert set(re.findall(r"\{[a-z_]+\}", text)) == set(re.findall(r"\{[a-z_]+\}", tables["en"][key])), key
+    fields = {o.name for o in web.form_options()}
+    assert {f"label.{name}" for name in fields} | {f"help.{name}" for name in fields} <= english
+    assert tables["es"]["label.seq_len"] != tables["en"]["label.seq_len"] != tables["pt"]["label.seq_len"]
+
+
+def test_the_english_help_is_the_declarations(client: TestClient) -> None:
+    english = client.get("/api/strings/en").json()
+    for option in web.form_options():
+        assert english[f"help.{option.name}"] == option.help
+    assert client.get("/api/strings/xx").status_code == 400
+
+
+def test_the_form_is_the_declaration_of_lorafit_plan(client: TestClient) -> None:
+    declared = client.get("/api/options").json()
+    rows = {row["name"]: row for row in declared["options"]}
+    assert set(rows) == {o.name for o in options.for_command("plan") if o.config}
+    assert rows["method"]["choices"] == list(options.BY_NAME["method"].choices)
+    assert rows["seq_len"]["default"] == options.DEFAULT_SEQ_LEN
+    assert "llama-3.1-8b" in declared["models"] and any(g["name"] == "RTX 4090" for g in declared["gpus"])
+
+
+def test_the_page_and_its_files_ship_in_the_package(client: TestClient) -> None:
+    html = client.get("/").text
+    for asset in re.findall(r'(?:src|href)="(/static/[^"]+)"', html):
+        assert client.get(asset).status_code == 200, asset
+    assert "http://" not in html and "https://" not in html  # nothing from the internet
+    script = client.get("/static/app.js").text
+    assert "https://" not in script and "http://" not in script
+
+
+def test_serve_binds_to_loopback_by_default(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import uvicorn
+
+    seen: dict = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(kwargs))
+    code, out, _ = run_cli(["serve"], capsys)
+    assert code == 0 and seen["host"] == "127.0.0.1" and seen["port"] == 8765
+    assert "http://127.0.0.1:8765/" in out
+    code, out, _ = run_cli(["serve", "--host", "0.0.0.0", "--port", "9000"], capsys)
+    assert seen["host"] == "0.0.0.0" and "reachable from other machines" in out
+    code, _, err = run_cli(["serve", "--port", "70000"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--port" in err
+
+
+def test_every_part_of_the_breakdown_has_a_name_in_every_language() -> None:
+    from lorafit import hardware, memory, models
+    from lorafit.schema import Settings
+
+    script = (web.STATIC / "app.js").read_text()
+    stacked = set(
+        re.findall(
+            r'"([a-z_]+)"', script[script.index("const PARTS") : script.index("];", script.index("const PARTS"))]
+        )
+    )
+    spec = models.resolve("llama-3.1-8b")
+    for settings in (
+        Settings(),
+        Settings(optimizer="paged_adamw_8bit"),
+        Settings(n_gpus=2, shard="fsdp", micro_batch=1),
+    ):
+        parts = set(memory.estimate(spec, settings, hardware.resolve("rtx-4090")).breakdown_gib)
+        assert parts <= stacked, parts - stacked
+    for language in web.LANGUAGES:
+        assert {f"ui.part.{part}" for part in stacked} <= set(web.strings(language)), language
