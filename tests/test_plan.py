@@ -15,7 +15,7 @@ import yaml
 from lorafit import hardware, memory, models
 from lorafit import plan as planner
 from lorafit.cli import main
-from lorafit.errors import InvalidConfig
+from lorafit.errors import InvalidConfig, LorafitError
 from lorafit.hardware import GpuSpec
 from lorafit.schema import Plan, PlanRequest, Settings
 
@@ -515,3 +515,15 @@ def test_plan_output_and_json_name_the_savers(capsys: pytest.CaptureFixture[str]
     assert "savers:" in shown
     for name in chosen:
         assert f"{name}:" in shown or (name == "loss" and "loss chunked:" in shown), name
+
+
+def test_a_rental_price_of_ones_own_prices_the_rented_run() -> None:
+    catalog = planner.make_plan(ask(gpu="RTX 4090"))
+    mine = planner.make_plan(ask(gpu="RTX 4090", rent_price=0.69))
+    assert mine.settings == catalog.settings and mine.hours == catalog.hours
+    assert mine.cost_cloud_usd == round(mine.hours * 0.69, 2) != catalog.cost_cloud_usd
+    unlisted = planner.make_plan(ask(gpu="RTX 4060 Ti 16GB", rent_price=0.2))  # no rental price in the catalog
+    assert planner.make_plan(ask(gpu="RTX 4060 Ti 16GB")).cost_cloud_usd is None
+    assert unlisted.cost_cloud_usd == round(unlisted.hours * 0.2, 2)
+    with pytest.raises(LorafitError, match="--compare prices each card"):
+        planner.compare(ask(rent_price=1.0))

@@ -52,6 +52,7 @@ PLAN_QUERIES = {
         "batch_size": "32",
         "tokens_per_epoch": "2000000",
         "kwh_price": "0.12",
+        "rent_price": "0.5",
         "loss": "chunked",
     },
 }

@@ -378,6 +378,17 @@ OPTIONS: tuple[Option, ...] = (
         auto="the data's, else an Alpaca-sized 15M",
     ),
     Option(
+        "rent_price",
+        float,
+        "what renting the GPU costs you, for the rented cost (not with --compare, which prices each card)",
+        ("plan",),
+        "job",
+        auto="the catalog's price of the GPU",
+        gt=0,
+        le=1000,
+        unit="USD per GPU-hour",
+    ),
+    Option(
         "kwh_price",
         float,
         "electricity price for the own-card cost",

@@ -10,6 +10,7 @@ import itertools
 from dataclasses import dataclass
 
 from lorafit import hardware, memory, options, serving
+from lorafit.errors import LorafitError
 from lorafit.hardware import GpuSpec
 from lorafit.memory import estimate
 from lorafit.models import ModelSpec
@@ -468,6 +469,8 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
     """The fastest settings that fit `request.gpu`, with time and cost, or the smallest changes that fit."""
     seq_len = resolve_seq_len(request)
     gpu = request.gpu
+    if gpu is not None and request.rent_price is not None:  # the user's own price for this card
+        gpu = gpu.model_copy(update={"rent_usd_per_hour": request.rent_price})
     options.check_against(request.pinned, request.model, gpu, on_cpu=request.device == "cpu")
     shard = "zero3" if request.n_gpus > 1 else "none"
     found = candidates(request, gpu, seq_len, n_gpus=request.n_gpus, shard=shard)
@@ -557,6 +560,8 @@ def with_settings(plan: Plan, settings: Settings) -> Plan:
 
 def compare(request: PlanRequest, max_price_hour: float | None = None) -> list[Plan]:
     """Plan the job on every rentable catalog GPU (or under a price cap); fitting ones first, fastest first."""
+    if request.rent_price is not None:
+        raise LorafitError("--rent-price is what one GPU costs you; --compare prices each card from the catalog")
     plans = []
     for gpu in hardware.gpus(max_price_hour=max_price_hour):
         if gpu.kind == "apple":

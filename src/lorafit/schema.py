@@ -95,6 +95,7 @@ PLAN_REQUEST_KEYS = (
     "epochs",
     "headroom",
     "kwh_price",
+    "rent_price",
     "batching",
     "serve_context",
 )

@@ -3,7 +3,7 @@
 "use strict";
 
 const BASIC = ["model", "method", "gpu", "vram", "seq_len", "batch_size", "tokens_per_epoch", "data", "epochs",
-  "kwh_price", "max_price_hour"];
+  "rent_price", "kwh_price", "max_price_hour"];
 const HIDDEN = ["tokenizer"]; // the server counts a dataset's tokens without a local tokenizer
 const DEFAULTS = { model: "llama-2-7b", gpu: "RTX 4090" }; // what `lorafit plan` answers with no model and GPU
 // the estimator's parts (memory.breakdown and its device side), in the order they stack
@@ -312,6 +312,7 @@ const loadGpus = debounce(async (request) => {
   const values = { ...page.values };
   delete values.gpu;
   delete values.vram;
+  delete values.rent_price; // the table prices each card from the catalog
   document.getElementById("cheapest").textContent = t("ui.gpus_loading");
   const response = await fetch(`/api/plan?${query(values)}&compare=true`);
   const body = await response.json();
