@@ -275,6 +275,7 @@ def test_the_english_help_is_the_declarations(client: TestClient) -> None:
     english = client.get("/api/strings/en").json()
     for option in web.form_options():
         assert english[f"help.{option.name}"] == option.help
+        assert english.get(f"default.{option.name}", "") == option.auto  # what "not set" means
     assert client.get("/api/strings/xx").status_code == 400
 
 

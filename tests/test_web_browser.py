@@ -170,6 +170,7 @@ def test_the_languages_switch_and_numbers_follow_the_locale(server: str, page: P
         words = strings(language)
         expect(page.locator("#verdict")).to_contain_text(words["ui.fits"].replace("{gpu}", "RTX 4090"))
         expect(page.locator("label[for=f-seq_len]")).to_have_text(words["label.seq_len"])
+        expect(page.locator("#help-seq_len")).to_contain_text(words["default.seq_len"])
         assert f"{peak:.2f}".replace(".", decimal) in page.inner_text("#verdict")
         assert f"lang={language}" in page.url
     shoot(page, "serve-pt", tmp_path)

@@ -7,7 +7,9 @@ with the numbers that forced it. When nothing fits, it says so and finds the sma
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property, partial
 
 from lorafit import hardware, memory, options, serving
 from lorafit.errors import LorafitError
@@ -126,11 +128,18 @@ def tokens_per_second(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> floa
 
 
 # --- search -------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass
 class Candidate:
+    """One searched configuration. Its speed is worked out when first asked for: the search only compares the
+    speeds of the candidates that fit."""
+
     settings: Settings
     estimate: Estimate
-    tokens_per_s: float
+    speed: Callable[[], float] = field(repr=False, compare=False)
+
+    @cached_property
+    def tokens_per_s(self) -> float:
+        return self.speed()
 
 
 OPTIMIZERS = {
@@ -214,7 +223,7 @@ def candidates(
                     if on - set(pinned) and memory.host_saver_problem(request.model, settings, request.host_ram_gib):
                         continue  # the planner does not choose an offload the host RAM cannot hold
                     peak = estimate(request.model, settings, gpu, request.headroom)
-                    speed = tokens_per_second(request.model, settings, gpu) if gpu else 0.0
+                    speed = partial(tokens_per_second, request.model, settings, gpu) if gpu else float
                     found.append(Candidate(settings, peak, speed))
                     if peak.fits:
                         fitting.append(on)

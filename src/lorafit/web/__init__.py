@@ -67,12 +67,13 @@ def language_of(accept_language: str | None, asked: str | None = None) -> str:
 
 @cache
 def strings(language: str) -> dict[str, str]:
-    """The page's words in `language`. English takes each field's help and unit from the option declaration
+    """The page's words in `language`. English takes each field's help, unit and default from the option declaration
     (the CLI's --help), so they are never copied; the other languages translate them."""
     table = json.loads((STRINGS / f"{language}.json").read_text(encoding="utf-8"))
     if language == "en":
         table |= {f"help.{o.name}": o.help for o in form_options()}
         table |= {f"unit.{o.name}": o.unit for o in form_options() if o.unit}
+        table |= {f"default.{o.name}": o.auto for o in form_options() if o.auto}
     return table
 
 

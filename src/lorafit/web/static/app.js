@@ -65,9 +65,16 @@ function option(name) {
   return page.declaration.options.find((row) => row.name === name);
 }
 
+function defaultText(row) {
+  // what "not set" means, in the page's language: the declaration's words, or the plain default value
+  if (page.strings[`default.${row.name}`]) return page.strings[`default.${row.name}`];
+  if (row.type === "bool") return row.default ? t("ui.on") : t("ui.off");
+  return row.default_text && row.default_text !== "not set" ? row.default_text : "";
+}
+
 function fieldHelp(row) {
   const unit = page.strings[`unit.${row.name}`];
-  const shown = row.default_text && row.default_text !== "not set" ? ` [${row.default_text}]` : "";
+  const shown = defaultText(row) ? ` [${defaultText(row)}]` : "";
   return `${t(`help.${row.name}`)}${unit ? ` (${unit})` : ""}${shown}`;
 }
 
@@ -80,7 +87,7 @@ function control(row) {
     for (const gpu of page.declaration.gpus) element.append(new Option(`${gpu.name} (${gpu.memory_gb} GB)`, gpu.name));
   } else if (row.type === "choice" || row.type === "bool") {
     element = document.createElement("select");
-    element.append(new Option(`${t("ui.auto")} (${row.default_text})`, ""));
+    element.append(new Option(`${t("ui.auto")} (${defaultText(row)})`, ""));
     const choices = row.type === "bool" ? [["true", t("ui.on")], ["false", t("ui.off")]] : row.choices.map((c) => [c, c]);
     for (const [value, label] of choices) element.append(new Option(label, value));
   } else if (row.name === "data") {
@@ -102,7 +109,7 @@ function control(row) {
       element.autocomplete = "off";
       element.spellcheck = false;
     }
-    if (row.default_text && row.default_text !== "not set") element.placeholder = row.default_text;
+    if (defaultText(row)) element.placeholder = defaultText(row);
   }
   element.id = id;
   element.name = row.name;
