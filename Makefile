@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-litgpt bench-throughput bench-train bench-data bench-exact bench-export bench-savers bench-serve screenshots serve gpu-check gpu-wheels clean
+.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-throughput bench-train bench-data bench-exact bench-export bench-savers bench-serve screenshots serve gpu-check gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -13,8 +13,10 @@ $(BIN)/python:
 # llama-cpp-python (the gguf extra) compiles from source; a portable build, without its examples and tests
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF
 
+# multi (DeepSpeed, a pure-Python sdist: about 10 s to build) so that the tests read every generated DeepSpeed config with
+# DeepSpeed's own config class
 $(STAMP): pyproject.toml | $(BIN)/python
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -q -e '.[train,test,gguf]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -q -e '.[train,test,gguf,multi]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,7 +39,7 @@ lint: $(STAMP)
 BENCH_STAMP := $(VENV)/.installed-bench
 
 $(BENCH_STAMP): pyproject.toml | $(STAMP)
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -q -e '.[train,test,gguf,bench]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -q -e '.[train,test,gguf,multi,bench]'
 	touch $(BENCH_STAMP)
 
 bench-memory: $(BENCH_STAMP)
@@ -54,6 +56,29 @@ $(LITGPT_DIR)/.installed: | $(BENCH_STAMP)
 bench-litgpt: $(LITGPT_DIR)/.installed
 	$(BIN)/python bench/litgpt_trace.py --json bench/out/litgpt_trace.json
 
+# LLaMA-Factory's and torchtune's own training steps, traced, against lorafit's --stack runtimes; each at its pinned
+# version without its dependencies (the project's torch/transformers/peft/bitsandbytes/trl cover the step), plus the
+# few pure-Python packages their imports need
+LLAMAFACTORY_DIR := bench/out/llamafactory
+TORCHTUNE_DIR := bench/out/torchtune
+$(LLAMAFACTORY_DIR)/.installed: | $(BENCH_STAMP)
+	$(BIN)/pip install -q --no-deps --target $(LLAMAFACTORY_DIR) llamafactory==0.9.5 omegaconf==2.4.0 \
+		antlr4-python3-runtime==4.9.3
+	touch $@
+$(TORCHTUNE_DIR)/.installed: | $(BENCH_STAMP)
+	$(BIN)/pip install -q --no-deps --target $(TORCHTUNE_DIR) torchtune==0.6.1 torchao==0.10.0 torchdata==0.11.0 \
+		omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 sentencepiece==0.2.3 tiktoken==0.14.0
+	touch $@
+
+bench-stacks-external: $(LLAMAFACTORY_DIR)/.installed $(TORCHTUNE_DIR)/.installed
+	$(BIN)/python bench/stack_trace_external.py
+
+# Each stack's own training step (TRL's SFTTrainer; transformers' Trainer after peft's kbit preparation), traced at
+# Llama-2-7B and Llama-3.1-8B shapes on fake tensors and on small real models on the CPU, against lorafit's
+# estimate under --stack; writes bench/results/stacks.json (docs/memory-model.md, "Other trainers' steps")
+bench-stacks: $(STAMP)
+	$(BIN)/python bench/stack_trace.py --json bench/results/stacks.json
+
 bench-throughput: $(STAMP)
 	$(BIN)/python bench/throughput_accuracy.py
 
@@ -65,6 +90,11 @@ bench-data: $(STAMP)
 
 bench-exact: $(STAMP)
 	$(BIN)/python bench/exact_speed.py
+
+# the caching allocator simulated over full-depth traces of 72 steps, and memory.reserved_bytes' fit to it;
+# writes bench/results/allocator-fit.json (docs/memory-model.md, section 5)
+bench-allocator: $(STAMP)
+	$(BIN)/python bench/allocator_fit.py --quick
 
 # lorafit's GGUF writer against llama.cpp's convert_hf_to_gguf.py (from the llama-cpp-python sdist, fetched once by
 # pip into bench/out/llama-src) on a TinyLlama-1.1B-shaped model: identical tensors, time and peak RSS side by side;

@@ -1,6 +1,6 @@
 """`make bench-litgpt`: litgpt's own training step, traced, against the published LGC rows and lorafit's estimate.
 
-The LGC rows of shared/calibration are litgpt 0.4.x fine-tuning runs (finetune/lora.py, Lightning's
+The LGC rows of bench/calibration are litgpt 0.4.x fine-tuning runs (finetune/lora.py, Lightning's
 BitsandbytesPrecision, bitsandbytes 0.42 as litgpt pinned it in 2024). This runs that step's code - litgpt's GPT,
 its LoRA layers, `lm_head_chunk_size=128`, `chunked_cross_entropy` and the loop of `fit()` - on fake tensors of
 each row's real shape (nothing is computed, every allocation is counted) under lorafit's LiveTensorTracker, and

@@ -1,8 +1,9 @@
 """`make bench-memory`: lorafit's peak-memory estimate against published measurements, and against the other
 calculators a user would reach for, run on the same rows in the same process.
 
-Input: shared/calibration/measured_memory.csv (published peak-memory figures, each with its source, settings and
-`memory_metric`). Every row ends in exactly one group, and the output says which and why:
+Input: bench/calibration/measured_memory.csv (published peak-memory figures, each with its source, settings,
+`memory_metric` and `split`: `fit` rows were used to fit a constant or choose a runtime term of lorafit, `check`
+rows were not; bench/calibration/README.md). Every row ends in exactly one group, and the output says which and why:
 
 - scored: a measurement whose model lorafit can describe and whose settings follow from the row, its notes and
   the framework it names. lorafit is compared like with like: `peak_allocated` for max_memory_allocated (and
@@ -20,8 +21,9 @@ Input: shared/calibration/measured_memory.csv (published peak-memory figures, ea
 Rows measured on this machine (bench/cpu_measured.py, real CPU steps under a live-tensor tracker) are scored too
 when that module is present, against `peak_allocated` with Runtime(device="cpu").
 
-Prints one line per row and the summary (median and worst absolute % error, for lorafit and each calculator on the
-rows that calculator covers), and writes bench/out/memory_accuracy.json.
+Prints one line per row and the summary: the headline is the median and worst absolute % error on the check rows
+only, per metric (allocated, reserved, device = nvidia-smi); the fit rows are summed up apart, labelled as such;
+each calculator is compared with lorafit on the check figures it covers. Writes bench/out/memory_accuracy.json.
 
     python bench/memory_accuracy.py [--csv PATH] [--rows ID,ID,...] [--no-competitors] [--no-cpu] [--out PATH]
 """
@@ -52,7 +54,7 @@ from lorafit.schema import Settings
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
-DEFAULT_CSV = REPO_ROOT.parent / "shared" / "calibration" / "measured_memory.csv"
+DEFAULT_CSV = BENCH_DIR / "calibration" / "measured_memory.csv"
 DEFAULT_OUT = BENCH_DIR / "out" / "memory_accuracy.json"
 EXTRA_MODELS = BENCH_DIR / "calibration_models.toml"
 
@@ -62,6 +64,8 @@ TARGET_MEDIAN_PCT = 5.0
 TARGET_WORST_PCT = 15.0
 
 Metric = Literal["allocated", "reserved", "device"]
+METRICS: tuple[Metric, ...] = ("allocated", "reserved", "device")
+SPLITS = ("fit", "check")
 ESTIMATE_FIELD: dict[str, str] = {
     "allocated": "peak_allocated_gib",
     "reserved": "peak_reserved_gib",
@@ -211,9 +215,13 @@ class Row:
     seq_is_max: bool
     grad_ckpt: bool | None
     n_gpus: int
+    split: str  # fit: used to fit or choose something in lorafit; check: not (bench/calibration/README.md)
 
     @classmethod
     def parse(cls, raw: dict[str, str]) -> Row:
+        split = (raw.get("split") or "").strip()
+        if split not in SPLITS:
+            raise ValueError(f"row {raw.get('id')!r}: split must be 'fit' or 'check', not {split!r}")
         seq_len, seq_is_max = seq_len_of(raw["seq_len"])
         unit = unit_of(raw["memory_metric"])
         if declared := ROW_SETUP.get(raw["id"], {}).get("unit"):
@@ -232,12 +240,19 @@ class Row:
             seq_is_max=seq_is_max,
             grad_ckpt=on_off(raw["grad_ckpt"]),
             n_gpus=leading_int(raw["n_gpus"]) or 1,
+            split=split,
         )
 
 
 def read_rows(path: Path) -> list[Row]:
     with path.open(newline="") as handle:
-        return [Row.parse(raw) for raw in csv.DictReader(handle)]
+        rows = [Row.parse(raw) for raw in csv.DictReader(handle)]
+    seen: set[str] = set()
+    for row in rows:
+        if row.id in seen:
+            raise ValueError(f"{path}: row id {row.id!r} appears twice")
+        seen.add(row.id)
+    return rows
 
 
 # --- models ---------------------------------------------------------------------------------------------------
@@ -488,6 +503,13 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
             "DeepSpeed ZeRO-3 (zero3_init_flag) over 2 GPUs, bnb quant_storage bf16; nvidia-smi screenshot read as GiB"
         ],
     ),
+    "PFD-04": dict(
+        settings=dict(lora_dropout=0.1, grad_accum=2, shard="fsdp", offload="params", double_quant=True),
+        notes=[
+            "FSDP with fsdp_offload_params over 2 GPUs; the run used FSDP1, whose flat-parameter copies lorafit "
+            "does not model"
+        ],
+    ),
     "PFD-05": dict(settings=dict(lora_dropout=0.1, grad_accum=2, shard="fsdp", double_quant=True)),
     # fms-acceleration scripts/benchmarks (scenarios.yaml, defaults.yaml @24bdadb): r16 alpha 16 dropout 0.1
     # q,k,v,o; grad accum 1; gradient checkpointing; flash attention; packing to 4096. benchmark.py launches
@@ -564,7 +586,6 @@ EXCLUDED = {
     "LGC-19": "16.51 GB is below the weights + gradients + AdamW floor of a 3.2B model in bf16 (25.7 GB), which a "
     "24 GB A10G could not hold: mislabelled (flagged in the notes)",
     "PFD-03": "a 72-80 GB range whose top is reached at the FULL_STATE_DICT checkpoint save, not in a training step",
-    "PFD-04": "FSDP with CPU offload of the parameters, which lorafit does not model",
     "FMS-08": "GPTQ 4-bit weights (auto-gptq): lorafit models bitsandbytes nf4/int8",
     "AX-02": "Cut Cross Entropy never materialises the logits; lorafit's loss modes (hf, chunked) do not describe it",
     **{
@@ -653,6 +674,7 @@ class Figure:
     measured_bytes: float
     predicted_bytes: float
     notes: list[str]
+    split: str = "check"  # the row's split; "machine" for the rows measured here (not in the CSV)
     competitors: dict[str, float | str] = field(default_factory=dict)  # bytes, or the reason there is none
 
     @property
@@ -690,7 +712,7 @@ def lorafit_figures_gib(mapping: Mapping) -> dict[str, float]:
 def figures_of(row: Row, mapping: Mapping) -> list[Figure]:
     assert row.peak is not None and row.unit is not None and row.metric in ESTIMATE_FIELD
     name, unit_bytes = row.unit
-    common = dict(row_id=row.id, model=row.model, method=row.method, notes=mapping.notes)
+    common = dict(row_id=row.id, model=row.model, method=row.method, notes=mapping.notes, split=row.split)
     figures = [
         Figure(
             label=row.id,
@@ -728,6 +750,7 @@ def build_report(rows: list[Row]) -> tuple[Report, dict[str, Mapping]]:
             "method": row.method,
             "measured": row.raw["peak_gb"],
             "memory_metric": row.raw["memory_metric"],
+            "split": row.split,
         }
         if row.kind == "estimate":
             entry["reason"] = "kind = estimate: another tool's rule of thumb or an interpolated bound"
@@ -816,6 +839,7 @@ def cpu_figures() -> tuple[list[Figure], str]:
                 measured_bytes=float(measured["measured_allocated_bytes"]),
                 predicted_bytes=predicted_bytes(mapping, "allocated"),
                 notes=mapping.notes,
+                split="machine",
             )
         )
     return figures, f"{len(figures)} rows from bench/cpu_measured.py"
@@ -934,8 +958,8 @@ def fmt_pct(value: float | None) -> str:
 def print_report(report: Report, competitor_names: list[str], seconds: float) -> dict[str, Any]:
     short = {name: name[:12] for name in competitor_names}
     header = (
-        f"{'id':<11} {'model':<30} {'method':<6} {'metric':<9} {'measured':>11} {'lorafit':>11} {'err%':>7}"
-        + "".join(f" {short[name]:>12}" for name in competitor_names)
+        f"{'id':<11} {'split':<5} {'model':<30} {'method':<6} {'metric':<9} {'measured':>11} {'lorafit':>11} "
+        f"{'err%':>7}" + "".join(f" {short[name]:>12}" for name in competitor_names)
     )
     print("Scored rows (error % = (predicted - measured) / measured; calculators' headline figures in the same unit)")
     print(header)
@@ -943,7 +967,7 @@ def print_report(report: Report, competitor_names: list[str], seconds: float) ->
     for figure in report.figures:
         unit = figure.unit
         print(
-            f"{figure.label:<11} {figure.model[:30]:<30} {figure.method:<6} {figure.metric:<9} "
+            f"{figure.label:<11} {figure.split:<5} {figure.model[:30]:<30} {figure.method:<6} {figure.metric:<9} "
             f"{figure.measured_bytes / figure.unit_bytes:>7.2f} {unit:<3} "
             f"{figure.predicted_bytes / figure.unit_bytes:>7.2f} {unit:<3} {figure.error_pct:>+7.1f}"
             + "".join(f" {fmt_pct(figure.competitor_error_pct(name)):>12}" for name in competitor_names)
@@ -951,8 +975,6 @@ def print_report(report: Report, competitor_names: list[str], seconds: float) ->
         for note in figure.notes if figure.label == figure.row_id else []:
             print(f"{'':<11}   - {note}")
 
-    lorafit = summary([figure.error_pct for figure in report.figures])
-    published = [figure for figure in report.figures if not figure.row_id.startswith("CPU-")]
     print()
     print(f"Bound checks ({len(report.bounds)}):")
     for bound in report.bounds:
@@ -988,45 +1010,86 @@ def print_report(report: Report, competitor_names: list[str], seconds: float) ->
         f"{len(report.unscored)} shown not scored, {len(report.excluded)} excluded, "
         f"{len(report.estimates)} estimates shown apart"
     )
+    check = [figure for figure in report.figures if figure.split == "check"]
+    fit = [figure for figure in report.figures if figure.split == "fit"]
+    machine = [figure for figure in report.figures if figure.split == "machine"]
     print(
-        f"  lorafit:       median |err| {lorafit.get('median_abs_pct')} %, worst {lorafit.get('worst_abs_pct')} %, "
-        f"{lorafit.get('within_15_pct')}/{lorafit['n']} within 15 % (target: median <= {TARGET_MEDIAN_PCT} %, "
-        f"every row <= {TARGET_WORST_PCT} %)"
+        f"  Headline: check rows only ({len({f.row_id for f in check})} rows, {len(check)} figures; never used to "
+        "fit or choose anything, bench/calibration/README.md)"
+    )
+    headline = per_metric(check)
+    print_per_metric(headline)
+    print(f"    all   {summary_line(summary([figure.error_pct for figure in check]))}")
+    print(
+        f"    target: median <= {TARGET_MEDIAN_PCT} %, every figure <= {TARGET_WORST_PCT} %; "
+        "worst check figures: " + worst_labels(check)
     )
     by_method = {
-        method: summary([figure.error_pct for figure in report.figures if figure.method == method])
+        method: summary([figure.error_pct for figure in check if figure.method == method])
         for method in ("full", "lora", "qlora")
     }
     for method, numbers in by_method.items():
         if numbers["n"]:
-            print(
-                f"    {method:<5} median |err| {numbers['median_abs_pct']} %, worst {numbers['worst_abs_pct']} % "
-                f"({numbers['within_15_pct']}/{numbers['n']} within 15 %)"
-            )
+            print(f"    {method:<5} {summary_line(numbers)}")
+    print(
+        f"  Fit rows ({len({f.row_id for f in fit})} rows, {len(fit)} figures; used to fit a constant or choose a "
+        "runtime term, so their error shows the fit, not the accuracy)"
+    )
+    fitted = per_metric(fit)
+    print_per_metric(fitted)
+    print(f"    worst fit figures: {worst_labels(fit)}")
+    on_machine = summary([figure.error_pct for figure in machine])
+    if machine:
+        print(f"  Measured on this machine (bench/cpu_measured.py, allocated): {summary_line(on_machine)}")
+    print("  Other calculators, on the check figures each covers (lorafit on the same figures in brackets):")
     competitors_summary = {}
     for name in competitor_names:
-        covered = [figure for figure in published if figure.competitor_error_pct(name) is not None]
+        covered = [figure for figure in check if figure.competitor_error_pct(name) is not None]
         theirs = summary([figure.competitor_error_pct(name) for figure in covered])
         ours = summary([figure.error_pct for figure in covered])
         competitors_summary[name] = {"self": theirs, "lorafit_same_rows": ours}
         if theirs["n"]:
             print(
-                f"  {name:<14} median |err| {theirs['median_abs_pct']} %, worst {theirs['worst_abs_pct']} % on "
-                f"{theirs['n']} figures it covers (lorafit on the same: median {ours['median_abs_pct']} %, worst "
-                f"{ours['worst_abs_pct']} %)"
+                f"    {name:<14} median |err| {theirs['median_abs_pct']} %, worst {theirs['worst_abs_pct']} % on "
+                f"{theirs['n']} figures (lorafit: median {ours['median_abs_pct']} %, worst {ours['worst_abs_pct']} %)"
             )
         else:
-            print(f"  {name:<14} covers none of the scored rows")
-    worst = sorted(report.figures, key=lambda figure: -abs(figure.error_pct))[:5]
-    print("  lorafit's worst: " + ", ".join(f"{figure.label} {figure.error_pct:+.1f} %" for figure in worst))
+            print(f"    {name:<14} covers none of the check figures")
     print(f"  ({seconds:.0f} s)")
     return {
-        "lorafit": lorafit,
-        "lorafit_by_method": by_method,
-        "competitors": competitors_summary,
+        "headline_check": headline | {"all": summary([figure.error_pct for figure in check])},
+        "fit": fitted | {"all": summary([figure.error_pct for figure in fit])},
+        "machine": on_machine,
+        "lorafit": summary([figure.error_pct for figure in report.figures]),
+        "lorafit_by_method_check": by_method,
+        "competitors_check": competitors_summary,
         "rows_scored": rows_scored,
         "figures_scored": len(report.figures),
     }
+
+
+def per_metric(figures: list[Figure]) -> dict[str, dict[str, float | int]]:
+    """The summary of each metric's figures: allocated, reserved and device (nvidia-smi) apart."""
+    return {metric: summary([figure.error_pct for figure in figures if figure.metric == metric]) for metric in METRICS}
+
+
+def summary_line(numbers: dict[str, float | int]) -> str:
+    if not numbers["n"]:
+        return "no figures"
+    return (
+        f"{numbers['n']:>3} figures: median |err| {numbers['median_abs_pct']} %, worst {numbers['worst_abs_pct']} % "
+        f"({numbers['within_15_pct']}/{numbers['n']} within {TARGET_WORST_PCT:.0f} %)"
+    )
+
+
+def print_per_metric(numbers: dict[str, dict[str, float | int]]) -> None:
+    for metric in METRICS:
+        print(f"    {metric:<9} {summary_line(numbers[metric])}")
+
+
+def worst_labels(figures: list[Figure], count: int = 5) -> str:
+    worst = sorted(figures, key=lambda figure: -abs(figure.error_pct))[:count]
+    return ", ".join(f"{figure.label} {figure.error_pct:+.1f} %" for figure in worst) or "-"
 
 
 def to_json(report: Report, totals: dict[str, Any]) -> dict[str, Any]:
@@ -1041,6 +1104,7 @@ def to_json(report: Report, totals: dict[str, Any]) -> dict[str, Any]:
             "measured": round(figure.measured_bytes / figure.unit_bytes, 3),
             "lorafit": round(figure.predicted_bytes / figure.unit_bytes, 3),
             "error_pct": round(figure.error_pct, 2),
+            "split": figure.split,
             "notes": figure.notes,
             "competitors": {
                 name: (

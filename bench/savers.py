@@ -192,8 +192,8 @@ def main() -> None:
             )
     print("\nhost: GiB of host RAM the offloads hold (pinned) beside the device peak")
     print(
-        "\nexpandable_segments: its reserve is modelled (stranded 0.9 -> 0.2 GiB), not measured; see "
-        "memory.EXPANDABLE_STRANDED_BYTES"
+        "\nexpandable_segments: its reserve comes from the caching allocator's simulation, not a measurement; "
+        "see memory.EXPANDABLE_RESERVE_FIT"
     )
     faster = faster_plans(args.models.split(","))
     seconds = time.perf_counter() - started

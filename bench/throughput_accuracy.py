@@ -1,10 +1,15 @@
 """Predicted vs published training throughput (tokens/s per GPU), side by side, for the calibration rows that
 report a speed. Run: `make bench-throughput`.
 
-Roles: "fit" rows set the three constants of lorafit/plan.py (MAX_MFU from FMS-01, LORA_BACKWARD_PASSES from
-FMS-03, QLORA_SLOWDOWN from FMS-06), so their error only shows the fit; "check" rows are other batch sizes of the
-same Hugging Face Trainer set-up and are the real test. "reference" rows ran other stacks (torchtune with
-torch.compile, fms-acceleration's fused kernels) and are printed, not scored.
+Each row's split comes from bench/calibration/measured_memory.csv (the same column as `make bench-memory`):
+"fit" rows set or were printed beside the constants of lorafit/plan.py (MAX_MFU from FMS-01..07, HALF_TOKENS from
+Qwen's sweep, LORA_BACKWARD_PASSES from FMS-03, QLORA_SLOWDOWN from FMS-06/07; the torchtune and fms-acceleration
+reference rows were looked at beside them), so their error only shows the fit; "check" rows were not used, and
+their summary is the test: overall, per GPU class, per stack, one GPU vs several, eager vs torch.compile.
+
+Speeds are compared per GPU. A row's tokens/s is read as its source defines it (PER_JOB below); a row with only a
+step time is converted with the tokens of one step on one GPU (micro_batch x seq_len x grad_accum of its
+settings). lorafit's `tokens_per_second` is the whole job's, divided here by the run's GPUs.
 """
 
 from __future__ import annotations
@@ -14,71 +19,314 @@ import statistics
 import sys
 from pathlib import Path
 
-from lorafit import hardware, models
+from lorafit import hardware, memory, models
 from lorafit.plan import tokens_per_second
 from lorafit.schema import Settings
 
-CALIBRATION = Path(__file__).resolve().parents[1].parent / "shared" / "calibration" / "measured_memory.csv"
+CALIBRATION = Path(__file__).resolve().parent / "calibration" / "measured_memory.csv"
 
-# row id -> (preset, gpu, settings, role). Settings are those the row's source states (see its notes column).
-FMS = dict(seq_len=4096, grad_ckpt=True, attn="flash", lora_r=16, lora_targets="attn")
-ROWS: dict[str, tuple[str, str, dict, str]] = {
-    "FMS-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="full", quant="none", micro_batch=4), "fit"),
-    "FMS-03": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="lora", quant="none", micro_batch=4), "fit"),
-    "FMS-04": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="lora", quant="none", micro_batch=8), "check"),
-    "FMS-06": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=4), "fit"),
-    "FMS-07": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=8), "check"),
-    "FMS-10": ("llama-2-70b", "A100 80GB", dict(FMS, method="qlora", micro_batch=4), "reference"),
+# row id -> (preset, gpu, settings). Settings are those the row's source states (see its notes column), the rest
+# from the config the source ran at its commit; the row's split (fit / check) is the CSV's. `stack` is set only
+# for the stacks lorafit offers (`lorafit stacks`); torchtune rows run on the default.
+FMS = dict(seq_len=4096, grad_ckpt=True, attn="flash", lora_r=16, lora_targets="attn", grad_accum=1, stack="trl")
+# torchtune README @0217d44 table ('Batch Size = 4, Seq Length = 2048'; unpacked alpaca recipes, padding not
+# stated): the configs of that commit give the rest.
+TT_0217 = dict(micro_batch=4, seq_len=2048)
+# torchtune README @30b8519 table note: 'batch size 2 (without gradient accumulation), a dataset packed to sequence
+# length 2048, and torch compile enabled'; the llama3_1 configs of that commit give the rest.
+TT_30B8 = dict(micro_batch=2, seq_len=2048, grad_accum=1, grad_ckpt=True)
+# torchtune README @1814feb 'Optimization flags': full_finetune_single_device, Llama 3.2 3B, batch 2 x 4096, bf16,
+# A100, grad accum 1; each row adds its technique to the previous one (LoRA/QLoRA without the optimizer ones).
+TT_1814 = dict(micro_batch=2, seq_len=4096, grad_accum=1)
+ROWS: dict[str, tuple[str, str, dict]] = {
+    "FMS-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="full", quant="none", micro_batch=4)),
+    "FMS-03": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="lora", quant="none", micro_batch=4)),
+    "FMS-04": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="lora", quant="none", micro_batch=8)),
+    "FMS-06": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=4)),
+    "FMS-07": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=8)),
+    "FMS-10": ("llama-2-70b", "A100 80GB", dict(FMS, method="qlora", micro_batch=4)),
+    # fms-acceleration a100_80gb.csv line 102: accelerated-peft-autogptq, GPTQ 4-bit Mistral-7B, fp16, batch 4 x
+    # 4096 packed, checkpointing, flash attention (lorafit times a 4-bit base as bitsandbytes nf4)
+    "FMS-08": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", precision="fp16", micro_batch=4)),
+    # fms-acceleration a100_80gb.csv line 62: baseline-peft-bnb, Mixtral-8x7B nf4, bf16, batch 4 x 4096 packed,
+    # checkpointing, flash attention (transformers 4.48 runs the experts as a loop of nn.Linear)
+    "FMS-11": ("mixtral-8x7b", "A100 80GB", dict(FMS, method="qlora", micro_batch=4)),
     "TT-12": (
         "llama-3.1-8b",
         "RTX 4090",
         dict(method="qlora", micro_batch=2, seq_len=2048, grad_ckpt=False, lora_r=8),
-        "reference",
     ),
     "TT-10": (
         "llama-3.1-8b",
         "RTX 4090",
         dict(method="lora", quant="none", micro_batch=2, seq_len=2048, grad_ckpt=False, lora_r=8),
-        "reference",
     ),
     "TT-11": (
         "llama-3.1-8b",
         "RTX A6000",
         dict(method="lora", quant="none", micro_batch=2, seq_len=2048, grad_ckpt=False, lora_r=8),
-        "reference",
     ),
     "TT-01": (
         "llama-2-7b",
         "RTX 4090",
         dict(method="qlora", micro_batch=4, seq_len=2048, grad_ckpt=False, lora_r=8),
-        "reference",
+    ),
+    # @0217d44: 1 x 4090, 7B_lora_single_device (r8 q,v, activation checkpointing on, grad accum 64), eager
+    "TT-02": (
+        "llama-2-7b",
+        "RTX 4090",
+        dict(TT_0217, method="lora", quant="none", grad_ckpt=True, lora_r=8, lora_targets="qv", grad_accum=64),
+    ),
+    # @0217d44: 1 x 4090, 7B_full_low_memory (bnb PagedAdamW fused into backward, checkpointing, grad accum 1),
+    # eager; its 27 GB of paged states do not fit the 24 GB card, so they page to host memory
+    "TT-04": (
+        "llama-2-7b",
+        "RTX 4090",
+        dict(TT_0217, method="full", quant="none", grad_ckpt=True, optimizer="paged_adamw_32bit", grad_accum=1),
+    ),
+    # @0217d44: 8 x A100, 70B_lora (FSDP, r16 q,k,v - lorafit's nearest targets add o -, checkpointing, grad accum
+    # 1), batch 4 x 4096, eager
+    "TT-06": (
+        "llama-2-70b",
+        "A100 80GB",
+        dict(
+            method="lora",
+            quant="none",
+            micro_batch=4,
+            seq_len=4096,
+            grad_ckpt=True,
+            lora_r=16,
+            lora_targets="attn",
+            grad_accum=1,
+            n_gpus=8,
+            shard="fsdp",
+        ),
+    ),
+    # @30b8519: 8 x A100, 70B_full (FSDP with fsdp_cpu_offload: parameters, gradients and the fused AdamW step on
+    # the CPU; chunked CE; checkpointing), compiled
+    "TT-13": (
+        "llama-3.1-70b",
+        "A100 80GB",
+        dict(TT_30B8, method="full", quant="none", loss="chunked", n_gpus=8, shard="fsdp", offload="params"),
+    ),
+    # @30b8519: 8 x A100, 70B_lora (FSDP, r16 q,k,v - lorafit's nearest targets add o -, chunked CE,
+    # checkpointing), compiled
+    "TT-14": (
+        "llama-3.1-70b",
+        "A100 80GB",
+        dict(
+            TT_30B8,
+            method="lora",
+            quant="none",
+            lora_r=16,
+            lora_targets="attn",
+            loss="chunked",
+            n_gpus=8,
+            shard="fsdp",
+        ),
+    ),
+    # @30b8519: 8 x A100, 405B_qlora (FSDP, torchao NF4, r16 q,k,v,o + MLP, nn.CrossEntropyLoss, checkpointing;
+    # the table's batch 2 without accumulation over the config's 1 x 16), compiled
+    "TT-15": (
+        "llama-3.1-405b",
+        "A100 80GB",
+        dict(TT_30B8, method="qlora", lora_r=16, lora_targets="all", n_gpus=8, shard="fsdp"),
+    ),
+    # @1814feb: + packed dataset (no compile, nn.CrossEntropyLoss, no checkpointing)
+    "TT-17": ("llama-3.2-3b", "A100 80GB", dict(TT_1814, method="full", quant="none", grad_ckpt=False)),
+    # @1814feb: + torch.compile
+    "TT-18": ("llama-3.2-3b", "A100 80GB", dict(TT_1814, method="full", quant="none", grad_ckpt=False)),
+    # @1814feb: + chunked cross-entropy (CEWithChunkedOutputLoss), compiled
+    "TT-19": (
+        "llama-3.2-3b",
+        "A100 80GB",
+        dict(TT_1814, method="full", quant="none", grad_ckpt=False, loss="chunked"),
+    ),
+    # @1814feb: + activation checkpointing, compiled
+    "TT-20": (
+        "llama-3.2-3b",
+        "A100 80GB",
+        dict(TT_1814, method="full", quant="none", grad_ckpt=True, loss="chunked"),
+    ),
+    # @1814feb: + AdamW step fused into backward (optimizer_in_bwd; lorafit times the same step), compiled
+    "TT-21": (
+        "llama-3.2-3b",
+        "A100 80GB",
+        dict(TT_1814, method="full", quant="none", grad_ckpt=True, loss="chunked"),
+    ),
+    # @1814feb: + activation offloading to the CPU, compiled
+    "TT-22": (
+        "llama-3.2-3b",
+        "A100 80GB",
+        dict(TT_1814, method="full", quant="none", grad_ckpt=True, loss="chunked", offload_activations=True),
+    ),
+    # @1814feb: + bnb 8-bit AdamW (still in backward), compiled
+    "TT-23": (
+        "llama-3.2-3b",
+        "A100 80GB",
+        dict(
+            TT_1814,
+            method="full",
+            quant="none",
+            grad_ckpt=True,
+            loss="chunked",
+            offload_activations=True,
+            optimizer="adamw_8bit",
+        ),
+    ),
+    # @1814feb: LoRA r64 q,v,o + MLP (3B config; lorafit's 'all' adds k), packed, chunked CE, checkpointing,
+    # activation offloading, AdamW, compiled
+    "TT-24": (
+        "llama-3.2-3b",
+        "A100 80GB",
+        dict(
+            TT_1814,
+            method="lora",
+            quant="none",
+            lora_r=64,
+            lora_targets="all",
+            grad_ckpt=True,
+            loss="chunked",
+            offload_activations=True,
+        ),
+    ),
+    # @1814feb: QLoRA (the README's command line: torchao NF4, r64, packed, compile, chunked CE, checkpointing,
+    # activation offloading, AdamW)
+    "TT-25": (
+        "llama-3.2-3b",
+        "A100 80GB",
+        dict(
+            TT_1814,
+            method="qlora",
+            lora_r=64,
+            lora_targets="all",
+            grad_ckpt=True,
+            loss="chunked",
+            offload_activations=True,
+        ),
     ),
 }
 
+# Rows run under torch.compile (their notes say so): lorafit times eager kernels, so they are summarised apart.
+COMPILED = frozenset({"TT-01", *(f"TT-{n}" for n in (*range(10, 16), *range(18, 26)))})
 
-def published() -> dict[str, float]:
+# Sources whose tokens/s is the whole job's, by row-id prefix. torchtune's README tables head the memory column
+# "Peak Memory per GPU" and the speed column "Tokens/sec" (no "per GPU"), and read per GPU the 8 x A100 rows
+# would exceed an A100's bf16 peak (TT-06: 70B LoRA at 3384 tokens/s is ~1.7 PFLOP/s). The HF Trainer's
+# train_tokens_per_second (FMS) is per device: FMS-05's 2 x 4096 tokens / 2.78 s step = its 2946.
+PER_JOB = ("TT-",)
+
+# Check rows with a speed that are not compared, and why (read from each row's evidence and notes).
+SKIPPED = {
+    "TT-03": "tokens/s per GPU or per job is ambiguous here: the column is the job's for the 8 x A100 rows (per GPU "
+    "they pass the A100's peak), but the recipe logs rank 0's tokens (per GPU), and on 2 x 4090 (FSDP through host "
+    "memory) both readings are possible",
+    "TT-05": "tokens/s per GPU or per job is ambiguous (as TT-03; 4 x 4090, FSDP full fine-tune)",
+    "TT-07": "70B full fine-tune on 8 x A100: the commit has no 70B full config and the row states no "
+    "checkpointing, so the step cannot be set",
+    "TT-08": "per-row overrides not stated; the 1x 4090 and 1x A6000 rows of one method differ ~2x in memory "
+    "(notes), so checkpointing and optimizer settings cannot be determined",
+    "TT-09": "per-row overrides not stated (as TT-08)",
+    "TT-16": "dynamic padding of alpaca to <= 4096: the tokens per micro-batch are not stated",
+    "TTD-05": "GPU not stated; alpaca with dynamic padding to <= 512",
+    **{
+        f"TAO-{n:02d}": "batch size, sequence length (alpaca, dynamic, max not stated) and checkpointing not stated"
+        for n in range(1, 5)
+    },
+    **{
+        f"QW-{n:02d}": "Qwen v1 (QWenLMHeadModel) is not in lorafit's catalog (`lorafit models`), as in "
+        "bench/calibration_models.toml"
+        for n in (*range(1, 9), *range(16, 27))
+    },
+    "QW-14": "LoRA (emb) also trains the embeddings and LM head (modules_to_save), which lorafit's LoRA does not "
+    "time; and Qwen v1 is not in the catalog",
+    "QW-15": "LoRA (emb), as QW-14",
+}
+
+
+def published() -> dict[str, dict[str, str]]:
+    """The CSV's rows that report a speed (tokens/s or a step time), by id."""
     if not CALIBRATION.is_file():
         sys.exit(f"calibration file not found: {CALIBRATION}")
-    with CALIBRATION.open() as handle:
-        return {row["id"]: float(row["tokens_per_s"]) for row in csv.DictReader(handle) if row["tokens_per_s"]}
+    with CALIBRATION.open(newline="") as handle:
+        return {row["id"]: row for row in csv.DictReader(handle) if row["tokens_per_s"] or row["step_time_s"]}
 
 
-def main() -> None:
+def published_tokens_per_gpu(row: dict[str, str], settings: Settings) -> float:
+    """The row's tokens/s on one GPU, as its source defines the figure (see PER_JOB)."""
+    gpus = memory.world_size(settings)
+    if row["tokens_per_s"]:
+        rate = float(row["tokens_per_s"])
+        return rate / gpus if row["id"].startswith(PER_JOB) else rate
+    step_tokens = settings.micro_batch * settings.seq_len * settings.grad_accum
+    return step_tokens / float(row["step_time_s"])
+
+
+def summary(errors: list[tuple[dict[str, str], float]]) -> dict:
+    """n, median and worst |error| (percent) of (row facts, error) pairs."""
+    values = [abs(error) for _, error in errors]
+    return {
+        "n": len(values),
+        "median_abs_pct": round(100 * statistics.median(values), 1),
+        "worst_abs_pct": round(100 * max(values), 1),
+    }
+
+
+def grouped(errors: list[tuple[dict[str, str], float]], key: str) -> dict[str, dict]:
+    groups: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for facts, error in errors:
+        groups.setdefault(facts[key], []).append((facts, error))
+    return {name: summary(members) for name, members in sorted(groups.items())}
+
+
+def main() -> dict[str, dict]:
     measured = published()
-    errors: dict[str, list[float]] = {"fit": [], "check": []}
-    print(f"{'row':8} {'model':16} {'gpu':10} {'method':6} {'published':>10} {'lorafit':>9} {'error':>7}  role")
-    for row_id, (preset, gpu_name, fields, role) in ROWS.items():
+    errors: dict[str, list[tuple[dict[str, str], float]]] = {"fit": [], "check": []}
+    print(
+        f"{'row':7} {'model':15} {'gpu':9} {'gpus':>4} {'method':6} {'published':>9} {'lorafit':>8} {'error':>7}  "
+        "split  stack      kernels"
+    )
+    for row_id, (preset, gpu_name, fields) in ROWS.items():
+        row = measured[row_id]
         spec, gpu = models.resolve(preset), hardware.resolve(gpu_name)
-        predicted = tokens_per_second(spec, Settings(**fields), gpu)
-        truth = measured[row_id]
+        settings = Settings(**fields)
+        gpus = memory.world_size(settings)
+        predicted = tokens_per_second(spec, settings, gpu) / gpus
+        truth = published_tokens_per_gpu(row, settings)
         error = (predicted - truth) / truth
-        errors.get(role, []).append(abs(error))
+        facts = {
+            "gpu": gpu.name,
+            "stack": row["stack"],
+            "gpus": "one GPU" if gpus == 1 else "several GPUs",
+            "kernels": "compile" if row_id in COMPILED else "eager",
+        }
+        errors[row["split"]].append((facts, error))
         print(
-            f"{row_id:8} {preset:16} {gpu_name:10} {fields['method']:6} {truth:10.0f} {predicted:9.0f} "
-            f"{error:+7.1%}  {role}"
+            f"{row_id:7} {preset:15.15} {gpu_name:9.9} {gpus:4} {fields['method']:6} {truth:9.0f} {predicted:8.0f} "
+            f"{error:+7.1%}  {row['split']:<5}  {row['stack']:<9}  {facts['kernels']}"
         )
-    for role, values in errors.items():
-        print(f"{role} rows: {len(values)}, median |error| {statistics.median(values):.1%}, worst {max(values):.1%}")
+    result: dict[str, dict] = {}
+    for split in ("check", "fit"):
+        if not errors[split]:
+            print(f"{split} rows: none")
+            continue
+        overall = summary(errors[split])
+        result[split] = overall | {key: grouped(errors[split], key) for key in ("gpu", "stack", "gpus", "kernels")}
+        print(
+            f"\n{split} rows: {overall['n']}, median |error| {overall['median_abs_pct']}%, "
+            f"worst {overall['worst_abs_pct']}%"
+        )
+        for key in ("gpu", "stack", "gpus", "kernels"):
+            for name, figures in result[split][key].items():
+                print(
+                    f"  {key:8} {name:13} n={figures['n']:<3} median {figures['median_abs_pct']:5.1f}%  "
+                    f"worst {figures['worst_abs_pct']:5.1f}%"
+                )
+    result["skipped"] = dict(SKIPPED)
+    print(f"\nskipped check rows ({len(SKIPPED)}):")
+    for row_id, reason in SKIPPED.items():
+        print(f"  {row_id:7} {reason}")
+    return result
 
 
 if __name__ == "__main__":

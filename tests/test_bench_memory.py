@@ -11,6 +11,9 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 COLUMNS = [
     "id",
+    "split",
+    "split_reason",
+    "stack",
     "source",
     "evidence",
     "kind",
@@ -46,10 +49,13 @@ def bench():
         sys.path.remove(str(BENCH))
 
 
-def litgpt_lora_row(row_id: str, peak: str, metric: str) -> dict[str, str]:
+def litgpt_lora_row(row_id: str, peak: str, metric: str, split: str = "check") -> dict[str, str]:
     """A litgpt LoRA row as the calibration file writes it (Llama-2-7B, r32 q/v, 2 x <=512 tokens)."""
     return dict(
         id=row_id,
+        split=split,
+        split_reason="not used to fit or choose anything" if split == "check" else "a test's fit row",
+        stack="litgpt",
         source="litgpt config_hub",
         evidence="",
         kind="measured",
@@ -188,3 +194,54 @@ def test_three_rows_end_to_end(bench, tmp_path: Path) -> None:
     for figure in result["scored"]:
         for value in figure["competitors"].values():
             assert "error_pct" in value or value["reason"]
+
+
+def test_the_calibration_file_is_in_the_repository_and_every_row_has_a_split(bench) -> None:
+    assert bench.DEFAULT_CSV.is_file() and bench.DEFAULT_CSV.is_relative_to(BENCH)
+    with bench.DEFAULT_CSV.open(newline="") as handle:
+        reader = csv.DictReader(handle)
+        assert reader.fieldnames == COLUMNS
+        rows = list(reader)
+    ids = [row["id"] for row in rows]
+    assert len(ids) == len(set(ids)), "row ids are unique"
+    assert {row["split"] for row in rows} == {"fit", "check"}
+    for row in rows:
+        assert row["split_reason"].strip(), row["id"]
+        assert row["source"].strip(), row["id"]
+        # a fit row says what it was used for; a check row says it was used for nothing
+        assert (row["split_reason"] == "not used to fit or choose anything") == (row["split"] == "check"), row["id"]
+    # the rows the estimator's docstrings name as the basis of a constant are fit rows
+    split = dict(zip(ids, (row["split"] for row in rows), strict=True))
+    for row_id in ("FMS-03", "FMS-04", "FMS-05", "TTD-01", "TTD-04", "FMS-06", "QW-09", "LGC-02"):
+        assert split[row_id] == "fit", row_id
+    assert len(bench.read_rows(bench.DEFAULT_CSV)) == len(rows)
+
+
+def test_a_row_without_a_split_or_a_repeated_id_is_refused(bench, tmp_path: Path) -> None:
+    row = litgpt_lora_row("LGC-01", "19.77", "Peak memory = torch.cuda.max_memory_allocated (GB, 1e9)")
+    with pytest.raises(ValueError, match="split"):
+        bench.read_rows(write_csv(tmp_path / "no_split.csv", [row | {"split": ""}]))
+    with pytest.raises(ValueError, match="twice"):
+        bench.read_rows(write_csv(tmp_path / "twice.csv", [row, row]))
+
+
+def test_the_headline_counts_check_rows_only(bench, tmp_path: Path) -> None:
+    """The same step measured twice: as a check row at its real figure and as a fit row at a wrong one. The
+    headline is the check row's error alone; the fit row is summed up apart."""
+    metric = "Peak memory = torch.cuda.max_memory_allocated (GB, 1e9)"
+    check = litgpt_lora_row("LGC-01", "19.77", metric, split="check")
+    fit = litgpt_lora_row("LGC-90", "39.54", metric, split="fit")  # twice the bytes: about -50 %
+    out = tmp_path / "out.json"
+    bench.main(["--csv", str(write_csv(tmp_path / "rows.csv", [check, fit])), "--out", str(out), "--no-cpu"])
+    result = json.loads(out.read_text())
+    by_label = {figure["label"]: figure for figure in result["scored"]}
+    assert by_label["LGC-01"]["split"] == "check" and by_label["LGC-90"]["split"] == "fit"
+    headline, fitted = result["summary"]["headline_check"], result["summary"]["fit"]
+    assert headline["allocated"]["n"] == 1 and headline["reserved"]["n"] == 0 and headline["device"]["n"] == 0
+    assert headline["allocated"]["worst_abs_pct"] == pytest.approx(abs(by_label["LGC-01"]["error_pct"]), abs=0.01)
+    assert fitted["allocated"]["n"] == 1
+    assert fitted["allocated"]["worst_abs_pct"] == pytest.approx(abs(by_label["LGC-90"]["error_pct"]), abs=0.01)
+    assert fitted["allocated"]["worst_abs_pct"] > 40 > headline["allocated"]["worst_abs_pct"]
+    # the calculators are compared on the check figures only
+    for numbers in result["summary"]["competitors_check"].values():
+        assert numbers["lorafit_same_rows"]["n"] <= 1

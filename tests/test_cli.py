@@ -6,6 +6,7 @@ Most tests call `lorafit.cli.main` in-process; a few run the installed `lorafit`
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -220,8 +221,8 @@ BAD_INPUT = {
     "vram inf": (["estimate", "--vram", "inf"], "--vram inf: must be a finite number"),
     "a million GPUs": (["plan", "--model", "llama-2-7b", "--n-gpus", "1000000"], "--n-gpus 1000000: must be at most"),
     "more GPUs than sequences": (
-        ["plan", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--n-gpus", "32"],
-        "n_gpus 32 does not divide batch_size 16",
+        ["plan", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--n-gpus", "8", "--nodes", "4"],
+        "n_gpus 8 x nodes 4 = 32 GPUs do not divide batch_size 16",
     ),
     "micro-batch that does not divide the batch": (
         ["plan", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--micro-batch", "3"],
@@ -354,3 +355,148 @@ def test_planning_never_imports_torch() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stderr.strip().splitlines()[-1]) == []
+
+
+# --- --stack, its facets, and --from another trainer's config ---------------------------------------------------
+CONFIGS = Path(__file__).parent / "data" / "configs"
+
+
+def without_source(answer: dict) -> dict:
+    return {key: value for key, value in answer.items() if key != "from"}
+
+
+# Each config's run written out as flags by hand, from the file and the tool's documented defaults: axolotl's
+# QLoRA example (its step is answered by peft-kbit, axolotl's own is not offered), and LLaMA-Factory's LoRA SFT
+# example (finetuning_type lora with lora_rank 8, alpha 2 x rank, every linear layer, cutoff_len 2048, bf16,
+# checkpointing on by LLaMA-Factory's default, AdamW as transformers' default optim).
+AXOLOTL_QLORA = shlex.split(
+    "--stack peft-kbit --model NousResearch/Meta-Llama-3-8B --method qlora --seq-len 4096 "
+    "--micro-batch 2 --lora-r 32 --lora-alpha 16 --lora-dropout 0.05 --lora-targets all --optimizer "
+    "paged_adamw_32bit --grad-ckpt --attn flash --grad-accum 4"
+)
+LLAMA_FACTORY_LORA = shlex.split(
+    "--stack llama-factory --model meta-llama/Meta-Llama-3-8B-Instruct --method lora --seq-len 2048 "
+    "--micro-batch 1 --lora-r 8 --lora-alpha 16 --lora-dropout 0 --lora-targets all --grad-ckpt "
+    "--precision bf16 --autocast --grad-accum 8 --optimizer adamw"
+)
+
+
+@pytest.mark.parametrize(
+    ("config", "flags", "plan_flags"),
+    [
+        ("axolotl_llama3_qlora.yml", AXOLOTL_QLORA, ["--epochs", "4"]),
+        ("llama_factory_llama3_lora_sft.yaml", LLAMA_FACTORY_LORA, ["--epochs", "3"]),
+    ],
+)
+def test_from_a_config_answers_as_the_same_run_given_as_flags(
+    config: str, flags: list[str], plan_flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(CONFIGS / config)
+    for command, extra in (("estimate", []), ("plan", plan_flags)):
+        from_file = run_json([command, "--from", path, "--gpu", "RTX 4090"], capsys)
+        as_flags = run_json([command, *flags, *extra, "--gpu", "RTX 4090"], capsys)
+        assert without_source(from_file) == as_flags, command
+        assert from_file["from"]["path"] == path
+    assert from_file["fits"] is as_flags["fits"] is not None
+
+
+def test_from_says_which_stack_answers_and_what_it_does_not_model(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(
+        ["estimate", "--from", str(CONFIGS / "axolotl_llama3_lora_8b.yml"), "--gpu", "A100 80GB"], capsys
+    )
+    assert code == 0, err
+    assert "read as a config of axolotl; answered for stack peft-kbit" in err
+    assert "warning: stack axolotl is not offered" in err
+    assert "lora_modules_to_save" in err  # trained embeddings and head: changes memory, not modelled
+    assert "stack peft-kbit" in out  # the settings line names the step that was estimated
+    data = run_json(["estimate", "--from", str(CONFIGS / "axolotl_llama3_lora_8b.yml"), "--gpu", "A100 80GB"], capsys)
+    assert data["from"]["kind"] == "axolotl" and data["from"]["stack"] == "peft-kbit"
+    assert any("lora_modules_to_save" in line for line in data["from"]["warnings"])
+
+
+def test_flags_override_the_config_file(capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(CONFIGS / "llama_factory_llama3_lora_sft.yaml")
+    data = run_json(["estimate", "--from", path, "--seq-len", "1024", "--stack", "lorafit"], capsys)
+    assert data["settings"]["seq_len"] == 1024 and data["settings"]["stack"] == "lorafit"
+    assert data["settings"]["lora_r"] == 8  # the rest still from the file
+
+
+def test_the_stack_and_its_facets_change_the_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["estimate", "--model", "llama-2-7b", "--method", "qlora", "--gpu", "RTX 4090"]
+    peaks = {
+        name: run_json([*base, *flags], capsys)["peak_allocated_gib"]
+        for name, flags in {
+            "lorafit": [],
+            "peft-kbit": ["--stack", "peft-kbit"],
+            "lorafit, kbit prep": ["--kbit-prep"],
+            "peft-kbit, no kbit prep": ["--stack", "peft-kbit", "--no-kbit-prep"],
+        }.items()
+    }
+    # peft's preparation upcasts the embeddings, the head and the norms to fp32: more memory, whichever stack
+    assert peaks["peft-kbit"] > peaks["lorafit"]
+    assert peaks["lorafit, kbit prep"] > peaks["lorafit"]
+    assert peaks["peft-kbit, no kbit prep"] < peaks["peft-kbit"]
+    code, out, _ = run([*base, "--stack", "trl", "--no-autocast"], capsys)
+    assert code == 0 and "stack trl (no autocast): qlora nf4" in out
+
+
+def test_lorafit_stacks_lists_every_stack_and_says_which_are_not_offered(capsys: pytest.CaptureFixture[str]) -> None:
+    listed = run_json(["stacks"], capsys)
+    by_name = {stack["name"]: stack for stack in listed}
+    assert set(by_name) == {"lorafit", "trl", "peft-kbit", "axolotl", "llama-factory", "litgpt", "torchtune"}
+    assert all(stack["pinned"] and stack["traced"] for stack in listed)
+    for name in ("axolotl", "torchtune"):
+        assert by_name[name]["offered"] is False and by_name[name]["not_offered_because"]
+    code, out, _ = run(["stacks"], capsys)
+    assert code == 0 and "[not offered:" in out and "trl 1.16.0" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--stack", "deepspeed-chat"], "stack"),
+        (["--stack", "torchtune"], "stack torchtune: not offered"),
+        (["--stack", "axolotl"], "stack axolotl: not offered"),
+        (["--stack", "trl", "--loss", "chunked"], "loss: stack trl has no such switch"),
+        (["--stack", "litgpt", "--kbit-prep"], "kbit_prep: stack litgpt does not build its adapters with peft"),
+        (["--method", "lora", "--kbit-prep"], "kbit_prep prepares a quantised base"),
+        (["--stack", "trl", "--exact"], "--exact traces lorafit's own training step"),
+        (["--autocast", "maybe"], ""),
+    ],
+)
+def test_a_stack_it_cannot_run_is_refused_in_one_line(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(["estimate", "--model", "llama-2-7b", "--gpu", "RTX 4090", *args], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("lorafit: error: ") and err.count("\n") == 1, err
+    assert message in err
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("name: my run\nnotes: nothing a trainer reads\n", "cannot tell which trainer this config is for"),
+        ("base_model: [unclosed\n", "config.yaml"),
+        ("- just\n- a list\n", "config.yaml"),
+        ("base_model: NousResearch/Meta-Llama-3-8B\nadapter: lora\nmicro_batch_size: many\n", "micro_batch"),
+        (None, "config.yaml"),  # no such file
+    ],
+)
+@pytest.mark.parametrize("command", ["estimate", "plan"])
+def test_a_config_file_that_cannot_be_used_is_refused_in_one_line(
+    command: str, content: str | None, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "config.yaml"
+    if content is not None:
+        path.write_text(content)
+    code, out, err = run([command, "--from", str(path), "--gpu", "RTX 4090"], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("lorafit: error: ") and err.count("\n") == 1, err
+    assert message in err
+
+
+def test_a_torchtune_config_is_refused_while_its_stack_is_not_offered(capsys: pytest.CaptureFixture[str]) -> None:
+    path = CONFIGS / "torchtune_llama2_7b_qlora_single_device.yaml"
+    code, _, err = run(["plan", "--from", str(path), "--gpu", "RTX 4090"], capsys)
+    assert code == 2 and "stack torchtune: not offered" in err and err.count("\n") == 1

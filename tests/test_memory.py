@@ -618,12 +618,16 @@ def test_offloaded_activations_keep_two_checkpointed_inputs_on_the_gpu(tiny: mod
     assert memory.offloaded_activation_bytes(deep, ckpt) == 0
 
 
-def test_expandable_segments_shrink_only_the_stranded_reserve(llama7b: models.ModelSpec) -> None:
+def test_expandable_segments_shrink_only_the_reserve(llama7b: models.ModelSpec) -> None:
     step = Settings(micro_batch=1, grad_ckpt=True)
     plain = memory.estimate(llama7b, step)
     expandable = memory.estimate(llama7b, step.model_copy(update={"expandable_segments": True}))
     assert expandable.peak_allocated_gib == plain.peak_allocated_gib
-    assert plain.peak_reserved_gib - expandable.peak_reserved_gib == pytest.approx(0.9 - 0.2, abs=1e-3)
+    # the two fits of bench/allocator_fit.py: 0.28 x T + 0.0175 x A + 0.52 GiB against 0.21 x T + 0.015 x A,
+    # and the 0.54 GiB a run strands beyond the simulated step, none with expandable segments
+    transient = memory.transient_bytes(llama7b, step, Runtime()) / GIB
+    shrink = (0.28 - 0.21) * transient + (0.0175 - 0.015) * plain.peak_allocated_gib + 0.52 + 0.54
+    assert plain.peak_reserved_gib - expandable.peak_reserved_gib == pytest.approx(shrink, abs=1e-3)
 
 
 def test_savers_together_bring_an_8b_qlora_step_down_by_a_third() -> None:

@@ -159,12 +159,16 @@ def test_70b_qlora_on_a_24gb_card_needs_several_gpus_or_a_bigger_one() -> None:
     # the 4-bit base alone (about 0.52 B x 69B) is bigger than the card: no setting on one 4090 helps
     assert plan.estimate.breakdown_gib["weights"] > usable_gib(plan.gpu)
     bigger = [s for s in plan.suggestions if s.settings.n_gpus == 1]
-    several = [s for s in plan.suggestions if s.settings.n_gpus > 1]
-    assert bigger and several
-    assert all(s.gpu != "RTX 4090" and hardware.resolve(s.gpu).memory_gib > 24 for s in bigger)
+    assert bigger and all(s.gpu != "RTX 4090" and hardware.resolve(s.gpu).memory_gib > 24 for s in bigger)
     assert all("more memory" in s.change for s in bigger)
-    assert all(s.gpu == "RTX 4090" and "x RTX 4090" in s.change for s in several)
-    for suggestion in plan.suggestions:
+    # lorafit's trainer loads the 4-bit base whole on every GPU before sharding it: several 4090s do not help;
+    # a stack that loads it in host memory first shards it over them
+    assert not [s for s in plan.suggestions if s.settings.n_gpus > 1]
+    assert any("loads the nf4 base whole" in reason for reason in plan.reasons)
+    trl = planner.make_plan(ask("llama-2-70b", gpu="RTX 4090", pinned={"stack": "trl"}))
+    several = [s for s in trl.suggestions if s.settings.n_gpus > 1]
+    assert several and all(s.gpu == "RTX 4090" and "x RTX 4090" in s.change for s in several)
+    for suggestion in plan.suggestions + trl.suggestions:
         assert memory.estimate(plan.model, suggestion.settings, hardware.resolve(suggestion.gpu)).fits
 
 
@@ -243,8 +247,11 @@ def test_speed_follows_the_work() -> None:
     # bigger micro-batches use the GPU better, so tokens/s never falls
     by_batch = [speed(spec, Settings(micro_batch=b, grad_accum=16 // b), gpu) for b in (1, 2, 4, 8, 16)]
     assert by_batch == sorted(by_batch)
+    # two GPUs: each runs half the accumulation; ZeRO-3's gathers of the packed base (4 GB per GPU a micro-batch,
+    # 18 ms over NVLink 3) hide behind the micro-batch's 1.3 s of compute, so the speed doubles
     two = Settings(micro_batch=2, grad_accum=4, n_gpus=2, shard="zero3")
-    assert speed(spec, two, gpu) == pytest.approx(2 * 0.9 * speed(spec, base, gpu), rel=0.01)
+    half = Settings(micro_batch=2, grad_accum=4)
+    assert speed(spec, two, gpu) == pytest.approx(2 * speed(spec, half, gpu), rel=0.01)
 
 
 # --- the search ----------------------------------------------------------------------------------------------------
@@ -279,10 +286,15 @@ def test_an_8_bit_optimizer_only_when_32_bit_states_do_not_fit() -> None:
     plan = planner.make_plan(ask(gpu=between, pinned=SAVERS_OFF))
     assert plan.fits and plan.optimizer == "paged_adamw_8bit" and plan.micro_batch == 1
     assert any("32-bit AdamW would need" in reason for reason in plan.reasons)
-    # with the savers free the planner keeps 32-bit AdamW: a saver changes no number of the training, 8-bit
-    # states do
+    # with the savers free 32-bit AdamW fits again (a saver changes no number of the training, 8-bit states
+    # do): the planner takes 8-bit states only where they make the step faster than any 32-bit one that fits
     free = planner.make_plan(ask(gpu=between))
-    assert free.fits and free.optimizer == "adamw" and planner.savers_on(free.settings)
+    assert free.fits and planner.savers_on(free.settings)
+    found = planner.candidates(ask(gpu=between), between, 2048)
+    adamw = planner.best([c for c in found if c.settings.optimizer == "adamw"])
+    assert adamw is not None
+    if free.optimizer != "adamw":
+        assert free.tokens_per_s > adamw.tokens_per_s * (1 + planner.SPEED_TIE)
 
 
 def test_pinned_settings_are_respected() -> None:
@@ -320,7 +332,9 @@ def compared_13b() -> list[Plan]:
 
 def test_compare_ranks_fitting_gpus_first_then_fastest(compared_13b: list[Plan]) -> None:
     fits = [plan.fits for plan in compared_13b]
-    assert True in fits and False in fits
+    assert True in fits
+    # a card too small for the job alone is ranked as the fewest of it that fit, sharded
+    assert any(plan.fits and plan.settings.n_gpus > 1 for plan in compared_13b)
     assert fits == sorted(fits, reverse=True)  # every fitting plan before every other
     fitting = [plan for plan in compared_13b if plan.fits]
     assert [p.hours for p in fitting] == sorted(p.hours for p in fitting)
@@ -399,7 +413,10 @@ def test_other_settings_are_estimated_again_with_the_same_tokens_to_train() -> N
 
 # --- memory savers ----------------------------------------------------------------------------------------------
 def test_no_saver_where_the_step_fits_without(on_4090: Plan) -> None:
-    assert planner.savers_on(on_4090.settings) == []
+    # on the 4090 the fastest step (no checkpointing) fits only with expandable segments, which cost no time
+    assert planner.savers_on(on_4090.settings) == ["expandable_segments"] and not on_4090.grad_ckpt
+    plain = planner.make_plan(ask(gpu="RTX 4090", pinned={"expandable_segments": False, "loss": "full"}))
+    assert plain.fits and plain.tokens_per_s < on_4090.tokens_per_s
     assert planner.savers_on(planner.make_plan(ask(gpu="A40")).settings) == []
 
 
@@ -451,7 +468,8 @@ def test_when_nothing_fits_the_longest_length_that_does_is_suggested() -> None:
     assert memory.estimate(plan.model, shorter[0].settings, gpu).fits
     # the longest: the next longer length tried does not fit with any settings
     lengths = planner.shorter_lengths(2048)
-    longer = lengths[lengths.index(length) - 1]
+    position = lengths.index(length)
+    longer = lengths[position - 1] if position else 2048  # the longest tried is right below the length asked
     assert planner.best(planner.candidates(request, gpu, longer)) is None
 
 

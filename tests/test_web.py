@@ -141,6 +141,8 @@ BAD_QUERIES = {
     "a vanished upload": ("/api/plan", {"data": "upload:0123456789abcdef/x.jsonl"}, "data", "upload the file again"),
     "a tokenizer path": ("/api/plan", {"tokenizer": "/tmp"}, "tokenizer", "without a local tokenizer"),
     "run for several plans": ("/api/run", {"compare": "true"}, None, "one plan"),
+    "a config file on the server": ("/api/plan", {"from_config": "/etc/passwd"}, "from_config", "not a setting"),
+    "a stack not offered": ("/api/estimate", {"stack": "torchtune"}, None, "stack torchtune: not offered"),
     "seq_len past the model": ("/api/plan", {"model": "llama-2-7b", "seq_len": "999999"}, "seq_len", "999999"),
 }
 

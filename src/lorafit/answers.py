@@ -33,6 +33,43 @@ def target_gpu(gpu: str | None, vram: float | None) -> GpuSpec | None:
     return hardware.detected_gpu(use_torch=False)
 
 
+# --- --from: another trainer's config file ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class FromConfig:
+    """The config file an answer is for: its kind, the stack that answers for it, and what it sets that
+    lorafit does not model (said on stderr, and in the JSON)."""
+
+    path: str
+    kind: str
+    stack: str
+    warnings: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "kind": self.kind, "stack": self.stack, "warnings": self.warnings}
+
+
+def with_config(
+    command: options.Command, path: str | None, given: Mapping[str, Any]
+) -> tuple[dict[str, Any], FromConfig | None]:
+    """The settings of `command` that the config file at `path` states, with the flags in `given` over them.
+    Keys the command has no use for (an epoch count for `estimate`) are left out quietly."""
+    if path is None:
+        return dict(given), None
+    from lorafit import configs, stacks
+
+    imported = configs.read(Path(path))
+    stack, stack_warning = stacks.for_config_of(imported.values["stack"])
+    known = options.config_keys(command)
+    values = {key: value for key, value in (imported.values | {"stack": stack}).items() if key in known}
+    warnings = ([stack_warning] if stack_warning else []) + imported.unmodelled
+    return values | dict(given), FromConfig(path, imported.kind, stack, warnings)
+
+
+def _validated(command: options.Command, values: Mapping[str, Any], given: Mapping[str, Any], source: Any) -> Any:
+    """`options.validate`, naming the config file for a value that came from it rather than from a flag."""
+    return options.validate(command, values, source=source.path if source else "", from_flags=given)
+
+
 # --- estimate -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EstimateAnswer:
@@ -41,6 +78,7 @@ class EstimateAnswer:
     result: Estimate
     gpu: GpuSpec | None
     exact: bool
+    source: FromConfig | None = None
 
     def to_json(self) -> dict[str, Any]:
         return self.result.model_dump(mode="json") | {
@@ -48,22 +86,30 @@ class EstimateAnswer:
             "model": self.spec.model_dump(mode="json"),
             "settings": self.settings.model_dump(mode="json"),
             "gpu": self.gpu.model_dump(mode="json") if self.gpu else None,
+            **({"from": self.source.to_json()} if self.source else {}),
         }
 
 
-def estimate(given: Mapping[str, Any], *, exact: bool = False) -> EstimateAnswer:
-    """`lorafit estimate` for the settings that were set."""
-    request = options.validate("estimate", given, from_flags=given)
+def estimate(given: Mapping[str, Any], *, exact: bool = False, from_config: str | None = None) -> EstimateAnswer:
+    """`lorafit estimate` for the settings that were set (over those of the config file `from_config`)."""
+    values, source = with_config("estimate", from_config, given)
+    request = _validated("estimate", values, given, source)
     spec = models.resolve(request.model or DEFAULT_MODEL)
     target = target_gpu(request.gpu, request.vram)
     settings = options.settings_from(request.model_dump(), spec, target)
     if exact:
         from lorafit import trace
 
+        if settings.stack != "lorafit":
+            raise LorafitError(
+                f"--exact traces lorafit's own training step; stack {settings.stack} is estimated from its traced "
+                "facts (`lorafit stacks`): drop --exact, or use --stack lorafit"
+            )
+
         result = trace.exact_estimate(spec, settings, target, request.headroom)
     else:
         result = memory.estimate(spec, settings, target, request.headroom)
-    return EstimateAnswer(spec, settings, result, target, exact)
+    return EstimateAnswer(spec, settings, result, target, exact, source)
 
 
 # --- plan ---------------------------------------------------------------------------------------------------
@@ -75,6 +121,7 @@ class PlanAnswer:
     plans: list[Plan]
     note: str | None = None  # said before the plan when lorafit chose the GPU (none detected)
     max_price_hour: float | None = None
+    source: FromConfig | None = None
 
     @property
     def cheapest(self) -> Plan | None:
@@ -89,8 +136,9 @@ class PlanAnswer:
         return cheapest(self.plans, self.max_price_hour)
 
     def to_json(self) -> Any:
+        source = {"from": self.source.to_json()} if self.source else {}
         if self.kind == "one":
-            return self.plans[0].model_dump(mode="json")
+            return self.plans[0].model_dump(mode="json") | source
         dumped = [p.model_dump(mode="json") for p in self.plans]
         if self.kind == "embedded":
             return dumped
@@ -100,15 +148,25 @@ class PlanAnswer:
             "cheapest": best_any.gpu.name if best_any and best_any.gpu else None,
             "cheapest_under_price": best_under.gpu.name if best_under and best_under.gpu else None,
             "max_price_hour": self.max_price_hour,
+            **source,
         }
 
 
-def plan(given: Mapping[str, Any], *, compare: bool = False, data_path: Callable[[str], Path] = Path) -> PlanAnswer:
-    """`lorafit plan` for the settings that were set. `data_path` turns the `data` setting into the file to
-    profile (the web server maps it into its upload folder)."""
+def plan(
+    given: Mapping[str, Any],
+    *,
+    compare: bool = False,
+    data_path: Callable[[str], Path] = Path,
+    from_config: str | None = None,
+) -> PlanAnswer:
+    """`lorafit plan` for the settings that were set (over those of the config file `from_config`: the run it
+    describes, its step settings pinned). `data_path` turns the `data` setting into the file to profile (the
+    web server maps it into its upload folder)."""
     from lorafit import plan as planner
 
-    asked = options.validate("plan", given, from_flags=given)
+    flags = given
+    given, source = with_config("plan", from_config, flags)
+    asked = _validated("plan", given, flags, source)
     spec = models.resolve(asked.model or DEFAULT_MODEL)
     pinned = {key: getattr(asked, key) for key in options.STEP_KEYS if key in given and key not in PLAN_REQUEST_KEYS}
     profile, truncated = None, None
@@ -126,9 +184,9 @@ def plan(given: Mapping[str, Any], *, compare: bool = False, data_path: Callable
         **{key: getattr(asked, key) for key in PLAN_REQUEST_KEYS if key in asked.model_fields_set},
     )
     if compare:
-        return PlanAnswer("compare", planner.compare(request), max_price_hour=asked.max_price_hour)
+        return PlanAnswer("compare", planner.compare(request), max_price_hour=asked.max_price_hour, source=source)
     target = target_gpu(asked.gpu, asked.vram)
-    if target is None and asked.model is None:
+    if target is None and asked.model is None and source is None:
         return PlanAnswer(
             "embedded",
             [
@@ -140,7 +198,9 @@ def plan(given: Mapping[str, Any], *, compare: bool = False, data_path: Callable
     if target is None:
         target = hardware.resolve(EMBEDDED_GPUS[0])
         note = f"no GPU detected: planning for {target.name} (pass --gpu or --vram)"
-    return PlanAnswer("one", [planner.make_plan(request.model_copy(update={"gpu": target}), truncated)], note)
+    return PlanAnswer(
+        "one", [planner.make_plan(request.model_copy(update={"gpu": target}), truncated)], note, source=source
+    )
 
 
 # --- the run that carries a plan out --------------------------------------------------------------------------

@@ -72,7 +72,8 @@ def split(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 def estimate(**values: Any) -> None:
     """Peak memory of one training step, as a breakdown, and whether it fits the GPU."""
     given, switches = split(values)
-    answer = answers.estimate(given, exact=switches["exact"])
+    answer = answers.estimate(given, exact=switches["exact"], from_config=switches["from_config"])
+    render.warn_about(answer.source)
     if switches["json"]:
         render.print_json(answer.to_json())
     else:
@@ -84,7 +85,8 @@ def estimate(**values: Any) -> None:
 def plan(**values: Any) -> None:
     """Will it fit, with which settings, how long, at what cost: the fastest configuration that fits."""
     given, switches = split(values)
-    answer = answers.plan(given, compare=switches["compare"])
+    answer = answers.plan(given, compare=switches["compare"], from_config=switches["from_config"])
+    render.warn_about(answer.source)
     if switches["json"]:
         render.print_json(answer.to_json())
     elif answer.kind == "compare":
@@ -123,6 +125,19 @@ def list_models(**values: Any) -> None:
         )
     else:
         render.show_models(specs)
+
+
+@app.command("stacks")
+@derived_options("stacks")
+def list_stacks(**values: Any) -> None:
+    """The trainers `--stack` estimates: the pinned versions and what each keeps alive differently."""
+    from lorafit import stacks
+
+    listed = list(stacks.catalog().values())
+    if values["json"]:
+        render.print_json([stack.model_dump(mode="json") for stack in listed])
+    else:
+        render.show_stacks(listed)
 
 
 @app.command()

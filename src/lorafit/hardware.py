@@ -130,6 +130,72 @@ def _by_memory(name: str, memory_gib: float, like: GpuSpec | None, how: str) -> 
     )
 
 
+# --- interconnects (catalog/interconnects.toml) -----------------------------------------------------------
+class Link(BaseModel):
+    """One link that GPUs move data over: inside a machine (NVLink, PCIe) or between machines (the network)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    title: str
+    gbs: float = Field(ge=0, description="GB/s per direction; 0: a share of the card's own PCIe link")
+    per: Literal["gpu", "node"]
+    via_host: bool = False
+    host_share: float = Field(default=1.0, gt=0, le=1, description="share of host_link_gbs where gbs is 0")
+    source: str
+    as_of: str
+
+    def gbs_for(self, gpu: GpuSpec, gpus_on_link: int = 1) -> float:
+        """GB/s one GPU gets on this link: its own rate, the card's PCIe share, or its part of the node's NIC."""
+        rate = self.gbs or self.host_share * (gpu.host_link_gbs or PCIE3_X16_GBS)
+        return rate / gpus_on_link if self.per == "node" else rate
+
+
+class LinkRule(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    gpus: list[str] = []
+    kind: GpuKind | None = None
+    within_node: str
+    between_nodes: str
+    source: str
+
+    def matches(self, gpu: GpuSpec) -> bool:
+        if self.gpus:
+            return gpu.name in self.gpus
+        return self.kind is None or self.kind == gpu.kind
+
+
+PCIE3_X16_GBS = 15.75  # a card whose entry gives no host link: the slowest PCIe x16 of the catalog
+
+
+@cache
+def _interconnects() -> tuple[dict[str, Link], tuple[LinkRule, ...]]:
+    text = resources.files("lorafit").joinpath("catalog/interconnects.toml").read_text()
+    data = tomllib.loads(text)
+    links = {entry["name"]: Link.model_validate(entry) for entry in data["link"]}
+    rules = tuple(LinkRule.model_validate(entry) for entry in data["rule"])
+    for rule in rules:
+        for name in (rule.within_node, rule.between_nodes):
+            if name not in links:
+                raise ValueError(f"interconnects.toml: a rule names link {name!r}, which is not listed")
+    return links, rules
+
+
+def links() -> dict[str, Link]:
+    return _interconnects()[0]
+
+
+def links_of(gpu: GpuSpec) -> tuple[Link, Link]:
+    """(inside a machine, between machines) for this GPU: the first rule of interconnects.toml that matches.
+    A GPU known only by its memory (`--vram`, a detected card) takes the rule of the card it borrows from."""
+    catalog_links, rules = _interconnects()
+    for rule in rules:
+        if rule.matches(gpu):
+            return catalog_links[rule.within_node], catalog_links[rule.between_nodes]
+    raise ValueError("interconnects.toml needs a last rule that matches every GPU")
+
+
 def gpus(min_vram_gb: float = 0, max_price_hour: float | None = None) -> list[GpuSpec]:
     """The catalog filtered by memory and rental price, smallest memory first.
 

@@ -11,7 +11,7 @@ kv = kv_heads x head_dim, I intermediate, V vocabulary, r LoRA rank, c bytes of 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -42,8 +42,10 @@ class Runtime(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     # hf: fp32 copy of all logits; chunked: per-chunk fp32 upcast (torchtune); chunked_compute: the head runs in
-    # chunks whose logits stay in the compute dtype through the loss (litgpt)
-    loss: Literal["hf", "chunked", "chunked_compute"] = "hf"
+    # chunks whose logits stay in the compute dtype through the loss (litgpt); fused_logprob: TRL's fused LM head
+    # (trl.trainer.utils.add_fused_lm_head), which folds 32768-wide vocabulary tiles of the logits into per-token
+    # log-probabilities and never holds the full logits (fused_head_bytes)
+    loss: Literal["hf", "chunked", "chunked_compute", "fused_logprob"] = "hf"
     kbit_upcast: bool = False  # peft prepare_model_for_kbit_training: non-quantised params to fp32
     lora_dtype: Literal["fp32", "compute"] = "fp32"  # peft autocasts adapters to fp32 by default
     fused_optimizer: bool = True  # adamw_torch_fused: no param-sized temporaries in the step
@@ -57,6 +59,11 @@ class Runtime(BaseModel):
     # peft's kbit preparation followed by TRL's peft_module_casting_to_bf16 leaves the RMSNorm weights in fp32:
     # `weight * x.to(bf16)` then promotes every norm output, and with it the residual stream, to fp32
     fp32_norms: bool = False
+    # peft's prepare_model_for_kbit_training upcasts the embeddings too, so the residual stream is fp32 from the
+    # first layer on, and bitsandbytes' Linear4bit returns its output in its input's dtype (`.to(inp_dtype)`):
+    # gate and up come out fp32 and SwiGLU saves its three tensors in fp32 (autocast runs only the matmuls and
+    # the attention in the compute dtype)
+    fp32_stream: bool = False
     # bitsandbytes before 0.43.2 kept each 4/8-bit layer's input for backward as a ctx attribute
     # (`ctx.tensors = (A, B)`): it lives as long as the graph does, not only until that layer's backward
     bnb_saves_input: bool = False
@@ -78,6 +85,17 @@ class Runtime(BaseModel):
     # optimizers): nvidia-smi minus reserved; see device_bytes for the measurement
     cuda_context_gib: float = 0.9
     nccl_gib: float = 1.2  # NCCL buffers and the collective streams' pools, per GPU, when training on several
+    # a 4/8-bit base that ZeRO-3/FSDP shard is loaded whole onto every GPU first (lorafit train's device_map);
+    # false where rank 0 loads it in host memory and the shards are sent out (accelerate's
+    # fsdp_cpu_ram_efficient_loading, as peft's FSDP/DeepSpeed QLoRA guides run TRL)
+    quantized_load_on_gpu: bool = True
+
+
+def stack_runtime(settings: Settings) -> Runtime:
+    """The Runtime of the trainer `settings.stack` names (lorafit.stacks, catalog/stacks.toml)."""
+    from lorafit import stacks
+
+    return stacks.runtime_of(settings)
 
 
 # --- weights ------------------------------------------------------------------------------------------------
@@ -281,7 +299,7 @@ def activation_parts_per_token(
     mlp = {name: dims for name, dims in spec.mlp_linears().items() if name != "down_proj"}
     down = {"down_proj": spec.mlp_linears()["down_proj"]}
     experts = max(spec.num_experts_per_tok, 1) if spec.is_moe else 1
-    gated = 3 * c * inter  # silu saves gate; the product saves silu(gate) and up
+    gated = 3 * swiglu_dtype_bytes(settings, runtime) * inter  # silu saves gate; the product saves silu(gate), up
     parts = {
         "attn_norm": norm(),
         "qkv_inputs": fused_qkv_lora_bytes(qkv, lora_names, settings, runtime, input_requires_grad)
@@ -367,13 +385,30 @@ def activation_bytes_per_layer(
     return sum(parts.values()) * settings.tokens_per_micro_batch
 
 
+def swiglu_dtype_bytes(settings: Settings, runtime: Runtime) -> int:
+    """The dtype SwiGLU's saved gate, silu(gate) and up are in: the compute dtype, or fp32 after peft's kbit
+    preparation, whose fp32 residual stream reaches gate_proj and up_proj, and bitsandbytes' Linear4bit hands
+    its output back in its input's dtype (`Linear4bit.forward`: `matmul_4bit(...).to(inp_dtype)`, bitsandbytes
+    0.50.2).
+    Traced: `make bench-stacks` (peft-kbit QLoRA without checkpointing), 6 x I bytes per token and layer over
+    the bf16 count on Llama-2-7B and Llama-3.1-8B."""
+    if runtime.fp32_stream and settings.quant != "none":
+        return 4
+    return DTYPE_BYTES[settings.precision]
+
+
+def stream_dtype_bytes(settings: Settings, runtime: Runtime) -> int:
+    """Bytes per element of the residual stream between the layers: fp32 when fp32 norm weights (or peft's
+    fp32 embeddings) promote it, else the compute dtype."""
+    return 4 if runtime.fp32_norms or runtime.fp32_stream else DTYPE_BYTES[settings.precision]
+
+
 def checkpoint_bytes_per_layer(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     """Under checkpointing a layer keeps only its input hidden state (c x h per token, fp32 when fp32 norm
     weights promoted the residual stream) until backward."""
     if runtime.activation_offload:
         return 0.0
-    width = 4 if runtime.fp32_norms else DTYPE_BYTES[settings.precision]
-    return width * spec.hidden_size * settings.tokens_per_micro_batch
+    return stream_dtype_bytes(settings, runtime) * spec.hidden_size * settings.tokens_per_micro_batch
 
 
 def checkpointed_layers_on_gpu(spec: ModelSpec, settings: Settings) -> int:
@@ -389,7 +424,7 @@ def offloaded_activation_bytes(spec: ModelSpec, settings: Settings, runtime: Run
     out in forward and back in backward."""
     if not (settings.offload_activations and settings.grad_ckpt):
         return 0.0
-    width = 4 if runtime.fp32_norms else DTYPE_BYTES[settings.precision]
+    width = stream_dtype_bytes(settings, runtime)
     return spec.num_hidden_layers * width * spec.hidden_size * settings.tokens_per_micro_batch
 
 
@@ -398,8 +433,9 @@ def offloaded_activation_bytes(spec: ModelSpec, settings: Settings, runtime: Run
 HOST_RAM_SHARE = 0.8
 
 
-def host_saver_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime()) -> float:
+def host_saver_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime | None = None) -> float:
     """Host memory the offloading savers hold during a step: the pinned activations and the embedding table."""
+    runtime = runtime or stack_runtime(settings)
     return offloaded_activation_bytes(spec, settings, runtime) + offloaded_embedding_bytes(spec, settings, runtime)
 
 
@@ -487,9 +523,59 @@ def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float
         c, chunk = DTYPE_BYTES[settings.precision], head_chunk_tokens(settings)
         backward_chunk = max(c * vocab * chunk, head_dequant_bytes(spec, settings, runtime))
         return 2 * c * vocab * n + c * vocab * chunk + backward_chunk
+    if runtime.loss == "fused_logprob":
+        return fused_head_bytes(spec, settings, runtime)
     # Gemma-2 soft-caps the logits (tanh(logits / 30) x 30) in the compute dtype: tanh keeps its output
     softcap = DTYPE_BYTES[settings.precision] * vocab * n if spec.logit_softcapping else 0
-    return 12 * vocab * n + softcap
+    return 12 * vocab * n + softcap + head_weight_cast_bytes(spec, settings, runtime)
+
+
+def head_weight_cast_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """peft's kbit preparation leaves the LM head's weight in fp32; under autocast the head's matmul runs on a
+    compute-dtype copy of it (V x h x c) and saves that copy for the backward to its input, so it lives from the
+    head's forward through the loss (`make bench-stacks`, peft-kbit QLoRA: c x V x h over the logits on
+    Llama-2-7B and Llama-3.1-8B)."""
+    if not (runtime.kbit_upcast and runtime.autocast) or settings.quant == "none" or settings.precision == "fp32":
+        return 0.0
+    return DTYPE_BYTES[settings.precision] * spec.vocab_size * spec.hidden_size
+
+
+# TRL's fused LM head (trl/kernels/chunked_logprob.py @ v1.16.0, ChunkedLogProbFunction): the logits are made
+# one tile of at most FUSED_TILE_TOKENS scored tokens x FUSED_VOCAB_CHUNK vocabulary entries at a time, in one
+# buffer allocated at that full size whatever the vocabulary
+FUSED_TILE_TOKENS = 4096  # TOKEN_CHUNK_SIZE
+FUSED_VOCAB_CHUNK = 32768  # _CHUNKED_LOGPROB_CHUNK_SIZE in trl/trainer/utils.py
+# the CPU's torch fall-back for the Triton kernels (_backward_tile) holds this many fp32-sized tiles at once:
+# y, z, log_p, p and grad, the is_target mask (a byte), `is_target.float() - p` and its product with the
+# log-probabilities' gradient (29 bytes per tile element in the CPU steps of `make bench-stacks`)
+FUSED_CPU_BACKWARD_TILES = 7.25
+
+
+def fused_head_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """TRL's fused LM head at its backward, the peak of the loss (`add_fused_lm_head`, trl/trainer/utils.py @
+    v1.16.0, and ChunkedLogProbFunction.backward). With n = micro_batch x (seq_len - 1) scored tokens and
+    k = min(n, 4096) tokens per tile:
+
+    - the hidden states it saved for backward: on CUDA `hidden_states[mask]` gathers the scored positions into a
+      new c x h x n tensor; the CPU path takes `reshape(-1, h)` of `last_hidden_state[:, :-1]`, a copy only when
+      the micro-batch has several rows;
+    - the tile buffer, k x 32768 x c, and the fp32 gradient of the hidden states it accumulates, 4 x h x n;
+    - on CUDA the Triton kernels turn each tile into its gradient in place and the gradient GEMMs accumulate in
+      fp32 without copies, so the last moment is the cast of that gradient to the hidden states' dtype
+      (c x h x n) before the buffer is freed; the CPU's torch fall-back holds 7.25 fp32 tiles of
+      k x min(V, 32768) at once instead (FUSED_CPU_BACKWARD_TILES).
+
+    The full logits never exist: for Llama-3.1-8B at 2048 tokens 0.17 GiB in place of 2.9 GiB of fp32 logits
+    (`make bench-stacks` traces TRL's SFTTrainer step)."""
+    c, h = DTYPE_BYTES[settings.precision], spec.hidden_size
+    scored = settings.micro_batch * (settings.seq_len - 1)
+    tile = min(scored, FUSED_TILE_TOKENS)
+    buffers = tile * FUSED_VOCAB_CHUNK * c + 4 * h * scored
+    if runtime.device == "cpu":
+        gathered = c * h * scored if settings.micro_batch > 1 else 0
+        fold = FUSED_CPU_BACKWARD_TILES * 4 * tile * min(spec.vocab_size, FUSED_VOCAB_CHUNK)
+        return gathered + buffers + max(fold, c * h * scored)
+    return c * h * scored + buffers + c * h * scored
 
 
 def loss_chunk_tokens(settings: Settings) -> int:
@@ -508,25 +594,41 @@ def chunked_loss_bytes(spec: ModelSpec, settings: Settings) -> float:
     return 12 * spec.vocab_size * chunk + softcap + c * spec.hidden_size * settings.tokens_per_micro_batch
 
 
-def grad_buffer_bytes(spec: ModelSpec, settings: Settings) -> float:
+def grad_buffer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime()) -> float:
     """What backward through one layer holds besides its saved tensors: the gradients in flight (hidden-sized
     in the compute dtype; at the MLP the intermediate-sized gradient of down_proj's input, for LoRA also in the
     adapter's fp32). The coefficients are those of the traced backward of the real step
     (`python -m lorafit.trace.terms llama-2-7b --compare` and `qwen2.5-1.5b`, two shapes that separate the h
-    and I terms): LoRA (4 + c) x I, full fine-tuning 2c x I + 8c x h, per token."""
+    and I terms): LoRA (4 + c) x I, full fine-tuning 2c x I + 8c x h, per token. With the adapters in the
+    compute dtype under autocast (TRL's QLoRA) no fp32 gradient is made: I + c x h in TRL's traced step
+    (`make bench-stacks`, Llama-2-7B and Llama-3.1-8B)."""
     c = DTYPE_BYTES[settings.precision]
     h, inter = spec.hidden_size, spec.intermediate_size
-    per_token = (4 + c) * inter if settings.method != "full" else 2 * c * inter + 8 * c * h
+    if settings.method == "full":
+        per_token = 2 * c * inter + 8 * c * h
+    elif compute_dtype_adapters_under_autocast(settings, runtime):
+        per_token = inter + c * h
+    else:
+        per_token = (4 + c) * inter
     return per_token * settings.tokens_per_micro_batch
+
+
+def compute_dtype_adapters_under_autocast(settings: Settings, runtime: Runtime) -> bool:
+    """Adapters in the compute dtype inside an autocast forward: nothing in the LoRA path is cast to fp32."""
+    return runtime.lora_dtype == "compute" and runtime.autocast and settings.precision != "fp32"
 
 
 def recompute_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     """Backward of a checkpointed layer: its saved tensors, recomputed, plus what the recomputation and the
     backward hold in flight. For LoRA that is more than without checkpointing (the recomputed forward's own
-    temporaries overlap the first gradients): 5c x I + 4c x h per token in the same traces."""
+    temporaries overlap the first gradients): 5c x I + 4c x h per token in the same traces. With the adapters
+    in the compute dtype under autocast the intermediate-sized fp32 casts are gone: 4c x h (TRL's QLoRA step,
+    `make bench-stacks`, within 2.5 kB per token on Llama-2-7B and Llama-3.1-8B)."""
     c = DTYPE_BYTES[settings.precision]
     if settings.method == "full":
         in_flight = grad_buffer_bytes(spec, settings)
+    elif compute_dtype_adapters_under_autocast(settings, runtime):
+        in_flight = 4 * c * spec.hidden_size * settings.tokens_per_micro_batch
     else:
         in_flight = (5 * c * spec.intermediate_size + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
     return activation_bytes_per_layer(spec, settings, runtime) + in_flight
@@ -545,13 +647,23 @@ def optimizer_step_temp_bytes(spec: ModelSpec, settings: Settings, runtime: Runt
     them under ZeRO/FSDP, one parameter at a time when the step runs inside backward."""
     if runtime.fused_optimizer or runtime.optimizer_in_backward or settings.optimizer != "adamw":
         return 0.0
+    if on_host(settings)[2]:
+        return 0.0  # the step runs on the CPU
     return trainable_params(spec, settings) * trainable_dtype_bytes(settings, runtime) * shard_factors(settings)[2]
 
 
 # --- several GPUs -------------------------------------------------------------------------------------------
+def world_size(settings: Settings) -> int:
+    """Every GPU of the run: n_gpus on each of the nodes."""
+    return settings.n_gpus * settings.nodes
+
+
 def shard_factors(settings: Settings) -> tuple[float, float, float]:
-    """Fraction of (weights, gradients, optimizer states) each GPU holds."""
-    n = settings.n_gpus
+    """Fraction of (weights, gradients, optimizer states) each GPU holds, over all n_gpus x nodes GPUs.
+
+    ZeRO (Rajbhandari et al. 2020, section 5): stage 2 partitions gradients and optimizer states, stage 3 the
+    parameters too; FSDP's full shard is stage 3. DDP keeps everything on every GPU."""
+    n = world_size(settings)
     if settings.shard in ("zero3", "fsdp"):
         return 1 / n, 1 / n, 1 / n
     if settings.shard == "zero2":
@@ -559,63 +671,248 @@ def shard_factors(settings: Settings) -> tuple[float, float, float]:
     return 1.0, 1.0, 1.0
 
 
+def offload_of(settings: Settings) -> str:
+    """What the engine keeps in host memory. DeepSpeed has both offloads (offload_optimizer: gradients,
+    optimizer states and the optimizer step, ZeRO-Offload; offload_param: the parameter partitions too). FSDP
+    has only CPUOffload(offload_params=True), which moves parameters, gradients and the step: what `lorafit
+    train` writes for either setting (train/distributed.py), so it is estimated as `params`."""
+    if settings.offload != "none" and settings.shard == "fsdp":
+        return "params"
+    return settings.offload
+
+
+def on_host(settings: Settings) -> tuple[bool, bool, bool]:
+    """Whether (weights, gradients, optimizer states) live in host memory instead of on the GPU."""
+    offload = offload_of(settings)
+    return offload == "params", offload != "none", offload != "none"
+
+
+def quant_state_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """The 4-bit weights' quantisation state (absmax, nested absmax): an attribute of bitsandbytes' Params4bit,
+    not a parameter, so ZeRO-3 and FSDP neither shard it nor offload it; every GPU keeps all of it."""
+    if settings.quant != "nf4":
+        return 0.0
+    linear = spec.num_hidden_layers * spec.layer_linear_params
+    if runtime.quantized_head:
+        linear += spec.lm_head_params
+    return quantized_weight_bytes(linear, settings) - 0.5 * linear
+
+
+def sharded_weight_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """The base weights one GPU holds: its shard of the parameters (none when they are offloaded) and, for a
+    4-bit base under ZeRO-3/FSDP, the whole quantisation state (quant_state_bytes)."""
+    total = weights_bytes(spec, settings, runtime)
+    w_share = shard_factors(settings)[0]
+    if w_share == 1.0 and not on_host(settings)[0]:
+        return total
+    state = quant_state_bytes(spec, settings, runtime)
+    return (0.0 if on_host(settings)[0] else (total - state) * w_share) + state
+
+
+def gathered_param_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """Bytes of every parameter as ZeRO-3/FSDP all-gather them: the packed 4-bit weights (0.5 byte a weight,
+    stored as the compute dtype), the rest in its dtype, the adapters in theirs. The volume `Psi` of the
+    communication model."""
+    base = weights_bytes(spec, settings, runtime) - quant_state_bytes(spec, settings, runtime)
+    return base + adapter_bytes(spec, settings, runtime)
+
+
 def gathered_layer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
-    """ZeRO-3/FSDP gathers a full layer (and prefetches the next) before using it."""
+    """ZeRO-3/FSDP gather a full layer (and prefetch the next) before using it: two layers in flight, in the
+    dtype they are stored in (packed 4-bit linears: 0.5 byte a weight; the quantisation state is on every GPU
+    already)."""
     if settings.shard not in ("zero3", "fsdp"):
         return 0.0
-    layer = spec.layer_linear_params + spec.layer_other_params
-    per_param = DTYPE_BYTES[settings.precision] if settings.quant == "none" else 0.5 + 1 / NF4_BLOCK
-    return 2 * layer * per_param
+    c = DTYPE_BYTES[settings.precision]
+    linear_bytes = 0.5 if settings.quant == "nf4" else c
+    return 2 * (spec.layer_linear_params * linear_bytes + spec.layer_other_params * c)
+
+
+# DeepSpeed's default reduce bucket (zero_optimization.reduce_bucket_size, 5e8 elements): lorafit's deepspeed.json
+# leaves it at the default. torch DDP copies the gradients into its buckets (gradient_as_bucket_view is False
+# under the HF Trainer).
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
+
+
+def communication_buffer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """Gradient buffers of the collective itself, per GPU, beside NCCL's own (Runtime.nccl_gib): DDP's buckets
+    hold a second copy of every gradient; DeepSpeed reduces through a bucket of up to 5e8 elements; FSDP
+    reduce-scatters each layer's gradients as they come (in gathered_layer_bytes)."""
+    if world_size(settings) == 1 and settings.offload == "none":
+        return 0.0
+    grad = trainable_dtype_bytes(settings, runtime)
+    n = trainable_params(spec, settings)
+    if settings.shard in ("none", "ddp"):
+        return n * grad
+    if settings.shard in ("zero2", "zero3"):
+        return min(n, DEEPSPEED_BUCKET_ELEMENTS) * grad
+    return 0.0
+
+
+# --- host memory --------------------------------------------------------------------------------------------
+# DeepSpeed's CPU Adam (and torch's AdamW on FSDP's host shards) keeps, per trainable parameter it steps: an fp32
+# master copy, the fp32 gradient and two fp32 moments (ZeRO-Offload, Ren et al. 2021, section 4.1: 16 bytes).
+HOST_OPTIMIZER_BYTES_PER_PARAM = 16
+# What one training process holds in host memory before any weight: the CUDA runtime and kernel images mapped
+# in, torch, transformers, peft, the tokenizer and the data loader. A chosen round figure, not measured by this
+# project on CUDA (a CPU process importing the same libraries holds about 1 GiB; the CUDA libraries add more).
+PROCESS_HOST_BYTES = 3 * GIB
+# transformers' save_pretrained writes checkpoints in files of at most 5 GB (max_shard_size); a quantised load
+# reads one file at a time into host memory and quantises it on the GPU.
+CHECKPOINT_FILE_BYTES = 5e9
+
+
+def processes_per_node(settings: Settings) -> int:
+    return settings.n_gpus
+
+
+def loading_bytes_per_process(spec: ModelSpec, settings: Settings) -> float:
+    """Host memory a process needs to load the model, as `lorafit train` loads it (train/recipe.py): a 4/8-bit
+    base goes straight to the process's GPU, one checkpoint file at a time; a 16-bit one is built in host
+    memory first, whole, in the compute dtype, and only then moved to the GPU or sharded. Every process of a
+    node loads its own copy: the loading peak that stops many multi-GPU runs before their first step."""
+    if settings.quant != "none":
+        return min(CHECKPOINT_FILE_BYTES, spec.num_params * DTYPE_BYTES[settings.precision])
+    return spec.num_params * DTYPE_BYTES[settings.precision]
+
+
+def offloaded_state_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> dict[str, float]:
+    """Per process, what the offload keeps in host memory: its shard of the parameters (offload params) and,
+    for either offload, its shard of the optimizer's fp32 state (HOST_OPTIMIZER_BYTES_PER_PARAM)."""
+    weights_host, _, optimizer_host = on_host(settings)
+    w_share, _, o_share = shard_factors(settings)
+    parts = {}
+    if weights_host:
+        parts["offloaded_weights"] = gathered_param_bytes(spec, settings, runtime) * w_share
+    if optimizer_host:
+        states = 0 if settings.optimizer == "sgd" else HOST_OPTIMIZER_BYTES_PER_PARAM
+        parts["offloaded_optimizer"] = trainable_params(spec, settings) * states * o_share
+    return parts
+
+
+def host_loads_the_base(settings: Settings, runtime: Runtime) -> bool:
+    """A quantised base that ZeRO-3/FSDP shard, loaded in host memory by rank 0 (Runtime.quantized_load_on_gpu
+    false: accelerate's fsdp_cpu_ram_efficient_loading) rather than whole on every GPU."""
+    sharded = settings.quant != "none" and settings.shard in ("zero3", "fsdp") and world_size(settings) > 1
+    return sharded and not runtime.quantized_load_on_gpu
+
+
+def gpu_loading_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """A 4/8-bit base sharded by ZeRO-3/FSDP is first loaded whole onto every process's GPU (`lorafit train`
+    quantises it there, train/recipe.py `_load_model`) and only then sharded: for a moment each GPU holds all
+    of it. 0 where the step itself keeps the whole base anyway."""
+    sharded = settings.quant != "none" and settings.shard in ("zero3", "fsdp") and world_size(settings) > 1
+    return weights_bytes(spec, settings, runtime) if sharded and runtime.quantized_load_on_gpu else 0.0
+
+
+def host_ram_parts(spec: ModelSpec, settings: Settings, runtime: Runtime) -> dict[str, float]:
+    """Host RAM one machine needs, in bytes, as the larger of its two peaks: loading (every process its copy,
+    loading_bytes_per_process) and training (every process's runtime, its offloaded states, and the pinned
+    activations and embeddings of the savers)."""
+    processes = processes_per_node(settings)
+    offloaded = offloaded_state_bytes(spec, settings, runtime)
+    savers = host_saver_bytes(spec, settings, runtime)
+    training = {"processes": processes * PROCESS_HOST_BYTES}
+    training |= {name: processes * value for name, value in offloaded.items()}
+    if savers:
+        training["offloaded_savers"] = processes * savers
+    loading = {
+        "processes": processes * PROCESS_HOST_BYTES,
+        "model_loading": processes * loading_bytes_per_process(spec, settings),
+    }
+    if host_loads_the_base(settings, runtime):  # rank 0 alone builds the whole 16-bit model, the others wait
+        loading["model_loading"] = spec.num_params * DTYPE_BYTES[settings.precision]
+    return training if sum(training.values()) >= sum(loading.values()) else loading
 
 
 # --- device side --------------------------------------------------------------------------------------------
-RESERVED_TRANSIENT_SHARE = 0.36
-STRANDED_BYTES = 0.9 * GIB
-# expandable_segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): the allocator maps 2 MiB pages into one
-# growing segment per stream instead of cutting separate segments, so a freed range can serve a request of any
-# shape and the blocks stranded by one step's sizes mostly vanish. No run in shared/calibration used it, and we
-# have no measurement of our own: the one published figure for a comparable step, torchtune issue #1185
-# (Llama-3-8B QLoRA, torchtune's single-device recipe, A100 80GB, dynamic padding; 16.39 GiB peak without,
-# 10.83 GiB with, at the same speed), cannot be split between the two parts of the reserve. The model is
-# therefore conservative and unmeasured: the transient share stays at 0.36 and the stranded reserve falls from
-# 0.9 GiB to 0.2 GiB, a margin for partly used pages that is chosen, not measured.
-EXPANDABLE_STRANDED_BYTES = 0.2 * GIB
+class ReserveFit(NamedTuple):
+    """reserved - allocated = transient_share x transient + allocated_share x allocated + fixed_bytes."""
+
+    transient_share: float
+    allocated_share: float
+    fixed_bytes: float
+
+
+# Fitted by `make bench-allocator` (bench/allocator_fit.py --quick, bench/results/allocator-fit.json) to the
+# simulated caching allocator (trace.allocator) over full-depth traces of 72 steps: Llama-2-7B, Llama-3.1-8B,
+# Mistral-7B, Qwen2.5-7B x QLoRA/LoRA/full x 1x512, 2x2048, 4x4096 tokens x checkpointing on/off. No measured
+# row was used. Error against the simulated reserved: plain mean 3.0 %, worst 11.0 %; expandable mean 1.3 %,
+# worst 9.6 % (the worst are checkpointed steps with a small allocated peak and large logits: how much of the
+# loss's blocks the recomputed layers reuse depends on their exact sizes, which no closed form in these terms
+# follows). `--exact` uses the simulation itself, not this fit.
+RESERVE_FIT = ReserveFit(transient_share=0.28, allocated_share=0.0175, fixed_bytes=0.52 * GIB)
+# expandable_segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): one growing segment per pool mapped in
+# 2 MiB / 20 MiB pages, so a free tail serves any size; the holes inside it remain. Fitted without a fixed term
+# (with one it comes out at -0.12 GiB and fits no better).
+EXPANDABLE_RESERVE_FIT = ReserveFit(transient_share=0.21, allocated_share=0.015, fixed_bytes=0.0)
+# The growth of the reserve with the allocated peak, which `--exact` adds to its depth-3 simulation
+# (trace.api.trace_depth)
+RESERVED_ALLOCATED_SHARE = RESERVE_FIT.allocated_share
+# What a real run strands that the simulation of two same-shaped steps cannot: blocks cut for the shapes of
+# other steps (dynamic padding changes the sequence length every step) and what loading the model leaves
+# cached. The one constant of the reserve set from measurements: the median residual of the reserved fit rows
+# TTD-01..04 of bench/calibration (Llama-2-7B LoRA under torchtune, dynamic padding, max_memory_reserved) over
+# allocated + the simulated reserve, 0.46-0.67 GB. None with expandable segments: a freed range there serves a
+# request of any shape, so other steps' shapes strand nothing; the one published comparison, torchtune issue
+# #1185 (Llama-3-8B QLoRA, dynamic padding, A100: max_memory_reserved 16.39 GiB without, 10.83 GiB with), shows
+# the run-level reserve gone and more; not measured by this project.
+UNSIMULATED_RESERVE_BYTES = 0.54 * GIB
+
+
+def unsimulated_reserve_bytes(settings: Settings | None) -> float:
+    """UNSIMULATED_RESERVE_BYTES, none with expandable segments."""
+    return 0.0 if settings is not None and settings.expandable_segments else UNSIMULATED_RESERVE_BYTES
+
+
+def transient_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """The step's largest short-lived excursion, what `reserved_bytes` is fed: the fp32 logits and their
+    gradients, the recomputed layer or the unfused optimizer step's temporaries, whichever is largest, plus the
+    dequantised weight."""
+    return max(
+        logits_bytes(spec, settings, runtime),
+        recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else 0.0,
+        optimizer_step_temp_bytes(spec, settings, runtime),
+    ) + dequant_bytes(spec, settings, runtime)
 
 
 def reserved_bytes(allocated: float, transient: float, settings: Settings | None = None) -> float:
-    """The caching allocator never gives memory back: it keeps every segment it has cut, and reuses a freed block
-    only for a request that fits in it. Two parts of the step's reserve stay on top of the allocated peak:
+    """memory_reserved() at the peak: the allocated peak plus what the caching allocator holds cached on top.
 
-    - a share of the big transients (fp32 logits and their gradients, the recomputed layer, dequantised weights):
-      their blocks are freed between phases and split only partly for the other phase's sizes. The share is the
-      slope of (nvidia-smi - allocated) against the transient between two runs that differ only in micro batch
-      (FMS-03 and FMS-04 of shared/calibration: Mistral-7B LoRA, 4 vs 8 x 4096 tokens, +2.13 GiB for +5.86 GiB
-      of logits): 0.36, an intercept-free measurement.
-    - blocks stranded over a run: segments cut for one step's shapes that later requests cannot reuse (sequence
-      lengths that vary with dynamic padding, dequantised weights interleaved with activations). About 0.9 GiB:
-      the torchtune LoRA runs TTD-01..04 (Llama-2-7B, max_memory_reserved) sit 1.1-1.3 GiB above lorafit's
-      allocated peak plus the transient share, ~0.3 GiB of which is torchtune's heavier loss path. The FMS runs
-      fix the sum of this part and the CUDA context (device_bytes) at 1.88 GiB.
-    `make bench-memory` prints each of those rows' error.
+    PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp; simulated block by block in
+    trace.allocator) rounds requests to 512 B, packs requests of up to 1 MiB into 2 MiB segments and 1-10 MiB
+    ones into 20 MiB segments, gives larger ones a segment of their own rounded to 2 MiB, serves a request from
+    the smallest cached block that fits, and never gives a segment back during training. So the blocks of the
+    large transients (the fp32 logits and their gradients, the recomputed layer, the dequantised weight) stay
+    cached after their phase and serve the other phases' sizes only in part, and every layer's saved tensors
+    leave slivers where they did not fill a freed block exactly. The reserve on top of the allocated peak is
+    `transient_share x transient + allocated_share x allocated + fixed` (RESERVE_FIT, EXPANDABLE_RESERVE_FIT
+    with expandable_segments), fitted to the simulation of full-depth traces, not to measured rows.
 
-    With expandable_segments the stranded part is mostly gone (see EXPANDABLE_STRANDED_BYTES).
+    What the simulation does not see, shapes that change from step to step (dynamic padding) and the blocks
+    loading the model leaves cached, is one measured constant on top (UNSIMULATED_RESERVE_BYTES). `make
+    bench-memory` states the reserved and nvidia-smi errors against measured rows apart from the allocated ones.
     """
     expandable = settings is not None and settings.expandable_segments
-    stranded = EXPANDABLE_STRANDED_BYTES if expandable else STRANDED_BYTES
-    return allocated + RESERVED_TRANSIENT_SHARE * transient + stranded
+    fit = EXPANDABLE_RESERVE_FIT if expandable else RESERVE_FIT
+    reserve = fit.transient_share * transient + fit.allocated_share * allocated + fit.fixed_bytes
+    return allocated + max(reserve, 0.0) + unsimulated_reserve_bytes(settings)
 
 
 def device_bytes(reserved: float, settings: Settings, runtime: Runtime, paged_state: float) -> float:
     """nvidia-smi: reserved memory + CUDA context (+ NCCL) + managed memory of paged optimizers when resident.
 
-    The context is what a process holds outside the allocator: the CUDA context itself, cuBLAS/cuDNN workspaces
-    and the kernel images loaded on first use. 0.9 GiB: the FMS runs of shared/calibration (A100 80GB, torch 2.4,
-    HF Trainer, flash-attn; nvidia-smi and max_memory_allocated of the same run) leave 1.88 GiB of nvidia-smi
-    above allocated + 0.36 x transient, of which ~0.9 GiB is the stranded reserve (reserved_bytes). Training on
-    several GPUs adds NCCL's buffers and the pools the collective streams keep: 1.2 GiB per GPU on FMS-05 (LoRA,
-    FSDP over 2 A100s); runs sharding larger layers leave more (FMS-09 4.2 GiB, FMS-02 6.7 GiB: gathered layers
-    and unsharded gradients cached in those streams' pools, which this figure does not scale with)."""
-    extra = runtime.cuda_context_gib * GIB + (runtime.nccl_gib * GIB if settings.n_gpus > 1 else 0)
+    The context is what a process holds outside the allocator: the CUDA context itself and the kernel images
+    loaded on first use (cuBLAS's workspaces, 8 MiB per handle and stream, come from the caching allocator:
+    torch's getNewWorkspace, so they are inside reserved). 0.9 GiB: the FMS fit rows of bench/calibration (A100
+    80GB, torch 2.4, HF Trainer, flash-attn; nvidia-smi and max_memory_allocated of the same run) leave 1.88 GiB
+    of nvidia-smi above allocated + 0.36 x transient, of which ~0.9 GiB was taken for a fixed stranded reserve
+    (the reserve model before reserved_bytes was fitted to the allocator simulation; the context was kept).
+    Training on several GPUs adds NCCL's buffers and the pools the collective streams keep: 1.2 GiB per GPU on
+    FMS-05 (LoRA, FSDP over 2 A100s); runs sharding larger layers leave more (FMS-09 4.2 GiB, FMS-02 6.7 GiB:
+    gathered layers and unsharded gradients cached in those streams' pools, which this figure does not scale
+    with)."""
+    extra = runtime.cuda_context_gib * GIB + (runtime.nccl_gib * GIB if world_size(settings) > 1 else 0)
     return reserved + extra + paged_state
 
 
@@ -623,8 +920,10 @@ def device_bytes(reserved: float, settings: Settings, runtime: Runtime, paged_st
 def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime()) -> tuple[dict[str, float], str]:
     """Bytes per GPU of each part alive at the peak, and which phase the peak is in."""
     w_share, g_share, o_share = shard_factors(settings)
-    weights = weights_bytes(spec, settings, runtime) * w_share
-    adapters = adapter_bytes(spec, settings, runtime) * w_share
+    weights_host, grads_host, optimizer_host = on_host(settings)  # offloaded: in host RAM, not on the GPU
+    g_share, o_share = (0.0 if grads_host else g_share), (0.0 if optimizer_host else o_share)
+    weights = sharded_weight_bytes(spec, settings, runtime)
+    adapters = 0.0 if weights_host else adapter_bytes(spec, settings, runtime) * w_share
     gradients = gradient_bytes(spec, settings, runtime) * g_share
     optimizer = optimizer_bytes(spec, settings, runtime) * o_share
     # Paged state lives in managed memory: not in torch's allocated/reserved figures.
@@ -632,13 +931,14 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
     layer_activations = activation_bytes(spec, settings, runtime)
     activations = layer_activations + head_saved_bytes(spec, settings, runtime)
     gathered = gathered_layer_bytes(spec, settings, runtime)
-    static = weights + adapters + optimizer_counted + gathered
+    buffers = communication_buffer_bytes(spec, settings, runtime)
+    static = weights + adapters + optimizer_counted + gathered + buffers
 
     # Gradients exist during the forward pass only from the second micro-batch of an accumulation on.
     grads_in_forward = gradients if settings.grad_accum > 1 else 0.0
     loss = logits_bytes(spec, settings, runtime)
     layer_backward = (
-        recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else grad_buffer_bytes(spec, settings)
+        recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else grad_buffer_bytes(spec, settings, runtime)
     )
     dequant = dequant_bytes(spec, settings, runtime)
     # Backward frees each layer's saved tensors as it produces that layer's gradients, so its peak is at one of
@@ -696,6 +996,7 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
         "dequant_buffer": dequant if phase.startswith("backward") else 0.0,
         "optimizer_step_temp": transient if phase.startswith("optimizer") else 0.0,
         "sharded_gather": gathered,
+        "communication_buffers": buffers,
     }
     return parts, phase
 
@@ -705,15 +1006,13 @@ def estimate(
     settings: Settings,
     gpu: GpuSpec | None = None,
     headroom: float = DEFAULT_HEADROOM,
-    runtime: Runtime = Runtime(),
+    runtime: Runtime | None = None,
 ) -> Estimate:
-    """Peak allocated, reserved and device memory of one training step, per GPU."""
+    """Peak allocated, reserved and device memory of one training step, per GPU, under the settings' stack
+    (or `runtime`, where a caller describes a step itself)."""
+    runtime = runtime or stack_runtime(settings)
     parts, phase = breakdown(spec, settings, runtime)
-    transient = max(
-        logits_bytes(spec, settings, runtime),
-        recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else 0.0,
-        optimizer_step_temp_bytes(spec, settings, runtime),
-    ) + dequant_bytes(spec, settings, runtime)
+    transient = transient_bytes(spec, settings, runtime)
     paged_state = optimizer_bytes(spec, settings, runtime) * shard_factors(settings)[2] if paged(settings) else 0.0
     return assemble(
         parts,
@@ -726,7 +1025,37 @@ def estimate(
         headroom,
         trainable=trainable_params(spec, settings),
         total=spec.num_params,
+        host_ram=host_ram_parts(spec, settings, runtime),
+        loading_bytes=gpu_loading_bytes(spec, settings, runtime),
     )
+
+
+# The per-GPU view of a multi-GPU step (Estimate.per_gpu_gib): which breakdown parts make up each figure.
+PER_GPU_PARTS = {
+    "sharded_weights": ("weights", "lora_adapters"),
+    "gradients": ("gradients",),
+    "optimizer_states": ("optimizer_states", "optimizer_step_temp"),
+    "gathered_layers": ("sharded_gather",),
+    "activations": (
+        "activations",
+        "logits_and_loss",
+        "previous_micro_batch",
+        "layer_backward",
+        "dequant_buffer",
+    ),
+    "communication_buffers": ("communication_buffers",),
+}
+
+
+def per_gpu_figures(parts: dict[str, float], settings: Settings, runtime: Runtime, paged_state: float) -> dict:
+    """The breakdown regrouped as the multi-GPU question asks it, in bytes: the GPU's shard of the weights, its
+    gradients and optimizer states, the layers gathered in flight, the activations, the communication buffers
+    (lorafit's and NCCL's, Runtime.nccl_gib)."""
+    figures = {name: sum(parts.get(part, 0.0) for part in names) for name, names in PER_GPU_PARTS.items()}
+    figures["optimizer_states"] += paged_state
+    if world_size(settings) > 1:
+        figures["communication_buffers"] += runtime.nccl_gib * GIB
+    return figures
 
 
 def assemble(
@@ -741,16 +1070,25 @@ def assemble(
     *,
     trainable: int,
     total: int,
+    host_ram: dict[str, float] | None = None,
+    simulated_reserved: float | None = None,
+    loading_bytes: float = 0.0,
 ) -> Estimate:
     """An Estimate from the allocated peak's parts (bytes): the device side and the verdict added the same way
-    for the analytic estimate and the `--exact` trace."""
+    for the analytic estimate and the `--exact` trace; `host_ram`: the host RAM parts one machine needs;
+    `simulated_reserved`: the `--exact` trace's caching allocator simulation, in place of `reserved_bytes`."""
     allocated = sum(parts.values())
-    reserved, device = device_side(allocated, transient_bytes, settings, runtime, paged_state_bytes)
+    reserved, device = device_side(
+        allocated, transient_bytes, settings, runtime, paged_state_bytes, reserved=simulated_reserved
+    )
     breakdown_gib = {name: round(gib(value), 4) for name, value in parts.items() if value > 0}
     breakdown_gib["allocator_reserve"] = round(gib(reserved - allocated), 4)
     breakdown_gib["cuda_context"] = round(gib(device - reserved - paged_state_bytes), 4)
     if paged_state_bytes:
         breakdown_gib["paged_optimizer_states"] = round(gib(paged_state_bytes), 4)
+    # loading: the whole base on the GPU before it is sharded, with the CUDA context (gpu_loading_bytes)
+    loading = loading_bytes + runtime.cuda_context_gib * GIB if loading_bytes else None
+    usable = gpu.usable_gib(headroom) if gpu else None
     return Estimate(
         peak_allocated_gib=round(gib(allocated), 4),
         peak_reserved_gib=round(gib(reserved), 4),
@@ -759,9 +1097,17 @@ def assemble(
         peak_phase=phase,
         gpu_memory_gib=gpu.memory_gib * gpu.usable_fraction if gpu else None,
         headroom=headroom,
-        fits=None if gpu is None else gib(device) <= gpu.usable_gib(headroom),
+        fits=None if usable is None else gib(max(device, loading or 0.0)) <= usable,
         trainable_params=trainable,
         total_params=total,
+        world_size=world_size(settings),
+        per_gpu_gib={
+            name: round(gib(value), 4)
+            for name, value in per_gpu_figures(parts, settings, runtime, paged_state_bytes).items()
+        },
+        host_ram_gib=None if host_ram is None else round(gib(sum(host_ram.values())), 4),
+        host_ram_breakdown_gib={name: round(gib(value), 4) for name, value in (host_ram or {}).items()},
+        loading_peak_gib=None if loading is None else round(gib(loading), 4),
     )
 
 
@@ -771,8 +1117,13 @@ def device_side(
     settings: Settings,
     runtime: Runtime = Runtime(),
     paged_state_bytes: float = 0.0,
+    reserved: float | None = None,
 ) -> tuple[float, float]:
     """(reserved, device) bytes for an allocated peak: the same device-side model for the analytic estimate
-    and the `--exact` trace."""
-    reserved = reserved_bytes(allocated_bytes, transient_bytes, settings)
+    and the `--exact` trace (whose `reserved` comes from its allocator simulation; never below allocated)."""
+    if reserved is None:
+        reserved = reserved_bytes(allocated_bytes, transient_bytes, settings)
+    else:  # the simulation's two same-shaped steps, plus what a run strands beyond them
+        reserved = max(reserved, allocated_bytes) + unsimulated_reserve_bytes(settings)
+    reserved = max(reserved, allocated_bytes)
     return reserved, device_bytes(reserved, settings, runtime, paged_state_bytes)

@@ -31,13 +31,16 @@ if TYPE_CHECKING:
     from lorafit.hardware import GpuSpec
     from lorafit.models import ModelSpec
 
-Command = Literal["estimate", "plan", "train", "chat", "export", "gpus", "models", "detect", "serve"]
+Command = Literal["estimate", "plan", "train", "chat", "export", "gpus", "models", "stacks", "detect", "serve"]
 Method = Literal["qlora", "lora", "full"]
 Precision = Literal["bf16", "fp16", "fp32"]
 Quant = Literal["none", "int8", "nf4"]
 Optimizer = Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd"]
 Attention = Literal["sdpa", "flash", "eager"]
 Shard = Literal["none", "ddp", "zero2", "zero3", "fsdp"]
+Offload = Literal["none", "optimizer", "params"]
+# the trainers whose training step lorafit estimates (src/lorafit/catalog/stacks.toml: versions, sources, facts)
+Stack = Literal["lorafit", "trl", "peft-kbit", "axolotl", "llama-factory", "litgpt", "torchtune"]
 DataFormat = Literal["alpaca", "sharegpt", "messages", "prompt_completion", "text"]
 Scheduler = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 Batching = Literal["auto", "length_grouped", "padding_free", "random"]
@@ -46,6 +49,13 @@ ExportTarget = Literal["merged", "gguf"]
 GgufType = Literal["f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q3_k_m"]
 
 ESTIMATE_PLAN_TRAIN: tuple[Command, ...] = ("estimate", "plan", "train")
+# the memory savers and the value that turns each on (the planner searches them; a stack may lack some)
+SAVER_ON: dict[str, Any] = {
+    "loss": "chunked",
+    "offload_embeddings": True,
+    "offload_activations": True,
+    "expandable_segments": True,
+}
 
 
 @dataclass(frozen=True)
@@ -105,7 +115,8 @@ class Option:
             bounds["allow_inf_nan"] = False
         if self.type is str:
             bounds["min_length"] = 1
-        annotation = self.type | None if optional else self.type
+        # a step setting whose default is "the stack's" is None in Settings until the stack fills it
+        annotation = self.type | None if optional or (self.step and self.default is None) else self.type
         if self.many:
             annotation = list[self.type] | None if optional else list[self.type]
         default = None if optional else self.default
@@ -342,17 +353,98 @@ OPTIONS: tuple[Option, ...] = (
         step=True,
         auto="sdpa where the model has it, else its own kernel (eager for Gemma-2)",
     ),
-    Option("n_gpus", int, "GPUs to train on", ("estimate", "plan"), "step", default=1, gt=0, le=4096, step=True),
+    # the trainer that runs the step: what it keeps alive (see `lorafit stacks`)
+    Option(
+        "stack",
+        Stack,
+        "the trainer that runs the step, at its pinned version (see `lorafit stacks`): lorafit is what `lorafit "
+        "train` runs",
+        ("estimate", "plan"),
+        "stack",
+        default="lorafit",
+        step=True,
+    ),
+    Option(
+        "autocast",
+        bool,
+        "the forward runs under torch.autocast (the HF Trainer's bf16/fp16 switch; a plain loop without it)",
+        ("estimate", "plan"),
+        "stack",
+        step=True,
+        auto="the stack's",
+    ),
+    Option(
+        "kbit_prep",
+        bool,
+        "peft's prepare_model_for_kbit_training on the quantised model (embeddings, head and norms to fp32)",
+        ("estimate", "plan"),
+        "stack",
+        step=True,
+        auto="the stack's",
+    ),
+    Option(
+        "fused_optimizer",
+        bool,
+        "AdamW steps every parameter in one fused kernel (adamw_torch_fused) instead of the foreach loop",
+        ("estimate", "plan"),
+        "stack",
+        step=True,
+        auto="the stack's",
+    ),
+    # several GPUs
+    Option(
+        "n_gpus",
+        int,
+        "GPUs to train on, per node",
+        ("estimate", "plan", "train"),
+        "gpus",
+        default=1,
+        gt=0,
+        le=4096,
+        step=True,
+    ),
+    Option(
+        "nodes",
+        int,
+        "machines, each with n_gpus GPUs",
+        ("estimate", "plan", "train"),
+        "gpus",
+        default=1,
+        gt=0,
+        le=1024,
+        step=True,
+    ),
     Option(
         "shard",
         Shard,
         "how several GPUs share the model",
-        ("estimate", "plan"),
-        "step",
+        ("estimate", "plan", "train"),
+        "gpus",
         default="none",
         step=True,
         auto="none; plan: zero3 for several GPUs",
     ),
+    Option(
+        "offload",
+        Offload,
+        "with zero2/zero3/fsdp: keep the optimizer states (optimizer) or the parameters too (params) in host memory",
+        ESTIMATE_PLAN_TRAIN,
+        "gpus",
+        default="none",
+        step=True,
+    ),
+    Option(
+        "node_rank", int, "this machine's rank among the nodes (0 is the main one)", ("train",), "gpus", ge=0, auto="0"
+    ),
+    Option(
+        "main_address",
+        str,
+        "address of node 0 that every node connects to (several nodes)",
+        ("train",),
+        "gpus",
+        auto="127.0.0.1 on one node",
+    ),
+    Option("main_port", int, "port on node 0 for the rendezvous", ("train",), "gpus", default=29500, gt=0, le=65535),
     # the whole job
     Option(
         "batch_size",
@@ -597,6 +689,16 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("compare", bool, "rank the catalog GPUs for this job", ("plan",), "switch", default=False, config=False),
     Option(
+        "from_config",
+        str,
+        "answer for the run this training config describes: an axolotl or LLaMA-Factory YAML, TRL/transformers "
+        "training arguments (JSON or YAML), a torchtune or litgpt config, or a lorafit YAML; flags override it",
+        ("estimate", "plan"),
+        "switch",
+        config=False,
+        flag_name="--from",
+    ),
+    Option(
         "dry_run",
         bool,
         "check everything, resolve every automatic choice, print the plan and the resolved config, write nothing",
@@ -636,7 +738,7 @@ OPTIONS: tuple[Option, ...] = (
         "json",
         bool,
         "print one JSON object for programs",
-        ("estimate", "plan", "export", "gpus", "models", "detect"),
+        ("estimate", "plan", "export", "gpus", "models", "stacks", "detect"),
         "switch",
         default=False,
         config=False,
@@ -676,17 +778,83 @@ def _quant_matches_method(v: Mapping[str, Any]) -> str | None:
     return None
 
 
+def world_size_of(v: Mapping[str, Any]) -> int:
+    """Every GPU of the run: n_gpus on each of `nodes` machines."""
+    return (v.get("n_gpus") or 1) * (v.get("nodes") or 1)
+
+
 def _shard_needs_gpus(v: Mapping[str, Any]) -> str | None:
-    return f"shard {v['shard']} needs n_gpus > 1" if v["n_gpus"] == 1 and v["shard"] != "none" else None
+    # one GPU may still run ZeRO/FSDP for its CPU offload (ZeRO-Offload), never a shard alone
+    if world_size_of(v) > 1 or v["shard"] == "none" or (v.get("offload") or "none") != "none":
+        return None
+    return f"shard {v['shard']} needs n_gpus > 1 (or nodes > 1, or an offload on one GPU); use shard none"
 
 
 def _gpus_share_the_batch(v: Mapping[str, Any]) -> str | None:
-    batch_size, n_gpus = v["batch_size"], v["n_gpus"]
-    if batch_size % n_gpus == 0:
+    batch_size, n_gpus, nodes = v["batch_size"], v["n_gpus"], v.get("nodes") or 1
+    if batch_size % (n_gpus * nodes) == 0:
         return None
+    if nodes > 1:
+        return (
+            f"n_gpus {n_gpus} x nodes {nodes} = {n_gpus * nodes} GPUs do not divide batch_size {batch_size}: every "
+            f"GPU takes the same whole number of sequences per step; use a batch_size that is a multiple of "
+            f"{n_gpus * nodes}"
+        )
     return (
         f"n_gpus {n_gpus} does not divide batch_size {batch_size}: every GPU takes the same whole number of "
         "sequences per step"
+    )
+
+
+# The most GPUs one machine holds: 8 on HGX/DGX A100, H100 and B200 boards, 16 on the DGX-2 (V100).
+MAX_GPUS_PER_NODE = 16
+SHARDED_SHARDS = ("zero2", "zero3", "fsdp")  # the shards that keep a part of the states per GPU
+
+
+def _gpus_fit_a_node(v: Mapping[str, Any]) -> str | None:
+    n_gpus = v["n_gpus"]
+    if n_gpus <= MAX_GPUS_PER_NODE:
+        return None
+    per_node = 8 if n_gpus % 8 == 0 else MAX_GPUS_PER_NODE
+    nodes = math.ceil(n_gpus / per_node) * (v.get("nodes") or 1)
+    return (
+        f"n_gpus {n_gpus}: n_gpus counts the GPUs of one machine, and none holds more than {MAX_GPUS_PER_NODE}; "
+        f"use n_gpus {per_node} with nodes {nodes}"
+    )
+
+
+def _offload_needs_sharding(v: Mapping[str, Any]) -> str | None:
+    offload, shard = v["offload"], v["shard"]
+    if offload == "none" or shard in SHARDED_SHARDS:
+        return None
+    nearest = "zero2" if offload == "optimizer" else "zero3"
+    return (
+        f"offload {offload}: shard {shard} keeps every state on every GPU and has no offload; use shard {nearest} "
+        "(DeepSpeed ZeRO) or fsdp"
+    )
+
+
+def _offload_params_needs_sharded_weights(v: Mapping[str, Any]) -> str | None:
+    if v["offload"] == "params" and v["shard"] == "zero2":
+        return "offload params: ZeRO-2 keeps every weight on every GPU; use shard zero3 (or offload optimizer)"
+    return None
+
+
+def _offload_steps_adamw(v: Mapping[str, Any]) -> str | None:
+    if v["offload"] == "none" or v["optimizer"] in ("adamw", "paged_adamw_32bit"):
+        return None
+    return (
+        f"offload {v['offload']}: the optimizer steps on the CPU (DeepSpeed's CPU AdamW, or torch's AdamW on FSDP's "
+        f"host shards), with 32-bit states; optimizer {v['optimizer']} has no CPU step: use optimizer adamw"
+    )
+
+
+def _quant_shards(v: Mapping[str, Any]) -> str | None:
+    if v["quant"] != "int8" or v["shard"] not in ("zero3", "fsdp"):
+        return None
+    return (
+        f"shard {v['shard']} cannot split bitsandbytes' int8 weights (Int8Params keep their scales beside the "
+        "weight); use quant nf4 (stored as the compute dtype, which ZeRO-3 and FSDP shard) or shard zero2"
     )
 
 
@@ -737,7 +905,12 @@ def _embeddings_frozen(v: Mapping[str, Any]) -> str | None:
 
 RULES: tuple[Rule, ...] = (
     Rule(("method", "quant"), _quant_matches_method),
+    Rule(("n_gpus",), _gpus_fit_a_node),
     Rule(("n_gpus", "shard"), _shard_needs_gpus),
+    Rule(("offload", "shard"), _offload_needs_sharding),
+    Rule(("offload", "shard"), _offload_params_needs_sharded_weights),
+    Rule(("offload", "optimizer"), _offload_steps_adamw),
+    Rule(("quant", "shard"), _quant_shards),
     Rule(("batch_size", "n_gpus"), _gpus_share_the_batch),
     Rule(("batch_size", "micro_batch"), _micro_batch_splits),
     Rule(("batch_size", "micro_batch", "grad_accum"), _batch_is_the_product),
@@ -788,6 +961,9 @@ def check_against(
     values: Mapping[str, Any], spec: ModelSpec | None = None, gpu: GpuSpec | None = None, *, on_cpu: bool = False
 ) -> None:
     """The rules that need the model or the device: its positions, its attention kernels, bf16 on the GPU."""
+    from lorafit import stacks  # the stack catalog builds on this module
+
+    stacks.check(values)
     attn, precision = values.get("attn"), values.get("precision")
     if spec is not None:
         spec.check_seq_len(values.get("seq_len"))

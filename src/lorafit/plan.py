@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 
-from lorafit import hardware, memory, options, serving
+from lorafit import hardware, memory, options, serving, stacks
 from lorafit.errors import LorafitError
 from lorafit.hardware import GpuSpec
 from lorafit.memory import estimate
@@ -102,7 +102,7 @@ def host_copy_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec, compute
     if settings.offload_activations and settings.grad_ckpt:
         transfer = 2 * spec.num_hidden_layers * row_bytes / rate
         seconds += max(0.0, transfer - OFFLOAD_OVERLAP * compute_seconds)
-    if memory.offloaded_embedding_bytes(spec, settings, memory.Runtime()):
+    if memory.offloaded_embedding_bytes(spec, settings, memory.stack_runtime(settings)):
         seconds += row_bytes / rate
     return seconds
 
@@ -119,12 +119,124 @@ def optimizer_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> floa
     return trainable * OPTIMIZER_TRAFFIC_BYTES[settings.optimizer] / (gpu.bandwidth_gbs * 1e9)
 
 
+# --- several GPUs: communication and offload ----------------------------------------------------------------
+# NCCL's ring collectives reach about 75-80% of a link's rate as bus bandwidth for large messages (nccl-tests'
+# all_reduce_perf on 8 A100 SXM: ~230 of 300 GB/s per direction): a typical figure, not measured by this project.
+COLLECTIVE_EFFICIENCY = 0.75
+# The share of a micro-batch's compute the engine hides its communication behind. DDP and ZeRO-2 reduce gradient
+# buckets while backward goes on (backward and recomputation are about 3/4 of a LoRA step's compute), the last
+# bucket after it; ZeRO-3 and FSDP prefetch the next layer's gather during forward and backward. Chosen from how
+# the engines schedule their collectives, not fitted to a measurement.
+COMM_OVERLAP = {"none": 0.0, "ddp": 0.7, "zero2": 0.7, "zero3": 0.9, "fsdp": 0.9}
+# Host memory bandwidth the CPU optimizer step streams its states at, shared by a node's processes: about a
+# quarter of an 8-channel DDR5-4800 server socket's 307 GB/s peak (8 x 38.4 GB/s), as DeepSpeed's CPU Adam
+# (AVX512, one thread per core) reaches on large tensors. A typical figure, not measured by this project.
+HOST_MEMORY_GBS = 80.0
+
+
+def collective_bytes_per_second(settings: Settings, gpu: GpuSpec) -> float:
+    """Bus bandwidth of the run's collectives: a ring runs at the slowest link it crosses, inside a machine
+    (NVLink, PCIe peer-to-peer, or through host memory) and, over several machines, each machine's network
+    (catalog/interconnects.toml)."""
+    within, between = hardware.links_of(gpu)
+    rate = within.gbs_for(gpu) if settings.n_gpus > 1 else float("inf")
+    if settings.nodes > 1:
+        rate = min(rate, between.gbs_for(gpu))
+    return rate * 1e9 * COLLECTIVE_EFFICIENCY
+
+
+def communication_bytes(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
+    """(bytes per micro-batch, bytes per optimizer step) each GPU sends in the run's collectives.
+
+    A ring all-gather or reduce-scatter of S bytes moves (n-1)/n x S per GPU, an all-reduce twice that (ZeRO,
+    Rajbhandari et al. 2020, section 7). With Psi the bytes of the parameters:
+    DDP all-reduces the gradients once an optimizer step (no_sync during accumulation): 2 Psi_grad.
+    ZeRO-2 reduce-scatters the gradients every micro-batch and all-gathers the updated trainable parameters once
+    a step: 2 Psi for full fine-tuning.
+    ZeRO-3 / FSDP all-gather every layer in forward and again in backward (resharded after forward) and
+    reduce-scatter its gradients every micro-batch: 3 Psi. For LoRA and QLoRA the gathers move the whole frozen
+    base (packed 4-bit bytes for QLoRA) and the reductions only the adapters' gradients."""
+    n = memory.world_size(settings)
+    if n == 1:
+        return 0.0, 0.0
+    runtime = memory.stack_runtime(settings)
+    ring = (n - 1) / n
+    trainable = memory.trainable_params(spec, settings)
+    grads = trainable * memory.trainable_dtype_bytes(settings, runtime)
+    if settings.shard in ("none", "ddp"):
+        return 0.0, 2 * ring * grads
+    if settings.shard == "zero2":
+        return ring * grads, ring * trainable * DTYPE_BYTES[settings.precision]
+    params = memory.gathered_param_bytes(spec, settings, runtime)
+    return ring * (2 * params + grads), 0.0
+
+
+def offload_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> tuple[float, float]:
+    """(seconds per micro-batch, seconds per optimizer step) the offload adds to one GPU, before overlap.
+
+    offload params: each micro-batch copies the GPU's parameter shard in from host memory for the forward
+    gather and again for the backward one (2 x Psi / n over the card's PCIe link). Either offload: once a step
+    the gradient shard goes out and the updated trainable shard comes back over PCIe, and the CPU steps the
+    shard's fp32 states (16 bytes a parameter, read and written), at the host memory bandwidth every process
+    of the machine shares."""
+    offload = memory.offload_of(settings)
+    if offload == "none":
+        return 0.0, 0.0
+    runtime = memory.stack_runtime(settings)
+    n = memory.world_size(settings)
+    pcie = host_link_bytes_per_second(gpu)
+    per_micro = 0.0
+    if offload == "params":
+        per_micro = 2 * memory.gathered_param_bytes(spec, settings, runtime) / n / pcie
+    shard = memory.trainable_params(spec, settings) / n
+    copies = shard * (memory.trainable_dtype_bytes(settings, runtime) + DTYPE_BYTES[settings.precision]) / pcie
+    cpu_step = settings.n_gpus * shard * 2 * memory.HOST_OPTIMIZER_BYTES_PER_PARAM / (HOST_MEMORY_GBS * 1e9)
+    return per_micro, copies + cpu_step
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One optimizer step on one GPU, in seconds, and what it is made of."""
+
+    compute: float  # the micro-batches' compute, savers' host copies included
+    communication: float  # the collectives not hidden behind compute
+    offload: float  # the offload copies and the CPU step not hidden
+    optimizer: float  # the optimizer step on the GPU
+    micro_batches: float  # micro-batches each GPU runs a step
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.communication + self.offload + self.optimizer
+
+
+def step_time(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> StepTime:
+    """Compute, plus what the engine cannot hide of its communication and offload copies (COMM_OVERLAP of each
+    micro-batch's compute hides the per-micro-batch part; the per-step part overlaps the last micro-batch's
+    backward), plus the optimizer step. Over several nodes each GPU runs grad_accum / nodes micro-batches."""
+    micro = step_seconds(spec, settings, gpu)
+    micro_batches = max(settings.grad_accum / settings.nodes, 1.0)
+    overlap = COMM_OVERLAP[settings.shard] * micro
+    rate = collective_bytes_per_second(settings, gpu)
+    comm_micro, comm_step = (volume / rate for volume in communication_bytes(spec, settings))
+    off_micro, off_step = offload_seconds(spec, settings, gpu)
+    exposed_micro = max(0.0, comm_micro + off_micro - overlap)
+    exposed_comm = micro_batches * exposed_micro * (comm_micro / (comm_micro + off_micro or 1.0))
+    exposed_offload = micro_batches * exposed_micro - exposed_comm
+    exposed_comm += max(0.0, comm_step - max(0.0, overlap - comm_micro - off_micro))
+    optimizer = 0.0 if memory.on_host(settings)[2] else optimizer_seconds(spec, settings, gpu)
+    return StepTime(
+        compute=micro_batches * micro,
+        communication=exposed_comm,
+        offload=exposed_offload + off_step,
+        optimizer=optimizer * memory.shard_factors(settings)[2],
+        micro_batches=micro_batches,
+    )
+
+
 def tokens_per_second(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
-    """Whole-job throughput; several GPUs scale at 90% each (gradient all-reduce / sharded gathers)."""
-    per_micro_batch = step_seconds(spec, settings, gpu) + optimizer_seconds(spec, settings, gpu) / settings.grad_accum
-    single = settings.tokens_per_micro_batch / per_micro_batch
-    scaling = 1.0 if settings.n_gpus == 1 else 0.9
-    return single * settings.n_gpus * scaling
+    """Whole-job throughput: every GPU's micro-batches of an optimizer step over the step's time (step_time)."""
+    step = step_time(spec, settings, gpu)
+    return memory.world_size(settings) * step.micro_batches * settings.tokens_per_micro_batch / step.total
 
 
 # --- search -------------------------------------------------------------------------------------------------
@@ -155,8 +267,8 @@ def _micro_batches(batch_size: int, n_gpus: int) -> list[int]:
     return [b for b in range(per_gpu, 0, -1) if per_gpu % b == 0 and (b & (b - 1) == 0 or b == per_gpu)]
 
 
-SAVERS = ("loss", "offload_embeddings", "offload_activations", "expandable_segments")
-SAVER_ON = {"loss": "chunked", "offload_embeddings": True, "offload_activations": True, "expandable_segments": True}
+SAVERS = tuple(options.SAVER_ON)
+SAVER_ON = options.SAVER_ON
 
 
 def savers_on(settings: Settings) -> list[str]:
@@ -169,12 +281,14 @@ def saver_choices(fixed: dict, spec: ModelSpec, gpu: GpuSpec | None, on_cpu: boo
     savers stay off; the host-memory and allocator savers need a CUDA card (Apple's memory is the host's)."""
     off = {name: options.BY_NAME[name].default for name in SAVERS}
     cuda = gpu is not None and gpu.kind != "apple" and not on_cpu
+    has = stacks.resolve(fixed.get("stack") or options.BY_NAME["stack"].default).savers
     applies = {
         "loss": gpu is not None,
         "offload_embeddings": cuda and fixed["method"] != "full" and not spec.tie_word_embeddings,
         "offload_activations": cuda,
         "expandable_segments": cuda,
     }
+    applies = {name: can and name in has for name, can in applies.items()}  # only the stack's own switches
     return {
         name: [fixed.pop(name)] if name in fixed else [off[name], SAVER_ON[name]] if applies[name] else [off[name]]
         for name in SAVERS
@@ -188,8 +302,11 @@ def candidates(
     n_gpus: int = 1,
     shard: str = "none",
     method: str | None = None,
+    offload: str = "none",
 ) -> list[Candidate]:
-    """Every combination of the free settings, the memory savers among them, each with its estimate and speed."""
+    """Every combination of the free settings, the memory savers among them, each with its estimate and speed.
+    A pinned shard or offload wins over the one asked for; an offload without a shard that has one runs
+    ZeRO-3 (ZeRO-Offload on one GPU)."""
     method = method or request.method
     pinned = dict(request.pinned)
     pinned.pop("method", None)
@@ -197,11 +314,16 @@ def candidates(
         pinned.pop("quant", None)  # a suggested method brings its own base
         if method == "full":
             pinned.pop("offload_embeddings", None)  # full fine-tuning trains the embeddings
-    fixed = {"method": method, "seq_len": seq_len, "n_gpus": n_gpus, "shard": pinned.pop("shard", shard)} | pinned
+    offload = pinned.pop("offload", offload)
+    shard = pinned.pop("shard", "zero3" if offload != "none" and shard not in options.SHARDED_SHARDS else shard)
+    fixed = {"method": method, "seq_len": seq_len, "n_gpus": n_gpus, "shard": shard, "offload": offload} | pinned
     on_cpu = request.device == "cpu"
     fixed |= options.step_defaults(fixed, request.model, gpu, on_cpu=on_cpu)
     free_ckpt = [fixed.pop("grad_ckpt")] if "grad_ckpt" in fixed else [False, True]
-    free_opt = [fixed.pop("optimizer")] if "optimizer" in fixed else OPTIMIZERS[method]
+    # an offloaded optimizer steps on the CPU with 32-bit AdamW (options: _offload_steps_adamw)
+    free_opt = (
+        [fixed.pop("optimizer")] if "optimizer" in fixed else OPTIMIZERS[method] if offload == "none" else ["adamw"]
+    )
     free_savers = saver_choices(fixed, request.model, gpu, on_cpu)
     batch_size = request.effective_batch
     batches = [fixed.pop("micro_batch")] if "micro_batch" in fixed else _micro_batches(batch_size, n_gpus)
@@ -329,7 +451,7 @@ def explain_savers(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, spec
     """One line per memory saver the plan turned on: what it moves or shrinks, what it costs, and what the same
     plan needs without it."""
     s = chosen.settings
-    runtime = memory.Runtime()
+    runtime = memory.stack_runtime(s)
     n = s.tokens_per_micro_batch
     lines = []
     for name in savers_on(s):
@@ -361,11 +483,48 @@ def explain_savers(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, spec
                 f"(+{extra:.1%} step time){without}"
             )
         elif name == "expandable_segments":
+            plain = twin.estimate if twin else memory.estimate(spec, off)
             lines.append(
-                "expandable_segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; the allocator's stranded "
-                f"reserve modelled at {gib(memory.EXPANDABLE_STRANDED_BYTES):.1f} instead of "
-                f"{gib(memory.STRANDED_BYTES):.1f} GiB (not measured){without}"
+                "expandable_segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; the caching allocator keeps "
+                f"{chosen.estimate.peak_reserved_gib - chosen.estimate.peak_allocated_gib:.2f} GiB above the "
+                f"allocated peak instead of {plain.peak_reserved_gib - plain.peak_allocated_gib:.2f} GiB (its "
+                f"simulation, not measured on a GPU){without}"
             )
+    return lines
+
+
+def explain_gpus(chosen: Candidate, gpu: GpuSpec, spec: ModelSpec) -> list[str]:
+    """For several GPUs or an offload: what each GPU holds, what crosses which link, what the host needs."""
+    s, e = chosen.settings, chosen.estimate
+    if e.world_size == 1 and s.offload == "none":
+        return []
+    lines = []
+    per_gpu = e.per_gpu_gib
+    lines.append(
+        f"{e.world_size} GPU(s), {SHARD_TITLES.get(s.shard, s.shard)}: each holds {per_gpu['sharded_weights']:.2f} "
+        f"GiB of weights, {per_gpu['gradients']:.2f} GiB of gradients, {per_gpu['optimizer_states']:.2f} GiB of "
+        f"optimizer states, {per_gpu['gathered_layers']:.2f} GiB of gathered layers"
+    )
+    if e.world_size > 1:
+        within, between = hardware.links_of(gpu)
+        link = within.title if s.nodes == 1 else f"{within.title} and {between.title}"
+        per_micro, per_step = communication_bytes(spec, s)
+        step = step_time(spec, s, gpu)
+        moved = per_micro * step.micro_batches + per_step
+        lines.append(
+            f"communication: {moved / 1e9:.2f} GB per GPU per optimizer step over {link} "
+            f"({collective_bytes_per_second(s, gpu) / 1e9:.1f} GB/s as NCCL runs it); "
+            f"{step.communication / step.total:.0%} of the step waits for it"
+        )
+    if s.offload != "none":
+        step = step_time(spec, s, gpu)
+        host = sum(e.host_ram_breakdown_gib.get(part, 0.0) for part in ("offloaded_weights", "offloaded_optimizer"))
+        lines.append(
+            f"offload {s.offload}: {host:.1f} GiB in host RAM; the copies over PCIe and the CPU optimizer step "
+            f"take {step.offload / step.total:.0%} of the step"
+        )
+    if e.host_ram_gib is not None:
+        lines.append(f"host RAM: {e.host_ram_gib:.1f} GiB on each machine (the larger of loading and training)")
     return lines
 
 
@@ -392,10 +551,25 @@ def shorter_lengths(seq_len: int) -> list[int]:
 def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Suggestion]:
     """The smallest changes that fit: a shorter sequence, QLoRA, a bigger GPU, or several GPUs sharded."""
     found: list[Suggestion] = []
+    total_tokens = tokens_per_epoch(request) * request.epochs
 
     def suggest(change: str, fit: Candidate | None, on: GpuSpec = gpu) -> bool:
         if fit:
-            found.append(Suggestion(change=change, settings=fit.settings, gpu=on.name, estimate=fit.estimate))
+            s = fit.settings
+            found.append(
+                Suggestion(
+                    change=change,
+                    settings=s,
+                    gpu=on.name,
+                    estimate=fit.estimate,
+                    n_gpus=s.n_gpus,
+                    nodes=s.nodes,
+                    shard=s.shard,
+                    offload=s.offload,
+                    tokens_per_s=round(fit.tokens_per_s, 1),
+                    hours=round(total_tokens / fit.tokens_per_s / 3600, 3),
+                )
+            )
         return fit is not None
 
     for length in shorter_lengths(seq_len):
@@ -417,11 +591,47 @@ def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Sugges
         change = f"a GPU with more memory: {bigger.name} ({bigger.memory_gib:.0f} GiB)"
         if suggest(change, best(candidates(request, bigger, seq_len)), bigger):
             break
-    for n_gpus in (2, 4, 8):
-        fit = best(candidates(request, gpu, seq_len, n_gpus=n_gpus, shard="zero3"))
-        if suggest(f"{n_gpus}x {gpu.name} with ZeRO-3/FSDP sharding", fit):
+    for fit in fewest_gpus(request, gpu, seq_len):
+        suggest(gpus_change(fit.settings, gpu, total_tokens / fit.tokens_per_s / 3600), fit)
+    return found
+
+
+# GPUs of one machine the suggestions try. One GPU with an offload (DeepSpeed's ZeRO-Offload) is estimated when
+# asked for (--shard zero3 --offload ...) but not suggested: `lorafit train` launches DeepSpeed and FSDP only
+# for several processes.
+GPU_COUNTS = (2, 4, 8)
+OFFLOADS = ("none", "optimizer", "params")  # fastest first
+SHARD_TITLES = {"ddp": "DDP", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP"}
+OFFLOAD_TITLES = {"optimizer": "the optimizer states", "params": "the parameters"}
+
+
+def fewest_gpus(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Candidate]:
+    """The fewest GPUs of this kind that fit, sharded with ZeRO-3 (or the pinned shard): the fewest without an
+    offload and, where an offload to host memory fits on fewer, that one too (the first offload that fits at
+    the smallest count: optimizer states before parameters, which cost more copies)."""
+    pinned_offload = request.pinned.get("offload")
+    found: list[Candidate] = []
+    for n_gpus in (n for n in GPU_COUNTS if n >= request.n_gpus and request.effective_batch % n == 0):
+        tried = [pinned_offload] if pinned_offload else list(OFFLOADS) if not found else ["none"]
+        for offload in tried:
+            if (n_gpus, offload) == (request.n_gpus, pinned_offload or "none"):
+                continue  # the plan itself
+            fit = best(candidates(request, gpu, seq_len, n_gpus=n_gpus, shard="zero3", offload=offload))
+            if fit:
+                found.append(fit)
+                break
+        if found and found[-1].settings.offload == "none":
             break
     return found
+
+
+def gpus_change(settings: Settings, gpu: GpuSpec, hours: float) -> str:
+    """'2x RTX 4090 with FSDP and CPU offload of the parameters, 31.2 h'."""
+    machines = f" on each of {settings.nodes} machines" if settings.nodes > 1 else ""
+    change = f"{settings.n_gpus}x {gpu.name}{machines} with {SHARD_TITLES.get(settings.shard, settings.shard)}"
+    if settings.offload != "none":
+        change += f" and CPU offload of {OFFLOAD_TITLES[settings.offload]}"
+    return f"{change}, {hours:.1f} h"
 
 
 # --- the plan -----------------------------------------------------------------------------------------------
@@ -480,14 +690,17 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
     gpu = request.gpu
     if gpu is not None and request.rent_price is not None:  # the user's own price for this card
         gpu = gpu.model_copy(update={"rent_usd_per_hour": request.rent_price})
-    options.check_against(request.pinned, request.model, gpu, on_cpu=request.device == "cpu")
-    shard = "zero3" if request.n_gpus > 1 else "none"
+    options.check_against(
+        request.pinned | {"method": request.method}, request.model, gpu, on_cpu=request.device == "cpu"
+    )
+    shard = "zero3" if request.n_gpus * request.pinned.get("nodes", 1) > 1 else "none"
     found = candidates(request, gpu, seq_len, n_gpus=request.n_gpus, shard=shard)
     chosen = best(found) if gpu else None
     reasons: list[str] = []
     extra: list[Suggestion] = []
     if chosen:
         reasons = explain(chosen, found, gpu, request.headroom, request.model)
+        reasons += explain_gpus(chosen, gpu, request.model)
     elif gpu:
         chosen = smallest(found)
         reasons = [
@@ -496,6 +709,15 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
             + f"and {gpu.name} has {gpu.usable_gib(request.headroom):.1f} GiB after "
             f"{request.headroom:.0%} headroom"
         ]
+        sharded = chosen.settings.model_copy(update={"n_gpus": 2, "shard": "zero3"})
+        runtime = memory.stack_runtime(sharded)
+        loading = gib(memory.gpu_loading_bytes(request.model, sharded, runtime))
+        if loading and loading + runtime.cuda_context_gib > gpu.usable_gib(request.headroom):
+            reasons.append(
+                f"several {gpu.name}s do not help {chosen.settings.stack}'s trainer: it loads the "
+                f"{chosen.settings.quant} base whole ({loading:.1f} GiB) onto every GPU before sharding it "
+                "(a trainer that loads it in host memory first does not: --stack trl, as accelerate's FSDP runs it)"
+            )
         extra = suggestions(request, gpu, seq_len)
     else:
         modest = [c for c in found if c.settings.micro_batch <= 4] or found
@@ -518,7 +740,7 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
         reasons.append(f"sequence length {seq_len} truncates {truncated_rows} rows of the data")
     speed = chosen.tokens_per_s if gpu else 0.0
     timing = time_and_cost(
-        gpu, chosen.settings.n_gpus, speed, tokens_per_epoch(request) * request.epochs, request.kwh_price
+        gpu, memory.world_size(chosen.settings), speed, tokens_per_epoch(request) * request.epochs, request.kwh_price
     )
     return Plan(
         model=request.model,
@@ -563,7 +785,7 @@ def with_settings(plan: Plan, settings: Settings) -> Plan:
     if plan.gpu is not None and plan.tokens_per_s:
         speed = tokens_per_second(plan.model, settings, plan.gpu)
         total_tokens = plan.hours * 3600 * plan.tokens_per_s  # the same run: the tokens it trains stay
-        update |= time_and_cost(plan.gpu, settings.n_gpus, speed, total_tokens, plan.kwh_price)
+        update |= time_and_cost(plan.gpu, memory.world_size(settings), speed, total_tokens, plan.kwh_price)
     return plan.model_copy(update=update)
 
 
@@ -576,8 +798,19 @@ def compare(request: PlanRequest, max_price_hour: float | None = None) -> list[P
         if gpu.kind == "apple":
             continue
         plan = make_plan(request.model_copy(update={"gpu": gpu}))
-        plans.append(plan)
+        plans.append(plan if plan.fits else several_of(request, plan, gpu))
     return sorted(plans, key=lambda p: (not p.fits, p.hours if p.fits else p.estimate.peak_device_gib))
+
+
+def several_of(request: PlanRequest, plan: Plan, gpu: GpuSpec) -> Plan:
+    """Where one card does not fit: the plan on the fewest of it that do (sharded, or offloaded), the one of
+    the plan's suggestions with the fewest GPU-hours; the plan itself when none does."""
+    several = [s for s in plan.suggestions if s.gpu == gpu.name and (s.n_gpus * s.nodes > 1 or s.offload != "none")]
+    if not several:
+        return plan
+    chosen = min(several, key=lambda s: ((s.hours or 0.0) * s.n_gpus * s.nodes, s.n_gpus))
+    pinned = request.pinned | {"shard": chosen.shard, "offload": chosen.offload, "nodes": chosen.nodes}
+    return make_plan(request.model_copy(update={"gpu": gpu, "n_gpus": chosen.n_gpus, "pinned": pinned}))
 
 
 def cheapest(plans: list[Plan], max_usd_per_hour: float | None = None) -> Plan | None:

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from lorafit.hardware import GpuSpec, LocalMachine
 from lorafit.models import ModelSpec
 from lorafit.schema import Estimate, Plan, Settings
 from lorafit.serving import Serving
+
+if TYPE_CHECKING:
+    from lorafit.answers import FromConfig
+    from lorafit.stacks import StackSpec
 
 console = Console(highlight=False)
 
@@ -37,12 +42,48 @@ def settings_line(settings: Settings) -> str:
     quant = f" {settings.quant}" if settings.quant != "none" else ""
     lora = f", LoRA r={settings.lora_r} on {settings.lora_targets}" if settings.method != "full" else ""
     gpus = f", {settings.n_gpus} GPUs {settings.shard}" if settings.n_gpus > 1 else ""
+    if settings.nodes > 1:
+        gpus = f", {settings.n_gpus} GPUs x {settings.nodes} nodes {settings.shard}"
+    if settings.offload != "none":
+        gpus += f"{'' if gpus else ', ' + settings.shard}, offload {settings.offload}"
     savers = saver_names(settings)
     return (
-        f"{settings.method}{quant} {settings.precision}{lora}, micro-batch {settings.micro_batch} x accumulation "
+        stack_words(settings)
+        + f"{settings.method}{quant} {settings.precision}{lora}, micro-batch {settings.micro_batch} x accumulation "
         f"{settings.grad_accum}, seq {settings.seq_len}, checkpointing {'on' if settings.grad_ckpt else 'off'}, "
         f"{settings.optimizer}, attention {settings.attn}{gpus}" + (f", savers: {', '.join(savers)}" if savers else "")
     )
+
+
+def stack_words(settings: Settings) -> str:
+    """ "stack trl (no autocast): " where the step is not lorafit's own as it comes."""
+    facets = [
+        f"{'' if on else 'no '}{name}"
+        for name, on in (
+            ("autocast", settings.autocast),
+            ("kbit preparation", settings.kbit_prep),
+            ("fused AdamW", settings.fused_optimizer),
+        )
+        if on is not None
+    ]
+    if settings.stack == "lorafit" and not facets:
+        return ""
+    return f"stack {settings.stack}" + (f" ({', '.join(facets)})" if facets else "") + ": "
+
+
+def warn_about(source: FromConfig | None) -> None:
+    """What a config file (`--from`) sets that the answer does not model, one line each, on stderr."""
+    if source is None:
+        return
+    from lorafit.configs import KIND_TITLES
+
+    err = Console(stderr=True, highlight=False)
+    err.print(
+        f"{source.path}: read as a config of {KIND_TITLES[source.kind]}; answered for stack {source.stack}",
+        soft_wrap=True,
+    )
+    for warning in source.warnings:
+        err.print(escape(f"warning: {warning}"), soft_wrap=True)
 
 
 def saver_names(settings: Settings) -> list[str]:
@@ -93,7 +134,20 @@ def show_estimate(spec: ModelSpec, settings: Settings, result: Estimate, gpu: Gp
     )
     console.print(settings_line(settings))
     console.print(estimate_table(result, f"peak memory per GPU, at the {result.peak_phase}"))
+    show_gpus_and_host(settings, result)
     console.print(verdict(result.fits, gpu.name if gpu else None))
+
+
+def show_gpus_and_host(settings: Settings, result: Estimate, out: Console | None = None) -> None:
+    """Several GPUs or an offload: one GPU's share, and the host RAM each machine needs."""
+    if result.world_size == 1 and settings.offload == "none":
+        return
+    out = out or console
+    shares = ", ".join(f"{name.replace('_', ' ')} {gib:.2f}" for name, gib in result.per_gpu_gib.items())
+    out.print(f"per GPU of {result.world_size} (GiB): {shares}")
+    if result.host_ram_gib is not None:
+        parts = ", ".join(f"{name.replace('_', ' ')} {gib:.1f}" for name, gib in result.host_ram_breakdown_gib.items())
+        out.print(f"host RAM per machine: {result.host_ram_gib:.1f} GiB ({parts})")
 
 
 def show_plan(plan: Plan, out: Console | None = None) -> None:
@@ -129,6 +183,7 @@ def show_plan(plan: Plan, out: Console | None = None) -> None:
         out.print(table)
     where = "in CPU RAM" if on_cpu else "per GPU"
     out.print(estimate_table(plan.estimate, f"peak memory {where}, at the {plan.estimate.peak_phase}", not on_cpu))
+    show_gpus_and_host(plan.settings, plan.estimate, out)
     if plan.serving is not None:
         out.print(serving_table(plan.serving))
 
@@ -165,8 +220,11 @@ def show_compare(plans: list[Plan], cheapest: Plan | None, cheapest_under: Plan 
     for column in ("GPU", "memory", "fits", "settings", "tokens/s", "time", "rented", "own card"):
         table.add_column(column)
     for plan in plans:
+        count = plan.settings.n_gpus * plan.settings.nodes
+        offload = f", offload {plan.settings.offload}" if plan.settings.offload != "none" else ""
         table.add_row(
-            plan.gpu.name if plan.gpu else "-",
+            (f"{count}x {plan.gpu.name}" if plan.gpu else "-")
+            + (f" ({plan.settings.shard}{offload})" if count > 1 or offload else ""),
             f"{plan.gpu.memory_gib:.0f} GiB" if plan.gpu else "-",
             "yes" if plan.fits else "no",
             f"mb {plan.settings.micro_batch}, ckpt {'on' if plan.settings.grad_ckpt else 'off'}"
@@ -205,6 +263,21 @@ def show_gpus(gpus: list[GpuSpec]) -> None:
             _usd(gpu.rent_usd_per_hour),
         )
     console.print(table)
+
+
+def show_stacks(listed: list[StackSpec]) -> None:
+    """One block per stack: its version and what its step keeps differently from lorafit's trainer."""
+    for stack in listed:
+        state = "" if stack.offered else escape(f"  [not offered: {stack.not_offered_because}]")
+        console.print(f"[bold]{stack.name}[/bold]  {stack.title}{state}", highlight=False)
+        console.print(f"  pinned: {stack.pinned}", highlight=False)
+        quant = ", ".join(stack.quant) or "none"
+        console.print(f"  trains over: quant {quant}; savers: {', '.join(stack.savers) or 'none'}", highlight=False)
+        for line in stack.keeps:
+            console.print(f"  - {line}", highlight=False)
+        console.print(f"  traced: {stack.traced}", highlight=False)
+        if stack.nearest:
+            console.print(f"  its config files (--from) are answered for stack {stack.nearest}", highlight=False)
 
 
 def show_models(specs: list[ModelSpec]) -> None:

@@ -66,6 +66,21 @@ class Estimate(Frozen):
     fits: bool | None = None
     trainable_params: int
     total_params: int
+    world_size: int = Field(default=1, description="GPUs of the run, n_gpus x nodes; every figure above is per GPU")
+    per_gpu_gib: dict[str, float] = Field(
+        default_factory=dict,
+        description="one GPU's sharded weights, gradients, optimizer states, gathered layers, activations and "
+        "communication buffers",
+    )
+    host_ram_gib: float | None = Field(
+        default=None, description="host RAM one machine needs: the larger of its loading and training peaks"
+    )
+    host_ram_breakdown_gib: dict[str, float] = Field(default_factory=dict)
+    loading_peak_gib: float | None = Field(
+        default=None,
+        description="one GPU while a 4/8-bit base is loaded whole before ZeRO-3/FSDP shard it (with the CUDA "
+        "context); None where loading needs no more than the step; `fits` counts it",
+    )
 
 
 class _PlanRequestBase(Frozen):
@@ -118,6 +133,13 @@ class Suggestion(Frozen):
     settings: Settings
     gpu: str | None = None
     estimate: Estimate
+    # where the change is more or other GPUs: how many of them, how they share the model, and the time it takes
+    n_gpus: int = 1
+    nodes: int = 1
+    shard: str = "none"
+    offload: str = "none"
+    tokens_per_s: float | None = None
+    hours: float | None = None
 
 
 class Plan(Frozen):

@@ -40,6 +40,10 @@ class StepTrace:
     trainable_params: int
     total_params: int
     host_peak_bytes: int = 0  # what the memory savers kept in host memory at most (outside peak_bytes)
+    # memory_reserved() at its peak, from the caching allocator simulation the tracker drove (trace.allocator):
+    # plain, and with expandable_segments
+    reserved_bytes: int = 0
+    expandable_reserved_bytes: int = 0
 
     @property
     def peak_description(self) -> str:
@@ -125,6 +129,7 @@ def _run(
 ) -> StepTrace:
     import contextlib
 
+    from lorafit.trace.allocator import CachingAllocator
     from lorafit.trace.model import cuda_kernel_choices, eager_data_checks, parameter_tensors
     from lorafit.trace.step import run_training_steps, token_batch
     from lorafit.trace.tracker import PARAMETERS, LiveTensorTracker
@@ -135,6 +140,8 @@ def _run(
         tracker.track(tensor, PARAMETERS)
     for tensor in savers.host_tensors(model):
         tracker.mark_host(tensor)
+    plain, expandable = CachingAllocator(), CachingAllocator(expandable=True)
+    tracker.attach_allocators(plain, expandable)  # the loaded model first, then the steps' blocks
     make_batch = token_batch(spec.vocab_size, settings.micro_batch, settings.seq_len)
     if before_steps is not None:
         before_steps()
@@ -159,6 +166,8 @@ def _run(
         trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
         total_params=total_params,
         host_peak_bytes=tracker.host_peak_bytes,
+        reserved_bytes=plain.peak_reserved,
+        expandable_reserved_bytes=expandable.peak_reserved,
     )
 
 
@@ -205,11 +214,18 @@ class DepthTrace:
     total_params: int
     traces: tuple[StepTrace, ...]
     host_peak_bytes: int = 0
+    reserved_bytes: int = 0  # the simulated memory_reserved() peak (extended to the full depth: trace_depth)
+    expandable_reserved_bytes: int = 0
 
     @property
     def transient_bytes(self) -> int:
         """The deepest trace's (a layer's or the loss's excursion does not grow with depth)."""
         return self.traces[-1].transient_bytes
+
+    def reserved_for(self, settings: Settings) -> int:
+        """The simulated reserve under the settings' allocator mode, never below the allocated peak."""
+        reserved = self.expandable_reserved_bytes if settings.expandable_segments else self.reserved_bytes
+        return max(reserved, self.peak_bytes)
 
 
 def _phase_class(phase: Phase, num_layers: int) -> tuple:
@@ -248,6 +264,8 @@ def trace_depth(
             trace.total_params,
             (trace,),
             trace.host_peak_bytes,
+            trace.reserved_bytes,
+            trace.expandable_reserved_bytes,
         )
     a, b = TRACE_DEPTHS
     small, large = (trace_step(spec, settings, n, **options) for n in TRACE_DEPTHS)
@@ -275,6 +293,15 @@ def trace_depth(
     def count(field: str) -> int:
         return round(_line(getattr(small, field), getattr(large, field), a, b, depth))
 
+    def reserve(field: str) -> int:
+        """The deeper trace's simulated reserve above its peak, grown with the peak at the rate the full-depth
+        simulations of `make bench-allocator` show (memory.RESERVED_ALLOCATED_SHARE): the reserve is not a
+        straight line through depths 2 and 3, whose few layers still fit in the holes the loss left."""
+        from lorafit import memory
+
+        gap = getattr(large, field) - large.peak_bytes
+        return round(total + gap + memory.RESERVED_ALLOCATED_SHARE * (total - large.peak_bytes))
+
     return DepthTrace(
         depth,
         round(total),
@@ -285,6 +312,8 @@ def trace_depth(
         count("total_params"),
         (small, large),
         count("host_peak_bytes"),
+        reserve("reserved_bytes"),
+        reserve("expandable_reserved_bytes"),
     )
 
 
@@ -309,8 +338,10 @@ def exact_estimate(
 ) -> Estimate:
     """`lorafit estimate --exact`: peak memory of a training step from a trace of the real code path.
 
-    peak_allocated is what the trace counts; reserved and device come from the same allocator and CUDA
-    context model as the analytic estimate (`memory.device_side`), fed with the step's largest transient."""
+    peak_allocated is what the trace counts; peak_reserved is what the simulation of the CUDA caching allocator
+    the trace drove reserved at most (`trace.allocator`, plain or with expandable_segments as the settings say),
+    extended to the full depth like the phases; the device figure adds the same CUDA context (and paged
+    optimizer states) as the analytic estimate (`memory.device_side`)."""
     from lorafit import memory
 
     runtime = runtime or memory.Runtime()
@@ -326,4 +357,5 @@ def exact_estimate(
         headroom,
         trainable=depth.trainable_params,
         total=depth.total_params,
+        simulated_reserved=depth.reserved_for(settings),
     )

@@ -11,6 +11,11 @@ Every live storage carries a category; the step code and hooks move storages bet
 role becomes known (a gradient once autograd accumulates it, an optimizer state once the optimizer stores it,
 an activation once autograd saves it or a backward pass begins while it is still alive).
 
+With `attach_allocators`, the tracker also drives simulations of the CUDA caching allocator
+(`trace.allocator.CachingAllocator`): a malloc when a device storage is first seen, a free when it is released,
+so the trace knows what `memory_reserved()` would be. Host tensors and bnb's paged states are not in torch's
+allocator and stay out of it.
+
 This module imports torch at import time; `lorafit.trace` imports it only when a trace runs.
 """
 
@@ -18,11 +23,14 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:
+    from lorafit.trace.allocator import CachingAllocator
 
 PARAMETERS = "parameters"
 GRADIENTS = "gradients"
@@ -35,6 +43,7 @@ PAGED_OPTIMIZER_STATES = "paged_optimizer_states"
 # What the memory savers keep in host memory (offloaded activations, an embedding table on the CPU): the
 # trace runs on the CPU device, so these are told apart by role, not by device.
 HOST = "host"
+OUTSIDE_ALLOCATOR = (PAGED_OPTIMIZER_STATES, HOST)
 
 
 class Phase(NamedTuple):
@@ -72,6 +81,7 @@ class _Storage:
     nbytes: int
     category: str
     born_in: int  # the tracker's forward-pass counter when it was allocated
+    handles: list[int] | None = None  # its block in each attached allocator simulation
 
 
 class LiveTensorTracker(TorchDispatchMode):
@@ -90,6 +100,15 @@ class LiveTensorTracker(TorchDispatchMode):
         self.phase_starts: dict[Phase, Snapshot] = {}  # live bytes when each phase first began
         self._storages: dict[int, _Storage] = {}
         self._expansions: dict[Any, Any] = _bitsandbytes_expansions()
+        self.allocators: tuple[CachingAllocator, ...] = ()
+
+    def attach_allocators(self, *allocators: CachingAllocator) -> None:
+        """From now on drive these allocator simulations; the device storages alive now (the loaded model) are
+        allocated first, in the order they were seen."""
+        self.allocators = allocators
+        for storage in self._storages.values():
+            if storage.category not in OUTSIDE_ALLOCATOR:
+                self._malloc(storage)
 
     # --- the dispatcher hook -------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
@@ -109,12 +128,18 @@ class LiveTensorTracker(TorchDispatchMode):
             known = self._storages.get(key)
             nbytes = storage.nbytes()
             if known is None:
-                self._storages[key] = _Storage(nbytes, category, self.forward_pass)
+                known = self._storages[key] = _Storage(nbytes, category, self.forward_pass)
                 weakref.finalize(storage, self._release, key)
+                if category not in OUTSIDE_ALLOCATOR:
+                    self._malloc(known)
                 self._add(category, nbytes)
             elif known.nbytes != nbytes:  # resize_ or an out= op grew the storage
                 self._add(known.category, nbytes - known.nbytes)
-                known.nbytes = nbytes
+                old, known.nbytes = known.handles, nbytes
+                if old is not None:  # a new block, the old one freed after the copy
+                    self._malloc(known)
+                    for allocator, handle in zip(self.allocators, old, strict=True):
+                        allocator.free(handle)
 
     def retag(self, tensor: torch.Tensor, category: str, only_from: tuple[str, ...] | None = None) -> None:
         """Move `tensor`'s storage to `category` (tracking it first if it is new)."""
@@ -177,12 +202,26 @@ class LiveTensorTracker(TorchDispatchMode):
     def _move(self, storage: _Storage, category: str) -> None:
         self._add(storage.category, -storage.nbytes)
         storage.category = category
+        if category in OUTSIDE_ALLOCATOR and storage.handles is not None:
+            # a host copy or a managed-memory state, learnt of after the op returned: it never reached the device
+            for allocator, handle in zip(self.allocators, storage.handles, strict=True):
+                allocator.cancel(handle)
+            storage.handles = None
+        elif category not in OUTSIDE_ALLOCATOR and storage.handles is None:
+            self._malloc(storage)
         self._add(category, storage.nbytes)
+
+    def _malloc(self, storage: _Storage) -> None:
+        if self.allocators:
+            storage.handles = [allocator.malloc(storage.nbytes) for allocator in self.allocators]
 
     def _release(self, key: int) -> None:
         storage = self._storages.pop(key, None)
         if storage is not None:
             self._add(storage.category, -storage.nbytes)
+            if storage.handles is not None:
+                for allocator, handle in zip(self.allocators, storage.handles, strict=True):
+                    allocator.free(handle)
 
     def _note_peak(self) -> None:
         best = self.phase_peaks.get(self.phase)

@@ -40,10 +40,19 @@ def train_command(
         if not run_demo(overrides, console=console, **run_switches):
             raise typer.Exit(1)
         return
+    from lorafit.train import distributed
     from lorafit.train.config import load_config
     from lorafit.train.recipe import run
 
-    run(load_config(config, overrides), console=console, **run_switches)
+    resolved = load_config(config, overrides)
+    if distributed.needs_launch(resolved):  # n_gpus / nodes > 1: `accelerate launch` starts the processes
+        code = distributed.launch(resolved, console=console, **run_switches)
+        if code == 130:
+            raise KeyboardInterrupt
+        if code:
+            raise typer.Exit(code)
+        return
+    run(resolved, console=console, **run_switches)
 
 
 def init_command(

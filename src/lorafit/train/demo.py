@@ -173,6 +173,13 @@ def demo_config(overrides: dict[str, Any]) -> Any:
         "eval_data": str(demo_file("heldout.jsonl")),
         "eval_split": 0,
     }
+    n_gpus = int(overrides.get("n_gpus") or 1)
+    if n_gpus > 1 and "micro_batch" not in overrides:  # the same effective batch, shared by the processes
+        per_process = data["batch_size"] // data["grad_accum"]
+        if per_process % n_gpus == 0:
+            data["micro_batch"] = per_process // n_gpus
+        else:
+            data.pop("micro_batch")
     return validate(data | overrides | {"output_dir": str(output_dir)}, "the demo config", from_flags=overrides)
 
 
@@ -272,13 +279,51 @@ def run_demo(
     overrides: dict[str, Any], *, resume: bool, overwrite: bool, console: Console, dry_run: bool = False
 ) -> bool:
     """Train the demo and show what changed; False if it did not learn by the stated margin."""
-    from lorafit.train.recipe import run
+    from lorafit.train import distributed
 
     config = demo_config(overrides)
     console.rule("[bold]lorafit demo[/bold]: QLoRA on a tiny model, on the CPU")
+    if distributed.needs_launch(config):  # several processes, each running `train_demo`
+        code = distributed.launch(
+            config,
+            resume=resume,
+            overwrite=overwrite,
+            dry_run=dry_run,
+            console=console,
+            build_model=build_demo_base,
+            demo=True,
+        )
+        if code == 130:
+            raise KeyboardInterrupt
+        return code == 0
+    return train_demo(config, resume=resume, overwrite=overwrite, dry_run=dry_run, console=console)
+
+
+def train_demo(
+    config: Any,
+    *,
+    resume: bool,
+    overwrite: bool,
+    console: Console,
+    dry_run: bool = False,
+    processes: Any = None,
+    plan: Any = None,
+) -> bool:
+    """The demo's run and its before / after comparison (by rank 0 alone, when several processes train it)."""
+    from lorafit.train.recipe import run
+
     result = run(
-        config, resume=resume, overwrite=overwrite, dry_run=dry_run, console=console, build_model=build_demo_base
+        config,
+        resume=resume,
+        overwrite=overwrite,
+        dry_run=dry_run,
+        console=console,
+        build_model=build_demo_base,
+        processes=processes,
+        plan=plan,
     )
+    if processes is not None and not processes.is_main:
+        return True
     if result is None:  # a dry run, or the finished demo: nothing was trained, so there is nothing to compare
         if not dry_run:
             console.print(f'try it: lorafit chat {config.output_dir} --prompt "Which animal lives on Duvik?"')

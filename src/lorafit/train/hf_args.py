@@ -48,11 +48,24 @@ def bnb_kwargs(settings: Settings) -> dict[str, Any] | None:
             "bnb_4bit_quant_type": "nf4",
             "bnb_4bit_use_double_quant": settings.double_quant,
             "bnb_4bit_compute_dtype": DTYPE_NAMES[settings.precision],
-            "bnb_4bit_quant_storage": "uint8",
+            "bnb_4bit_quant_storage": quant_storage(settings),
         }
     if settings.quant == "int8":
         return {"load_in_8bit": True}
     return None
+
+
+# Settings.shard values that split the weights themselves over the GPUs.
+SHARDS_WEIGHTS = ("zero3", "fsdp")
+
+
+def quant_storage(settings: Settings) -> str:
+    """The dtype the packed 4-bit weights are stored in: uint8, except where FSDP or ZeRO-3 shard the weights.
+    Those flatten a layer's parameters into one buffer of one dtype and gather them as floats, so the 4-bit
+    storage must be the compute dtype (with uint8 FSDP fails: "Must flatten tensors with uniform dtype")."""
+    if settings.shard in SHARDS_WEIGHTS and settings.n_gpus * settings.nodes > 1:
+        return DTYPE_NAMES[settings.precision]
+    return "uint8"
 
 
 def lora_kwargs(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
@@ -82,7 +95,9 @@ def training_kwargs(
         "output_dir": output_dir,
         "per_device_train_batch_size": settings.micro_batch,
         "per_device_eval_batch_size": settings.micro_batch,
-        "gradient_accumulation_steps": settings.grad_accum,
+        # grad_accum counts the micro-batches of one node's GPUs (batch_size = micro_batch x grad_accum x n_gpus);
+        # over several nodes each process runs its share (distributed.split_over_nodes makes it whole)
+        "gradient_accumulation_steps": settings.grad_accum // settings.nodes,
         "bf16": settings.precision == "bf16",
         "fp16": settings.precision == "fp16",
         "optim": optimizer_name(settings),
@@ -108,4 +123,7 @@ def training_kwargs(
         "dataloader_pin_memory": on_cuda,
         "remove_unused_columns": False,
         "label_names": ["labels"],
+        # several processes (DDP): every trained parameter gets a gradient in every step, so DDP need not search
+        # the graph for unused ones (the Trainer would, for a peft model)
+        "ddp_find_unused_parameters": False,
     }

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from lorafit.hardware import GpuSpec
     from lorafit.models import ModelSpec
     from lorafit.schema import TokenProfile
+    from lorafit.train.distributed import Processes
 
 METRICS = "metrics.jsonl"
 
@@ -62,11 +63,18 @@ def run(
     dry_run: bool = False,
     console: Console | None = None,
     build_model: Callable[[Path], None] | None = None,
+    processes: Processes | None = None,
+    plan: Plan | None = None,
 ) -> RunResult | None:
     """Train `config` into config.output_dir; None if the folder holds this run finished (nothing changes).
     `build_model(dir)` creates the base model first, or completes one a kill or a full disk cut short (the demo).
-    `dry_run`: check and resolve everything, print the plan and the resolved config, write nothing, return None."""
+    `dry_run`: check and resolve everything, print the plan and the resolved config, write nothing, return None.
+    `processes`: this process among several (`distributed.main`): rank 0 alone writes the run folder, and its
+    decisions are every process's. `plan`: the launcher's plan, used instead of planning again."""
+    from lorafit.train import distributed
+
     console = console or Console(highlight=False)
+    processes = processes or distributed.ONE_PROCESS
     started = time.perf_counter()
     if dry_run:
         return _dry_run(config, resume=resume, overwrite=overwrite, console=console, build_model=build_model)
@@ -78,24 +86,22 @@ def run(
     # 2. The output folder: a fresh run, the same run again (resume), or another run (refuse).
     output_dir = Path(config.output_dir).expanduser()
     fingerprint = _fingerprint(config, model_dir, data_path, eval_path)
-    inputs = _reads(model_dir, data_path, eval_path, built=build_model is not None)
-    start = checkpoints.begin(output_dir, fingerprint, resume=resume, overwrite=overwrite, inputs=inputs)
-    if start.note:
-        console.print(start.note)
+    start = _open_folder(
+        config,
+        output_dir,
+        fingerprint,
+        model_dir,
+        data_path,
+        eval_path,
+        resume,
+        overwrite,
+        build_model,
+        processes,
+        console,
+    )
     if start.mode == "finished":
         return None
-    output_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = output_dir / METRICS
-    if start.mode == "fresh":
-        metrics_path.unlink(missing_ok=True)
-        checkpoints.write_run_file(output_dir, {"fingerprint": fingerprint, "status": "started"})
-    if build_model is not None:
-        _quiet_libraries()
-        build_model(model_dir)
-        _check_model(model_dir, config)
-    if start.mode == "fresh":  # what the adapter is trained against: `lorafit export` refuses another base
-        saved = checkpoints.read_run_file(output_dir) or {}
-        checkpoints.write_run_file(output_dir, saved | {"base_digest": checkpoints.model_digest(model_dir)})
     spec = _model_spec(model_dir)
 
     # 3. Libraries, device, tokenizer, data.
@@ -109,14 +115,21 @@ def run(
         config, model_dir, train_rows, eval_rows, data_format, data_path, console
     )
 
-    # 4. Settings: the plan for this device, the user's settings pinned; a resumed run keeps its own.
-    saved_plan = _saved_plan(output_dir) if start.mode == "resume" else None
-    plan = resolve_plan(config, spec, profile, encoded.lengths, saved_plan=saved_plan, on_cuda=on_cuda, console=console)
+    # 4. Settings: the plan for this device, the user's settings pinned; a resumed run keeps its own. With
+    # several processes rank 0's plan (the launcher's) is every process's.
+    if processes.is_main:
+        saved_plan = plan or (_saved_plan(output_dir) if start.mode == "resume" else None)
+        plan = resolve_plan(
+            config, spec, profile, encoded.lengths, saved_plan=saved_plan, on_cuda=on_cuda, console=console
+        )
+        plan = for_processes(plan, config, on_cuda)
+    plan = _same_plan_everywhere(processes.broadcast(plan), plan)
     settings = plan.settings
-    _check_device(settings, on_cuda, spec)
-    from lorafit.render import show_plan
+    _check_device(settings, on_cuda, spec, launched=processes.launched)
+    if not processes.launched:  # the launcher showed it
+        from lorafit.render import show_plan
 
-    show_plan(plan, console)
+        show_plan(plan, console)
     train_set = examples.cut(encoded, settings.seq_len)
     eval_set = examples.cut(encoded_eval, settings.seq_len)
     if train_set.truncated or train_set.dropped:
@@ -138,19 +151,34 @@ def run(
     console.print(f"model: {spec.name}, {total:,} parameters, {trainable:,} trained ({settings.method})")
 
     # 6. Everything needed to resume or to reproduce goes to disk before step 1.
-    _save_run(output_dir, config, plan, fingerprint, start.saved, status="training")
-    if start.mode == "resume" and start.checkpoint is not None:
-        checkpoints.keep_metrics_until(metrics_path, checkpoints.checkpoint_step(start.checkpoint) or 0)
+    if processes.is_main:
+        _save_run(output_dir, config, plan, fingerprint, start.saved, status="training")
+        if start.mode == "resume" and start.checkpoint is not None:
+            checkpoints.keep_metrics_until(metrics_path, checkpoints.checkpoint_step(start.checkpoint) or 0)
 
     # 7. Train, out-of-memory guarded.
     outcome = _train_guarded(
-        config, spec, plan, model, tokenizer, train_set, eval_set, output_dir, start, on_cuda, console
+        config, spec, plan, model, tokenizer, train_set, eval_set, output_dir, start, on_cuda, console, processes
     )
     plan, trainer = outcome.plan, outcome.trainer
     settings = plan.settings
 
-    # 8. The output folder a person uses.
+    # 8. The output folder a person uses (rank 0 writes it; sharded weights are gathered by all first).
     eval_before = outcome.eval_before if start.mode == "fresh" else (start.saved or {}).get("eval_before")
+    state_dict = _gathered_weights(trainer)
+    if not processes.is_main:
+        return RunResult(
+            output_dir,
+            plan,
+            trainer.state.global_step,
+            None,
+            eval_before,
+            None,
+            trainer.model,
+            tokenizer,
+            eval_rows,
+            eval_set,
+        )
     result = _write_outputs(
         config,
         plan,
@@ -165,6 +193,7 @@ def run(
         eval_before,
         started,
         console,
+        state_dict,
     )
     return RunResult(
         output_dir,
@@ -225,13 +254,131 @@ def _dry_run(
         on_cuda=torch.cuda.is_available(),
         console=console,
     )
-    _check_device(plan.settings, plan.device == "cuda", spec)
+    on_cuda = torch.cuda.is_available()
+    asked = plan.settings
+    plan = for_processes(plan, config, on_cuda)
+    _check_device(plan.settings, plan.device == "cuda", spec, launched=True)
     build.check_settings(spec, plan.settings)
     show_plan(plan, console)
     console.print("resolved config (`lorafit train` would run exactly this):")
     console.print(yaml.safe_dump(resolved_config(config, plan).model_dump(mode="json"), sort_keys=False), end="")
+    if config.n_gpus * config.nodes > 1:
+        from lorafit.train import distributed
+
+        topology = distributed.Topology.of(config, on_cuda)
+        if not on_cuda:
+            console.print(distributed.cpu_note(asked, topology))
+        console.print(f"accelerate config (`lorafit train` would write it to {output_dir}):")
+        console.print(distributed.describe(plan.settings, config, topology), end="", markup=False)
     what = start.note or ("resume" if start.mode == "resume" else f"a fresh run in {output_dir}")
     console.print(f"dry run: {what}; nothing was written")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a launch of several processes starts from: the run folder opened and the plan made."""
+
+    output_dir: Path
+    mode: str  # fresh or resume
+    plan: Plan  # as the processes run it (`for_processes`)
+    asked: Settings  # the plan's settings before that (what a CPU run says it does not apply)
+
+
+@checkpoints.one_line_run_errors
+def prepare_launch(
+    config: TrainConfig,
+    *,
+    resume: bool,
+    overwrite: bool,
+    console: Console,
+    build_model: Callable[[Path], None] | None,
+    writes: bool = True,
+) -> Prepared | None:
+    """`run` up to the plan, for `distributed.launch`: the inputs checked, the folder opened as `run` opens it
+    (None: it holds this run finished), the data tokenized and the plan made and shown; no model is loaded.
+    `writes` False (a node other than 0): the run folder is only read."""
+    model_dir, data_path, eval_path = _inputs(config, check_model=build_model is None)
+    train_rows, eval_rows, data_format = _load_data(config, data_path, eval_path)
+    output_dir = Path(config.output_dir).expanduser()
+    fingerprint = _fingerprint(config, model_dir, data_path, eval_path)
+    inputs = _reads(model_dir, data_path, eval_path, built=build_model is not None)
+    start = checkpoints.begin(
+        output_dir, fingerprint, resume=resume, overwrite=overwrite, inputs=inputs, dry_run=not writes
+    )
+    if start.note:
+        console.print(start.note)
+    if start.mode == "finished":
+        return None
+    if writes:
+        _set_up_folder(output_dir, fingerprint, start, model_dir, config, build_model)
+    elif build_model is not None:
+        build_model(model_dir)  # an input of this node's processes
+    spec = _model_spec(model_dir)
+    _quiet_libraries()
+    import torch
+
+    from lorafit.render import show_plan
+    from lorafit.train import build
+
+    on_cuda = torch.cuda.is_available()
+    _, encoded, _, profile = _tokenized(config, model_dir, train_rows, eval_rows, data_format, data_path, console)
+    saved_plan = _saved_plan(output_dir) if start.mode == "resume" else None
+    plan = resolve_plan(config, spec, profile, encoded.lengths, saved_plan=saved_plan, on_cuda=on_cuda, console=console)
+    asked = plan.settings
+    plan = for_processes(plan, config, on_cuda)
+    _check_device(plan.settings, on_cuda, spec, launched=True)
+    build.check_settings(spec, plan.settings)
+    show_plan(plan, console)
+    return Prepared(output_dir, start.mode, plan, asked)
+
+
+def _open_folder(
+    config: TrainConfig,
+    output_dir: Path,
+    fingerprint: dict[str, Any],
+    model_dir: Path,
+    data_path: Path,
+    eval_path: Path | None,
+    resume: bool,
+    overwrite: bool,
+    build_model: Callable[[Path], None] | None,
+    processes: Processes,
+    console: Console,
+) -> checkpoints.RunStart:
+    """Fresh, resumed or finished: rank 0 decides and sets the folder up, the other processes take its decision."""
+    start = None
+    if processes.is_main:
+        inputs = _reads(model_dir, data_path, eval_path, built=build_model is not None)
+        start = checkpoints.begin(output_dir, fingerprint, resume=resume, overwrite=overwrite, inputs=inputs)
+        if start.note and not processes.launched:  # a launched run: the launcher said it
+            console.print(start.note)
+        if start.mode != "finished":
+            _set_up_folder(output_dir, fingerprint, start, model_dir, config, build_model)
+    start = processes.broadcast(start)
+    if start.mode != "finished" and build_model is not None and not processes.is_main:
+        _check_model(model_dir, config)  # built by rank 0
+    return start
+
+
+def _set_up_folder(
+    output_dir: Path,
+    fingerprint: dict[str, Any],
+    start: checkpoints.RunStart,
+    model_dir: Path,
+    config: TrainConfig,
+    build_model: Callable[[Path], None] | None,
+) -> None:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if start.mode == "fresh":
+        (output_dir / METRICS).unlink(missing_ok=True)
+        checkpoints.write_run_file(output_dir, {"fingerprint": fingerprint, "status": "started"})
+    if build_model is not None:
+        _quiet_libraries()
+        build_model(model_dir)
+        _check_model(model_dir, config)
+    if start.mode == "fresh":  # what the adapter is trained against: `lorafit export` refuses another base
+        saved = checkpoints.read_run_file(output_dir) or {}
+        checkpoints.write_run_file(output_dir, saved | {"base_digest": checkpoints.model_digest(model_dir)})
 
 
 # --- inputs -------------------------------------------------------------------------------------------------
@@ -257,8 +404,11 @@ def _inputs(config: TrainConfig, *, check_model: bool) -> tuple[Path, Path, Path
 
 
 def _fingerprint(config: TrainConfig, model_dir: Path, data_path: Path, eval_path: Path | None) -> dict[str, Any]:
+    from lorafit.train.distributed import LAUNCH_KEYS
+
     data_files = [data_path] + ([eval_path] if eval_path else [])
-    return config.fingerprint() | {"model": str(model_dir), "data_sha256": checkpoints.data_digest(data_files)}
+    same_run = {key: value for key, value in config.fingerprint().items() if key not in LAUNCH_KEYS}
+    return same_run | {"model": str(model_dir), "data_sha256": checkpoints.data_digest(data_files)}
 
 
 def _reads(model_dir: Path, data_path: Path, eval_path: Path | None, *, built: bool) -> tuple[Path, ...]:
@@ -390,19 +540,53 @@ def resolve_plan(
     return with_settings(plan, wanted)
 
 
-def _check_device(settings: Settings, on_cuda: bool, spec: ModelSpec) -> None:
-    """What this machine cannot run: several GPUs, or offloads that the free host RAM cannot hold."""
+def _check_device(settings: Settings, on_cuda: bool, spec: ModelSpec, *, launched: bool = False) -> None:
+    """What this machine cannot run: offloads that the free host RAM cannot hold, or several GPUs in one process
+    (`lorafit train` starts the processes: `distributed.launch`)."""
     if on_cuda:
         from lorafit import hardware, memory
 
         problem = memory.host_saver_problem(spec, settings, hardware.available_ram_gib())
         if problem:
             raise TrainError(problem)
-    if settings.n_gpus > 1:
+    if settings.n_gpus * settings.nodes > 1 and not launched:
         raise TrainError(
-            f"lorafit train runs on one device; the plan asks for {settings.n_gpus} GPUs "
-            "(pin micro_batch / grad_accum for one)"
+            f"recipe.run trains in this process; n_gpus {settings.n_gpus} x nodes {settings.nodes} is started by "
+            "`lorafit train` (lorafit.train.distributed.launch)"
         )
+
+
+def for_processes(plan: Plan, config: TrainConfig, on_cuda: bool) -> Plan:
+    """The plan as several processes run it: on the CPU data-parallel with nothing offloaded; over several nodes
+    with an accumulation every node can share (`distributed.split_over_nodes`). One process: the plan as it is."""
+    if config.n_gpus * config.nodes == 1:
+        return plan
+    from lorafit.plan import with_settings
+    from lorafit.train import distributed
+
+    settings = plan.settings
+    if not on_cuda:
+        settings = distributed.cpu_settings(settings)
+    settings = distributed.split_over_nodes(settings, config.nodes)
+    distributed.check_offload(settings)
+    return with_settings(plan, settings)
+
+
+def _same_plan_everywhere(main_plan: Plan, own: Plan | None) -> Plan:
+    """Rank 0's plan, refused where this node's launcher wrote its accelerate config for other settings."""
+    if own is None or own is main_plan:
+        return main_plan
+    keys = ("shard", "offload", "precision", "micro_batch", "grad_accum")
+    differ = [key for key in keys if getattr(own.settings, key) != getattr(main_plan.settings, key)]
+    if differ:
+        shown = ", ".join(
+            f"{key} {getattr(own.settings, key)} (node 0: {getattr(main_plan.settings, key)})" for key in differ
+        )
+        raise TrainError(
+            f"this node planned other settings than node 0: {shown}; pin them (--{differ[0].replace('_', '-')} "
+            f"{getattr(main_plan.settings, differ[0])}) and run the same command on every node"
+        )
+    return main_plan
 
 
 def _saved_plan(output_dir: Path) -> Plan | None:
@@ -467,8 +651,11 @@ def _train_guarded(
     start: checkpoints.RunStart,
     on_cuda: bool,
     console: Console,
+    processes: Processes,
 ) -> Outcome:
-    """Trainer.train, with the pre-flight before step 1 and the halve-and-continue retry on out-of-memory."""
+    """Trainer.train, with the pre-flight before step 1 and the halve-and-continue retry on out-of-memory.
+    Several processes agree on the pre-flight's micro-batch; an out-of-memory error mid-run stops them
+    (`distributed.out_of_memory`)."""
     import torch
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -497,7 +684,9 @@ def _train_guarded(
         arguments = TrainingArguments(
             **hf_args.training_kwargs(config, settings, output_dir=str(staging), on_cuda=on_cuda, eval_steps=eval_steps)
         )
-        callback = RunCallback(output_dir / METRICS, console, watch, lambda: holder["trainer"])
+        callback = RunCallback(
+            output_dir / METRICS, console, watch, lambda: holder["trainer"], writes=processes.is_main
+        )
         trainer = LorafitTrainer(
             model=model,
             args=arguments,
@@ -526,11 +715,21 @@ def _train_guarded(
     if start.mode == "fresh" and eval_list:
         eval_before = float(trainer.evaluate()["eval_loss"])
         console.print(f"eval loss before training: {eval_before:.4f} ({len(eval_list)} held-out rows)")
-        saved = checkpoints.read_run_file(output_dir) or {}
-        checkpoints.write_run_file(output_dir, saved | {"eval_before": eval_before})
-    if on_cuda:
+        if processes.is_main:
+            saved = checkpoints.read_run_file(output_dir) or {}
+            checkpoints.write_run_file(output_dir, saved | {"eval_before": eval_before})
+    if on_cuda and (trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled):
+        console.print(
+            f"pre-flight memory check skipped: with shard {settings.shard} the weights and optimizer states are "
+            "split when training starts, after the point where the pre-flight measures"
+        )
+    elif on_cuda:
         longest = max(train_list, key=lambda row: len(row["input_ids"]))
         checked = guard.preflight(trainer, longest, settings, guard.CudaProbe(config.headroom))
+        if processes.several:  # every process takes the smallest micro-batch that fits on all of them
+            from lorafit.train import distributed
+
+            checked = distributed.agree(checked, settings, processes)
         console.print(
             f"pre-flight: {guard.PREFLIGHT_STEPS} steps at micro-batch {checked.settings.micro_batch} "
             f"x {len(longest['input_ids'])} tokens peaked at {gib(checked.peak_bytes):.2f} GiB of "
@@ -556,6 +755,10 @@ def _train_guarded(
             if not guard.is_out_of_memory(error):
                 raise
             failed_step = trainer.state.global_step + 1
+            if processes.several:
+                from lorafit.train import distributed
+
+                raise distributed.out_of_memory(failed_step, settings, processes, output_dir) from None
             reduced = guard.smaller(settings)
             if reduced is None:
                 raise guard.out_of_memory_at_one(failed_step, settings) from None
@@ -582,6 +785,14 @@ def _train_guarded(
             if on_cuda:
                 torch.cuda.empty_cache()
             trainer = make_trainer(settings)
+
+
+def _gathered_weights(trainer: Any) -> dict[str, Any] | None:
+    """Under FSDP or DeepSpeed each process holds a shard of the weights (ZeRO-2: of the optimizer): every
+    process joins in gathering the whole state dict, which rank 0 saves. None: the model holds whole weights."""
+    if not (trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled):
+        return None
+    return trainer.accelerator.get_state_dict(trainer.deepspeed if trainer.is_deepspeed_enabled else trainer.model)
 
 
 def _collator(tokenizer: PreTrainedTokenizerBase, plan: Plan, on_cuda: bool) -> Any:
@@ -643,6 +854,7 @@ def _write_outputs(
     eval_before: float | None,
     started: float,
     console: Console,
+    state_dict: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     with contextlib.suppress(OSError):
         checkpoints.staging_root(output_dir).rmdir()  # empty once every checkpoint is published
@@ -651,7 +863,10 @@ def _write_outputs(
     evals = [record["eval_loss"] for record in metrics if "eval_loss" in record]
     train_loss = losses[-1] if losses else None
     eval_after = evals[-1] if evals else None
-    trainer.model.save_pretrained(output_dir)
+    if state_dict is None:
+        trainer.model.save_pretrained(output_dir)
+    else:  # the weights several processes held in shards, gathered
+        trainer.model.save_pretrained(output_dir, state_dict=state_dict)
     tokenizer.save_pretrained(output_dir)
     ordinary_mode(output_dir)
     if config.method != "full":

@@ -107,13 +107,16 @@ class LorafitTrainer(Trainer):
         self.fault = fault
         self.watch = watch
         self.tokens_trained = 0
+        self.tokens_all_processes = 0  # of every process, summed when a line is logged
         self._micro_batches_in_step = 0
         self._step_of_micro_batches = -1
         self._step_loss: torch.Tensor | None = None
 
     def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler:
-        group = self.args.train_batch_size * self.args.gradient_accumulation_steps if self.group_by_length else None
-        return EpochSampler(self.lengths, self.args.seed, group)
+        """Every process draws the same order (accelerate deals its micro-batches out in turn); rows are grouped
+        by length over the effective batch of all processes, so N processes train the batches one does."""
+        group = self.args.train_batch_size * self.args.gradient_accumulation_steps * self.args.world_size
+        return EpochSampler(self.lengths, self.args.seed, group if self.group_by_length else None)
 
     # --- the run: resume, the end, an interrupt ----------------------------------------------------------
     def train(self, resume_from_checkpoint: str | None = None, **kwargs: Any) -> Any:
@@ -196,10 +199,27 @@ class LorafitTrainer(Trainer):
         """The logged training loss is the mean of the step losses since the previous line, also across an
         out-of-memory retry or a resume (the Trainer's own counts only the steps since it started)."""
         if "loss" in logs and self.watch.unlogged_losses:
-            losses = [float(value) for value in self.watch.unlogged_losses.values()]
+            losses = list(self.step_losses().values())
             logs = logs | {"loss": sum(losses) / len(losses)}
             self.watch.unlogged_losses = {}
+        if "loss" in logs and self.args.world_size > 1:  # the tokens of every process, for tokens/s
+            count = torch.tensor([self.tokens_trained], dtype=torch.float64, device=self.args.device)
+            self.tokens_all_processes = int(self.accelerator.reduce(count, reduction="sum").item())
         super().log(logs, start_time)
+
+    def step_losses(self) -> dict[int, float]:
+        """The loss of each finished step not yet logged. With several processes each holds its share of a
+        step's loss (its answer tokens over the step's, across processes, times their number, as transformers
+        scales it), so the step's loss is their mean: every process calls this together."""
+        if self.args.world_size == 1:
+            return {step: float(value) for step, value in self.watch.unlogged_losses.items()}
+        steps = sorted(self.watch.unlogged_losses)
+        if not steps:
+            return {}
+        device = self.args.device  # a resumed run's first losses are floats read back, the others tensors
+        losses = [torch.as_tensor(self.watch.unlogged_losses[step]).detach() for step in steps]
+        values = torch.stack([loss.to(device).double().reshape(()) for loss in losses])
+        return dict(zip(steps, self.accelerator.reduce(values, reduction="mean").tolist(), strict=True))
 
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
@@ -212,7 +232,7 @@ class LorafitTrainer(Trainer):
         tokens = 0
         started = time.perf_counter()
         with torch.no_grad():
-            for batch in self.get_eval_dataloader(eval_dataset):
+            for batch, counted in self._eval_batches(eval_dataset):
                 batch.pop(TOKENS_KEY, None)
                 inputs = self._prepare_inputs(batch)
                 count = int((inputs["labels"][..., 1:] != IGNORE_INDEX).sum())  # the causal shift drops position 0
@@ -220,8 +240,13 @@ class LorafitTrainer(Trainer):
                     continue
                 with self.compute_loss_context_manager():
                     loss = self.compute_loss(model, inputs)  # the mean over this batch's answer tokens
-                total += loss.detach().double() * count
-                tokens += count
+                if counted:
+                    total += loss.detach().double() * count
+                    tokens += count
+        if self.args.world_size > 1:
+            both = torch.stack([total, torch.tensor(float(tokens), dtype=torch.float64, device=total.device)])
+            total, summed = self.accelerator.reduce(both, reduction="sum")
+            tokens = int(summed.item())
         metrics = {
             f"{metric_key_prefix}_loss": (total / tokens).item() if tokens else float("nan"),
             f"{metric_key_prefix}_runtime": round(time.perf_counter() - started, 4),
@@ -229,6 +254,23 @@ class LorafitTrainer(Trainer):
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+    def _eval_batches(self, eval_dataset: Any = None) -> Iterator[tuple[dict[str, Any], bool]]:
+        """(batch, counted) pairs. One process: the Trainer's eval batches. Several: the same batches (the eval
+        rows in order, micro_batch at a time), dealt out in turn, so that the sum over all processes is one
+        process's sum; a process short of a batch runs one more, not counted, because with sharded weights
+        every forward pass needs every process."""
+        if self.args.world_size == 1:
+            for batch in self.get_eval_dataloader(eval_dataset):
+                yield batch, True
+            return
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        size = self.args.per_device_eval_batch_size
+        chunks = [list(range(start, min(start + size, len(dataset)))) for start in range(0, len(dataset), size)]
+        mine = chunks[self.args.process_index :: self.args.world_size]
+        for index in range(-(-len(chunks) // self.args.world_size)):
+            rows = mine[index] if index < len(mine) else chunks[0]
+            yield self.data_collator([dataset[row] for row in rows]), index < len(mine)
 
     def prediction_step(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         inputs.pop(TOKENS_KEY, None)
@@ -241,15 +283,23 @@ class LorafitTrainer(Trainer):
         with one line; the previous checkpoint is untouched."""
         step = self.state.global_step
         staged = Path(self.args.output_dir) / f"{checkpoints.PREFIX}{step}"
-        shutil.rmtree(staged, ignore_errors=True)
+        main = self.args.process_index == 0
+        if main:
+            shutil.rmtree(staged, ignore_errors=True)
+        self.accelerator.wait_for_everyone()  # no process writes into the folder before it is cleared
         callback = self._run_callback()
         try:
             if callback is not None:
                 callback.flush()  # the metrics of this step are on disk before its checkpoint is
-            super()._save_checkpoint(model, trial)
-            unlogged = {str(key): float(value) for key, value in self.watch.unlogged_losses.items() if key <= step}
-            write_atomic(staged / UNLOGGED_LOSSES, json.dumps(unlogged))
-            checkpoints.publish(staged, self.run_dir, step, self.keep)
+            super()._save_checkpoint(model, trial)  # every process: its RNG state, its optimizer shard
+            losses = self.step_losses()
+            # rank 0 publishes once every process has written its part
+            self.accelerator.wait_for_everyone()
+            if main:
+                unlogged = {str(key): value for key, value in losses.items() if key <= step}
+                write_atomic(staged / UNLOGGED_LOSSES, json.dumps(unlogged))
+                checkpoints.publish(staged, self.run_dir, step, self.keep)
+            self.accelerator.wait_for_everyone()  # every process finds the checkpoint published
         except Exception as error:
             reason = checkpoints.write_failure(error, staged)
             if reason is None:
@@ -287,9 +337,15 @@ class RunCallback(TrainerCallback):
     with loss, tokens/s and ETA, and the step bookkeeping the out-of-memory retry reads."""
 
     def __init__(
-        self, metrics_path: Path, console: Console, watch: StepWatch, trainer_ref: Callable[[], LorafitTrainer]
+        self,
+        metrics_path: Path,
+        console: Console,
+        watch: StepWatch,
+        trainer_ref: Callable[[], LorafitTrainer],
+        writes: bool = True,
     ) -> None:
         self.metrics_path = Path(metrics_path)
+        self.writes = writes  # False in the processes other than rank 0, which alone writes metrics.jsonl
         self.console = console
         self.watch = watch
         self.trainer_ref = trainer_ref
@@ -305,6 +361,9 @@ class RunCallback(TrainerCallback):
     # --- metrics.jsonl ------------------------------------------------------------------------------------
     def flush(self) -> None:
         if self.pending is None:
+            return
+        if not self.writes:
+            self.pending = None
             return
         with open(self.metrics_path, "a") as handle:
             handle.write(json.dumps(self.pending) + "\n")
@@ -341,8 +400,8 @@ class RunCallback(TrainerCallback):
                 self.flush()
             else:
                 self.flush()
-                with open(self.metrics_path, "a") as handle:
-                    handle.write(json.dumps({"step": step, "eval_loss": self.last_eval}) + "\n")
+                self.pending = {"step": step, "eval_loss": self.last_eval}
+                self.flush()
         self._show(state)
 
     # --- step bookkeeping ---------------------------------------------------------------------------------
@@ -402,7 +461,11 @@ class RunCallback(TrainerCallback):
 
     def _tokens_per_s(self) -> float:
         elapsed = time.perf_counter() - self.started
-        return self.trainer_ref().tokens_trained / elapsed if elapsed > 0 else 0.0
+        trainer = self.trainer_ref()
+        tokens = trainer.tokens_trained
+        if trainer.args.world_size > 1:  # summed over the processes at each logged line; until then, estimated
+            tokens = trainer.tokens_all_processes or tokens * trainer.args.world_size
+        return tokens / elapsed if elapsed > 0 else 0.0
 
     def _stats(self, state: TrainerState) -> str:
         parts = []

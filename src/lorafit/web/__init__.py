@@ -113,6 +113,8 @@ def given_from_query(items: list[tuple[str, str]], command: options.Command, swi
             raise BadRequest(options.unknown_key(key, [name for name in known if known[name].config] + list(switches)))
         if value == "":
             continue
+        if not option.config and not option.is_bool:  # a file on the CLI's machine (--from): not for a page
+            raise BadRequest(f"{key}: not a setting of /api/{command}", key)
         if option.is_bool:
             text = value.strip().lower()
             if text not in TRUE + FALSE:

@@ -1,0 +1,119 @@
+"""The trainers lorafit estimates: each a named, pinned set of code-path facts (`memory.Runtime` fields).
+
+The same model, LoRA rank and batch take different memory under TRL, under the peft QLoRA guide's
+`prepare_model_for_kbit_training`, under litgpt or torchtune, because each keeps different tensors alive in
+different dtypes. `Settings.stack` names the trainer; `runtime_of` turns it (and the facets a user's own script
+switches: autocast, kbit preparation, fused or foreach AdamW) into the Runtime the estimator sums with. The facts
+live in catalog/stacks.toml with their sources and the trace that checks them. Pure Python: no torch here.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lorafit import memory, options
+from lorafit.errors import InvalidConfig
+from lorafit.options import Settings, Stack
+
+
+class StackSpec(BaseModel):
+    """One trainer at its pinned version: what it keeps alive, as Runtime fields, and where that is read from."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Stack
+    title: str
+    pinned: str
+    quant: tuple[str, ...]
+    savers: tuple[str, ...] = ()
+    peft: bool = True  # adapters come from peft, so peft's kbit preparation applies
+    runtime: dict[str, Any] = Field(default_factory=dict)
+    qlora_runtime: dict[str, Any] = Field(default_factory=dict)
+    lora_runtime: dict[str, Any] = Field(default_factory=dict)
+    keeps: tuple[str, ...]
+    sources: tuple[str, ...] = ()
+    traced: str
+    offered: bool = True
+    not_offered_because: str = ""
+    nearest: Stack | None = None  # not offered: the stack `--from` answers for this tool's config files
+    nearest_because: str = ""
+
+    def facts(self, quantized: bool) -> dict[str, Any]:
+        """The Runtime fields of this stack's step over a quantised or a 16-bit base."""
+        return self.runtime | (self.qlora_runtime if quantized else self.lora_runtime)
+
+
+@cache
+def catalog() -> dict[str, StackSpec]:
+    text = resources.files("lorafit").joinpath("catalog/stacks.toml").read_text()
+    return {entry["name"]: StackSpec.model_validate(entry) for entry in tomllib.loads(text)["stack"]}
+
+
+def offered() -> list[StackSpec]:
+    return [stack for stack in catalog().values() if stack.offered]
+
+
+def resolve(name: str) -> StackSpec:
+    stack = catalog().get(name)
+    if stack is None:
+        raise InvalidConfig(f"stack {name}: not a stack lorafit knows; choose one of {', '.join(catalog())}")
+    if not stack.offered:
+        raise InvalidConfig(f"stack {name}: not offered ({stack.not_offered_because}); see `lorafit stacks`")
+    return stack
+
+
+def for_config_of(name: str) -> tuple[str, str | None]:
+    """The stack that answers for a config file of the tool `name` runs (`--from`), and the warning to say when
+    it is not that tool's own: a tool whose step is not offered is answered by its nearest traced stack."""
+    stack = catalog()[name]
+    if stack.offered:
+        return name, None
+    if stack.nearest is None:
+        raise InvalidConfig(f"stack {name}: not offered ({stack.not_offered_because}); see `lorafit stacks`")
+    return stack.nearest, (
+        f"stack {name} is not offered ({stack.not_offered_because}); answered for stack {stack.nearest}: "
+        f"{stack.nearest_because}"
+    )
+
+
+def runtime_of(settings: Settings, **overrides: Any) -> memory.Runtime:
+    """The Runtime of `settings.stack`, with the facets the settings switch (autocast, kbit_prep,
+    fused_optimizer) and `overrides` (e.g. device) on top."""
+    stack = resolve(settings.stack)
+    quantized = settings.quant != "none"
+    fields = stack.facts(quantized)
+    if settings.autocast is not None:
+        fields["autocast"] = settings.autocast
+    if settings.fused_optimizer is not None:
+        fields["fused_optimizer"] = settings.fused_optimizer
+    if settings.kbit_prep is not None and quantized:
+        # peft's preparation upcasts every non-quantised parameter, the norms' weights and the embeddings too, to
+        # fp32: the norms' outputs and with them the residual stream are fp32 (Runtime.fp32_norms, fp32_stream)
+        fields["kbit_upcast"] = fields["fp32_norms"] = fields["fp32_stream"] = settings.kbit_prep
+    return memory.Runtime(**(fields | overrides))
+
+
+def check(values: Mapping[str, Any]) -> None:
+    """Refuse settings the stack cannot run, in one line naming what works. `values` are the settings that are
+    set (the defaults fill the others), so that a plan's pinned settings are checked as a whole step's."""
+    stack = resolve(values.get("stack") or options.BY_NAME["stack"].default)
+    method = values.get("method") or options.BY_NAME["method"].default
+    quant = values.get("quant") or options.default_quant(method)
+    if quant != "none" and quant not in stack.quant:
+        can = " or ".join(stack.quant) if stack.quant else "none (no quantised base)"
+        raise InvalidConfig(f"quant {quant}: stack {stack.name} trains over quant {can}; see `lorafit stacks`")
+    for saver, on in options.SAVER_ON.items():
+        if values.get(saver) == on and saver not in stack.savers:
+            others = ", ".join(s.name for s in offered() if saver in s.savers)
+            raise InvalidConfig(f"{saver}: stack {stack.name} has no such switch (stacks that do: {others})")
+    if values.get("kbit_prep") is not None:
+        if not stack.peft:
+            raise InvalidConfig(f"kbit_prep: stack {stack.name} does not build its adapters with peft")
+        if values["kbit_prep"] and quant == "none":
+            raise InvalidConfig("kbit_prep prepares a quantised base: it needs method qlora (quant nf4 or int8)")

@@ -1,0 +1,508 @@
+"""`--from FILE` (lorafit.configs): a config another trainer publishes reads to the lorafit settings that run
+would have, what lorafit cannot model is named key by key, and a file that cannot be read is refused in one line
+that names it. The expected settings are read off each file by hand, with the tool's documented defaults."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lorafit import configs, options
+from lorafit.errors import InvalidConfig
+
+FIXTURES = Path(__file__).parent / "data" / "configs"
+
+# file -> (kind, values, unmodelled)
+PUBLISHED: dict[str, tuple[str, dict[str, Any], list[str]]] = {
+    "axolotl_llama3_qlora.yml": (
+        "axolotl",
+        {
+            "stack": "axolotl",
+            "model": "NousResearch/Meta-Llama-3-8B",
+            "method": "qlora",
+            "lora_r": 32,
+            "lora_alpha": 16,
+            "lora_dropout": 0.05,
+            "lora_targets": "all",  # lora_target_linear
+            "micro_batch": 2,
+            "grad_accum": 4,
+            "seq_len": 4096,
+            "epochs": 4,
+            "grad_ckpt": True,
+            "attn": "flash",
+            "optimizer": "paged_adamw_32bit",
+            # bf16: auto sets no precision: bf16 where the GPU has it, as lorafit's own default
+        },
+        [],  # sample_packing fills rows to sequence_len: the micro_batch x seq_len step lorafit estimates
+    ),
+    "axolotl_llama3_lora_8b.yml": (
+        "axolotl",
+        {
+            "stack": "axolotl",
+            "model": "NousResearch/Meta-Llama-3-8B",
+            "method": "qlora",  # LoRA over load_in_8bit
+            "quant": "int8",
+            "lora_r": 32,
+            "lora_alpha": 16,
+            "lora_dropout": 0.05,
+            "lora_targets": "all",
+            "micro_batch": 2,
+            "grad_accum": 4,
+            "seq_len": 4096,
+            "epochs": 4,
+            "grad_ckpt": True,
+            "attn": "flash",
+            "optimizer": "adamw_8bit",  # adamw_bnb_8bit
+        },
+        [
+            "deepspeed: deepspeed_configs/zero2.json (a DeepSpeed config file is not read; give shard zero2 or zero3,"
+            " and offload)",
+            "lora_modules_to_save: [embed_tokens, lm_head] (fully trained extra modules are not modelled)",
+        ],
+    ),
+    "llama_factory_llama3_qlora_sft_bnb_npu.yaml": (
+        "llama-factory",
+        {
+            "stack": "llama-factory",
+            "model": "meta-llama/Meta-Llama-3-8B-Instruct",
+            "method": "qlora",
+            "double_quant": False,
+            "lora_r": 8,
+            "lora_dropout": 0.0,  # LLaMA-Factory's default
+            "lora_targets": "all",
+            "micro_batch": 1,
+            "grad_accum": 8,
+            "seq_len": 2048,
+            "epochs": 3.0,
+            "precision": "bf16",
+            "autocast": True,
+            "grad_ckpt": True,  # on unless disable_gradient_checkpointing
+            "optimizer": "adamw",
+        },
+        [],
+    ),
+    "llama_factory_llama3_lora_sft.yaml": (
+        "llama-factory",
+        {
+            "stack": "llama-factory",
+            "model": "meta-llama/Meta-Llama-3-8B-Instruct",
+            "method": "lora",
+            "lora_r": 8,
+            "lora_dropout": 0.0,
+            "lora_targets": "all",
+            "micro_batch": 1,
+            "grad_accum": 8,
+            "seq_len": 2048,
+            "epochs": 3.0,
+            "precision": "bf16",
+            "autocast": True,
+            "grad_ckpt": True,
+            "optimizer": "adamw",
+        },
+        [],
+    ),
+    "llama_factory_llama3_full_sft.yaml": (
+        "llama-factory",
+        {
+            "stack": "llama-factory",
+            "model": "meta-llama/Meta-Llama-3-8B-Instruct",
+            "method": "full",
+            "micro_batch": 1,
+            "grad_accum": 2,
+            "seq_len": 2048,
+            "epochs": 3.0,
+            "precision": "bf16",
+            "autocast": True,
+            "grad_ckpt": True,
+            "optimizer": "adamw",
+        },
+        [
+            "deepspeed: examples/deepspeed/ds_z3_config.json (a DeepSpeed config file is not read; give shard zero2"
+            " or zero3, and offload)"
+        ],
+    ),
+    "trl_sft_lora_args.json": (
+        "trl",
+        {
+            "stack": "trl",
+            "model": "Qwen/Qwen2-0.5B",
+            "method": "lora",
+            "lora_r": 32,
+            "lora_alpha": 16,
+            "lora_targets": "qv",  # no lora_target_modules: peft's default for Qwen2, q_proj and v_proj
+            "micro_batch": 2,
+            "grad_accum": 8,
+            "seq_len": 1024,  # SFTConfig's max_length, which packing fills
+            "epochs": 1,
+            "grad_ckpt": True,
+            "precision": "bf16",  # SFTConfig's bf16 unless fp16
+            "autocast": True,
+            "optimizer": "adamw",
+            "fused_optimizer": True,  # adamw_torch_fused
+        },
+        [],
+    ),
+    "trl_sft_qlora.yaml": (
+        "trl",
+        {
+            "stack": "trl",
+            "model": "mistralai/Mistral-7B-v0.1",
+            "method": "qlora",
+            "double_quant": False,  # ModelConfig's use_bnb_nested_quant
+            "lora_r": 16,
+            "lora_alpha": 16,
+            "lora_dropout": 0.05,
+            "lora_targets": "all",
+            "micro_batch": 4,
+            "grad_accum": 2,
+            "seq_len": 2048,
+            "epochs": 1,
+            "grad_ckpt": True,
+            "precision": "bf16",
+            "autocast": True,
+            "attn": "flash",
+            "optimizer": "adamw",
+        },
+        [],
+    ),
+    "torchtune_llama2_7b_qlora_single_device.yaml": (
+        "torchtune",
+        {
+            "stack": "torchtune",
+            "model": "/tmp/Llama-2-7b-hf",  # the checkpointer's directory
+            "method": "qlora",  # qlora_llama2_7b
+            "lora_r": 8,
+            "lora_alpha": 16,
+            "lora_dropout": 0.0,
+            "lora_targets": "all",  # q, k, v, output_proj and the MLP
+            "micro_batch": 2,
+            "grad_accum": 8,
+            "epochs": 1,
+            "grad_ckpt": True,
+            "offload_activations": False,
+            "precision": "bf16",
+            "autocast": False,
+            "optimizer": "adamw",
+            "fused_optimizer": True,
+            "loss": "chunked",  # CEWithChunkedOutputLoss
+        },
+        [],
+    ),
+    "litgpt_llama2_7b_qlora.yaml": (
+        "litgpt",
+        {
+            "stack": "litgpt",
+            "model": "meta-llama/Llama-2-7b-hf",
+            "method": "qlora",
+            "double_quant": False,  # bnb.nf4, not bnb.nf4-dq
+            "lora_r": 32,
+            "lora_alpha": 16,
+            "lora_dropout": 0.05,
+            "lora_targets": "qv",  # lora_query and lora_value
+            "micro_batch": 2,
+            "batch_size": 8,
+            "seq_len": 512,
+            "epochs": 4,
+            "n_gpus": 1,
+            "nodes": 1,
+            "grad_ckpt": False,  # litgpt checkpoints activations only when it shards over several GPUs
+            "precision": "bf16",
+            "autocast": False,  # bf16-true
+            "optimizer": "paged_adamw_32bit",  # litgpt swaps AdamW for bitsandbytes' PagedAdamW when quantised
+        },
+        [],
+    ),
+    "lorafit_train.yaml": (
+        "lorafit",
+        {
+            "stack": "lorafit",
+            "model": "llama-3.1-8b",
+            "data": "data/train.jsonl",
+            "method": "qlora",
+            "quant": "nf4",  # stated in the file: a lorafit YAML is read as it is
+            "lora_r": 16,
+            "lora_targets": "all",
+            "optimizer": "paged_adamw_8bit",
+            "micro_batch": 2,
+            "grad_accum": 8,
+            "seq_len": 4096,
+            "grad_ckpt": True,
+            "learning_rate": 0.0002,
+            "output_dir": "runs/llama-3.1-8b-qlora",
+        },
+        [],
+    ),
+}
+
+
+def write(tmp_path: Path, name: str, content: str | dict[str, Any]) -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(content) if isinstance(content, dict) else content)
+    return path
+
+
+# --- the published configs ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_a_published_config_reads_to_the_settings_its_run_has(name: str) -> None:
+    kind, values, unmodelled = PUBLISHED[name]
+    imported = configs.read(FIXTURES / name)
+    assert imported.kind == kind
+    assert imported.values == values
+    assert imported.unmodelled == unmodelled
+
+
+def test_every_fixture_is_checked() -> None:
+    assert {path.name for path in FIXTURES.iterdir() if path.suffix != ".md"} == set(PUBLISHED)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_every_value_is_a_lorafit_setting_that_plan_accepts(name: str) -> None:
+    values = configs.read(FIXTURES / name).values
+    assert set(values) <= set(options.BY_NAME)
+    plan_keys = set(options.config_keys("plan"))
+    options.validate("plan", {key: value for key, value in values.items() if key in plan_keys}, source=name)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "misleading_name", "kind"),
+    [
+        ("axolotl_llama3_qlora.yml", "trl_sft_args.json", "axolotl"),
+        ("trl_sft_lora_args.json", "axolotl.yml", "trl"),
+        ("litgpt_llama2_7b_qlora.yaml", "7B_qlora_single_device.yaml", "litgpt"),
+        ("torchtune_llama2_7b_qlora_single_device.yaml", "config.json", "torchtune"),
+        ("llama_factory_llama3_lora_sft.yaml", "lorafit.yaml", "llama-factory"),
+    ],
+)
+def test_the_kind_comes_from_the_keys_not_the_file_name(
+    tmp_path: Path, fixture: str, misleading_name: str, kind: str
+) -> None:
+    path = write(tmp_path, misleading_name, (FIXTURES / fixture).read_text())
+    assert configs.read(path).kind == kind
+
+
+# --- refusals: one line naming the file -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "content", "says"),
+    [
+        ("missing.yaml", None, "no such file"),
+        ("broken.yaml", "base_model: [unclosed\nadapter: qlora\n", "is not valid YAML (line"),
+        ("broken.json", '{"per_device_train_batch_size": 2,\n "bf16": true', "is not valid JSON (line"),
+        ("list.yaml", "- base_model: x\n- adapter: lora\n", "must hold a mapping of settings at the top level"),
+        ("empty.yaml", "", "must hold a mapping of settings at the top level, not nothing"),
+        ("unknown.yaml", "foo: 1\nbar: [2]\n", "cannot tell which trainer"),
+        ("nothing.json", "{}", "cannot tell which trainer"),
+        ("optim.json", {"per_device_train_batch_size": 2, "optim": "adafactor"}, "optim adafactor: not an optimizer"),
+        ("freeze.yaml", "stage: sft\nfinetuning_type: freeze\n", "finetuning_type freeze"),
+        ("adapter.yml", "base_model: x\nadapter: llama-adapter\nmicro_batch_size: 1\n", "adapter llama-adapter"),
+        ("quantize.yaml", "checkpoint_dir: checkpoints/x\nquantize: gptq\n", "quantize gptq"),
+        (
+            "optimizer.yaml",
+            "model: {_component_: torchtune.models.llama2.lora_llama2_7b}\noptimizer:\n"
+            "  _component_: torch.optim.Adagrad\n",
+            "optimizer torch.optim.Adagrad",
+        ),
+        ("loss.json", {"use_peft": True, "loss_type": "focal"}, "loss_type focal"),
+    ],
+)
+def test_a_file_that_cannot_be_read_is_refused_in_one_line_naming_it(
+    tmp_path: Path, name: str, content: str | dict[str, Any] | None, says: str
+) -> None:
+    path = tmp_path / name if content is None else write(tmp_path, name, content)
+    with pytest.raises(InvalidConfig) as refused:
+        configs.read(path)
+    message = str(refused.value)
+    assert says in message
+    assert str(path) in message
+    assert "\n" not in message
+
+
+def test_an_unknown_kind_names_the_kinds_understood(tmp_path: Path) -> None:
+    with pytest.raises(InvalidConfig) as refused:
+        configs.read(write(tmp_path, "notes.yaml", "title: my run\n"))
+    for kind in ("axolotl", "LLaMA-Factory", "TRL", "TrainingArguments", "torchtune", "litgpt", "lorafit"):
+        assert kind in str(refused.value)
+
+
+def test_a_directory_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidConfig, match="is a directory"):
+        configs.read(tmp_path)
+
+
+# --- how each tool's keys map ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("optim", "optimizer", "fused"),
+    [
+        ("adamw_torch", "adamw", False),
+        ("adamw_torch_fused", "adamw", True),
+        ("adamw_bnb_8bit", "adamw_8bit", None),
+        ("adamw_8bit", "adamw_8bit", None),
+        ("paged_adamw_8bit", "paged_adamw_8bit", None),
+        ("paged_adamw_32bit", "paged_adamw_32bit", None),
+        ("sgd", "sgd", None),
+    ],
+)
+def test_transformers_optimizer_names(tmp_path: Path, optim: str, optimizer: str, fused: bool | None) -> None:
+    values = configs.read(write(tmp_path, "args.json", {"use_peft": True, "optim": optim})).values
+    assert values["optimizer"] == optimizer
+    assert values.get("fused_optimizer") == fused
+
+
+def test_a_training_arguments_file_alone_leaves_the_method_to_the_user(tmp_path: Path) -> None:
+    """transformers' own defaults: 8 sequences a device, no checkpointing, no autocast; no LoRA keys at all."""
+    imported = configs.read(write(tmp_path, "training_args.json", {"output_dir": "out", "do_train": True}))
+    assert imported.kind == "trl"
+    assert imported.values == {
+        "stack": "trl",
+        "micro_batch": 8,
+        "grad_ckpt": False,
+        "autocast": False,
+        "optimizer": "adamw",
+    }
+    assert imported.unmodelled == [
+        "method: not stated (a TrainingArguments file does not say whether the script adds LoRA; set method)"
+    ]
+
+
+def test_trl_max_length_null_means_no_truncation(tmp_path: Path) -> None:
+    values = configs.read(write(tmp_path, "sft.json", {"use_peft": True, "max_length": None})).values
+    assert "seq_len" not in values
+
+
+def test_an_inline_deepspeed_config_sets_shard_and_offload(tmp_path: Path) -> None:
+    zero3 = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    values = configs.read(write(tmp_path, "ds.json", {"use_peft": True, "deepspeed": zero3})).values
+    assert (values["shard"], values["offload"]) == ("zero3", "optimizer")
+    zero1 = {"zero_optimization": {"stage": 1}}
+    imported = configs.read(write(tmp_path, "ds1.json", {"use_peft": True, "deepspeed": zero1}))
+    assert imported.values["shard"] == "zero2"
+    assert imported.unmodelled == [
+        "deepspeed.zero_optimization.stage: 1 (ZeRO-1 keeps whole gradients; estimated as zero2)"
+    ]
+    options.validate("plan", {"shard": "zero3", "offload": "optimizer", "n_gpus": 2})
+
+
+def test_axolotl_defaults_and_switches(tmp_path: Path) -> None:
+    """What axolotl does when a key is left out (sequence_len 512, no checkpointing, fused AdamW, no dropout),
+    its offloaded checkpoints, FSDP with offloaded parameters, and the kernels lorafit does not model."""
+    text = (
+        "base_model: meta-llama/Llama-3.1-8B\nadapter: lora\nlora_r: 16\nmicro_batch_size: 1\n"
+        "gradient_accumulation_steps: 4\nlora_target_modules: [q_proj, k_proj, v_proj]\n"
+        "fsdp_config: {fsdp_version: 2, offload_params: true}\nliger_fused_linear_cross_entropy: true\n"
+        "cut_cross_entropy: true\n"
+    )
+    imported = configs.read(write(tmp_path, "axolotl.yml", text))
+    assert imported.values == {
+        "stack": "axolotl",
+        "model": "meta-llama/Llama-3.1-8B",
+        "method": "lora",
+        "lora_r": 16,
+        "lora_dropout": 0.0,
+        "lora_targets": "attn",
+        "micro_batch": 1,
+        "grad_accum": 4,
+        "seq_len": 512,
+        "grad_ckpt": False,
+        "optimizer": "adamw",
+        "fused_optimizer": True,
+        "shard": "fsdp",
+        "offload": "params",
+    }
+    assert imported.unmodelled == [
+        "lora_target_modules: [q_proj, k_proj, v_proj] (estimated as lora_targets attn, which adapts o_proj too)",
+        "liger_fused_linear_cross_entropy: true (Liger's fused loss is not modelled; lorafit's nearest is loss"
+        " chunked)",
+        "cut_cross_entropy: true (Cut Cross-Entropy is not modelled; lorafit's nearest is loss chunked)",
+    ]
+    offloaded = configs.read(write(tmp_path, "offload.yml", text + "gradient_checkpointing: offload\n")).values
+    assert (offloaded["grad_ckpt"], offloaded["offload_activations"]) == (True, True)
+
+
+def test_llama_factory_defaults(tmp_path: Path) -> None:
+    """LLaMA-Factory's own defaults: rank 8 on every linear layer, no dropout, cutoff 2048, checkpointing on, and
+    transformers' 8 sequences a device without autocast."""
+    text = "model_name_or_path: Qwen/Qwen2.5-7B\nstage: sft\nfinetuning_type: lora\nquantization_bit: 4\n"
+    assert configs.read(write(tmp_path, "lf.yaml", text)).values == {
+        "stack": "llama-factory",
+        "model": "Qwen/Qwen2.5-7B",
+        "method": "qlora",
+        "double_quant": True,
+        "lora_r": 8,
+        "lora_dropout": 0.0,
+        "lora_targets": "all",
+        "micro_batch": 8,
+        "seq_len": 2048,
+        "grad_ckpt": True,
+        "autocast": False,
+        "optimizer": "adamw",
+    }
+
+
+def test_torchtune_full_fine_tune_with_what_lorafit_does_not_model(tmp_path: Path) -> None:
+    text = (
+        "model: {_component_: torchtune.models.llama3_1.llama3_1_8b}\nbatch_size: 4\ngradient_accumulation_steps: 1\n"
+        "optimizer: {_component_: bitsandbytes.optim.PagedAdamW8bit, lr: 2e-5}\noptimizer_in_bwd: True\n"
+        "compile: True\ndtype: bf16\nfsdp_cpu_offload: True\n"
+    )
+    imported = configs.read(write(tmp_path, "full.yaml", text))
+    assert imported.values == {
+        "stack": "torchtune",
+        "method": "full",
+        "micro_batch": 4,
+        "grad_accum": 1,
+        "grad_ckpt": False,
+        "autocast": False,
+        "precision": "bf16",
+        "optimizer": "paged_adamw_8bit",
+        "shard": "fsdp",
+        "offload": "params",
+    }
+    assert imported.unmodelled == [
+        "compile: true (torch.compile changes what is kept for backward; not modelled)",
+        "optimizer_in_bwd: true (stepping the optimizer inside backward (no whole-model gradients) is not modelled)",
+    ]
+
+
+def test_litgpt_on_several_gpus_shards_and_checkpoints(tmp_path: Path) -> None:
+    """Several devices: litgpt's FSDPStrategy with activation checkpointing; no quantize: torch's AdamW; the
+    LoRA switches it leaves out take setup()'s defaults (query and value)."""
+    text = "checkpoint_dir: checkpoints/meta-llama/Llama-2-7b-hf\ndevices: 4\nlora_r: 8\nprecision: bf16-mixed\n"
+    assert configs.read(write(tmp_path, "lora.yaml", text)).values == {
+        "stack": "litgpt",
+        "model": "meta-llama/Llama-2-7b-hf",
+        "method": "lora",
+        "lora_r": 8,
+        "lora_targets": "qv",
+        "n_gpus": 4,
+        "shard": "fsdp",
+        "grad_ckpt": True,
+        "precision": "bf16",
+        "autocast": True,
+        "optimizer": "adamw",
+        "fused_optimizer": False,
+    }
+
+
+@pytest.mark.parametrize(
+    ("modules", "targets", "line"),
+    [
+        ("q_proj,v_proj", "qv", None),
+        ("q_proj,k_proj,v_proj,o_proj", "attn", None),
+        ("all", "all", None),
+        ("q_proj,v_proj,o_proj", "attn", "lora_target: [q_proj, v_proj, o_proj] (estimated as lora_targets attn"),
+        ("down_proj", "all", "lora_target: [down_proj] (estimated as lora_targets all"),
+        ("q_proj,v_proj,lm_head", "qv", "lora_target: [lm_head] (LoRA on the embeddings or LM head is not modelled)"),
+    ],
+)
+def test_lora_modules_map_to_the_smallest_choice_that_covers_them(
+    tmp_path: Path, modules: str, targets: str, line: str | None
+) -> None:
+    imported = configs.read(write(tmp_path, "lf.yaml", f"finetuning_type: lora\nlora_target: {modules}\n"))
+    assert imported.values["lora_targets"] == targets
+    lines = [entry for entry in imported.unmodelled if entry.startswith("lora_target")]
+    if line is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and lines[0].startswith(line)

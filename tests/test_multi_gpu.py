@@ -1,0 +1,314 @@
+"""Several GPUs and offload: the per-GPU memory, the host RAM, the interconnects, the communication time, the
+suggestions, the refusals, and torch's FSDP2 sharding the demo model over two CPU processes.
+
+Expected numbers are worked out by hand from the formulas in the docstrings (ZeRO's partitioning, ring
+collectives), on the demo's tiny Llama (2 layers, width 256) where the sums are short."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import run_cli
+from lorafit import hardware, memory, models, plan
+from lorafit.memory import Runtime
+from lorafit.schema import Settings
+from lorafit.train.demo import tiny_spec
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def spec() -> models.ModelSpec:
+    # width 256, 2 layers, 4 heads of 64, 2 kv heads, MLP 512, vocabulary 1024, untied head
+    return tiny_spec(1024, hidden_size=256)
+
+
+# One layer of the width-256 spec: q 256x256, k and v 256x128, o 256x256, gate/up 256x512, down 512x256
+LAYER_LINEAR = 2 * 65536 + 2 * 32768 + 3 * 131072  # 589,824
+LINEAR = 2 * LAYER_LINEAR
+REST = 2 * 2 * 256 + 2 * 1024 * 256 + 256  # norms, embeddings, LM head, final norm: 525,568
+ABSMAX = 1 / 64 + 4 / (64 * 256)  # bytes per weight of double-quantised NF4 state
+
+
+def qlora(**values: Any) -> Settings:
+    return Settings(**({"method": "qlora", "precision": "bf16", "micro_batch": 1, "grad_accum": 1} | values))
+
+
+def test_the_spec_is_the_one_worked_by_hand(spec: models.ModelSpec) -> None:
+    assert spec.num_hidden_layers * spec.layer_linear_params == LINEAR
+    assert spec.num_params - LINEAR == REST
+
+
+def test_every_gpu_of_every_node_takes_its_share() -> None:
+    assert memory.shard_factors(Settings(n_gpus=2, nodes=2, shard="zero3")) == (1 / 4, 1 / 4, 1 / 4)
+    assert memory.shard_factors(Settings(n_gpus=4, nodes=2, shard="zero2")) == (1.0, 1 / 8, 1 / 8)
+    assert memory.shard_factors(Settings(n_gpus=8, shard="ddp")) == (1.0, 1.0, 1.0)
+
+
+def test_fsdp_shards_the_packed_4_bit_weights_and_keeps_their_state_on_every_gpu(spec: models.ModelSpec) -> None:
+    runtime = Runtime()
+    state = LINEAR * ABSMAX
+    whole = 0.5 * LINEAR + state + 2 * REST  # packed weights, their state, the rest in bf16
+    assert memory.weights_bytes(spec, qlora(), runtime) == pytest.approx(whole)
+    halves = memory.sharded_weight_bytes(spec, qlora(n_gpus=2, shard="fsdp"), runtime)
+    assert halves == pytest.approx((0.5 * LINEAR + 2 * REST) / 2 + state)
+    offloaded = memory.sharded_weight_bytes(spec, qlora(n_gpus=2, shard="fsdp", offload="params"), runtime)
+    assert offloaded == pytest.approx(state)
+    # two layers in flight, packed linears and bf16 norms
+    gathered = memory.gathered_layer_bytes(spec, qlora(n_gpus=2, shard="fsdp"), runtime)
+    assert gathered == pytest.approx(2 * (0.5 * LAYER_LINEAR + 2 * 2 * 256))
+
+
+def test_an_offload_moves_gradients_and_optimizer_states_off_the_gpu(spec: models.ModelSpec) -> None:
+    settings = Settings(method="full", precision="bf16", n_gpus=2, shard="zero2", offload="optimizer", grad_accum=1)
+    parts, _ = memory.breakdown(spec, settings, Runtime())
+    assert parts["optimizer_states"] == 0 and parts["gradients"] == 0
+    host = memory.offloaded_state_bytes(spec, settings, Runtime())
+    assert host == {"offloaded_optimizer": pytest.approx(spec.num_params * 16 / 2)}  # fp32 master, grad, 2 moments
+
+
+def test_host_ram_is_the_larger_of_loading_and_training(spec: models.ModelSpec) -> None:
+    big = models.resolve("llama-2-7b")
+    # LoRA in bf16: each of 4 processes builds the whole model in host memory before it moves to the GPU
+    loading = memory.host_ram_parts(big, Settings(method="lora", n_gpus=4, shard="fsdp"), Runtime())
+    assert loading == {"processes": 4 * 3 * GIB, "model_loading": 4 * big.num_params * 2}
+    # QLoRA with the parameters offloaded: the two processes' halves of the packed base, and their runtimes
+    huge = models.resolve("llama-2-70b")
+    settings = qlora(n_gpus=2, shard="fsdp", offload="params", lora_r=8)
+    training = memory.host_ram_parts(huge, settings, Runtime())
+    linear = huge.num_hidden_layers * huge.layer_linear_params
+    base = 0.5 * linear + 2 * (huge.num_params - linear)  # packed 4-bit linears, the rest in bf16
+    adapters = huge.lora_params(8, "all") * 4
+    assert training["processes"] == 2 * 3 * GIB
+    assert training["offloaded_weights"] == pytest.approx(2 * (base + adapters) / 2)
+    assert training["offloaded_optimizer"] == pytest.approx(2 * huge.lora_params(8, "all") * 16 / 2)
+    estimate = memory.estimate(huge, settings, hardware.resolve("RTX 4090"))
+    assert estimate.host_ram_gib == pytest.approx(sum(training.values()) / GIB, abs=1e-3)
+    assert estimate.world_size == 2 and estimate.per_gpu_gib["sharded_weights"] < 1.5
+
+
+def test_each_gpu_has_the_link_its_board_gives_it() -> None:
+    within, between = hardware.links_of(hardware.resolve("RTX 4090"))
+    assert within.via_host and within.gbs_for(hardware.resolve("RTX 4090")) == 31.5 / 2
+    a100 = hardware.resolve("A100 80GB")
+    assert [link.name for link in hardware.links_of(a100)] == ["nvlink-3", "infiniband-hdr-200"]
+    assert hardware.links_of(hardware.resolve("L40S"))[0].gbs_for(hardware.resolve("L40S")) == 31.5
+    every = hardware.links()
+    assert all(link.source and link.as_of for link in every.values())
+    # over two machines the ring runs at the slower link: 25 GB/s of HDR, not NVLink's 300
+    rate = plan.collective_bytes_per_second(Settings(n_gpus=8, nodes=2, shard="zero3"), a100)
+    assert rate == pytest.approx(25e9 * plan.COLLECTIVE_EFFICIENCY)
+    assert between.name == "ethernet-25"
+
+
+def test_communication_volume_follows_zero(spec: models.ModelSpec) -> None:
+    lora_params = spec.lora_params(16, "all")
+    ddp = plan.communication_bytes(spec, qlora(n_gpus=4, shard="ddp"))
+    assert ddp == (0.0, pytest.approx(2 * 3 / 4 * lora_params * 4))  # all-reduce of fp32 adapter gradients
+    zero3 = plan.communication_bytes(spec, qlora(n_gpus=4, shard="zero3"))
+    params = 0.5 * LINEAR + 2 * REST + lora_params * 4  # packed base, bf16 rest, fp32 adapters
+    assert zero3 == (pytest.approx(3 / 4 * (2 * params + lora_params * 4)), 0.0)
+    full = Settings(method="full", precision="bf16", n_gpus=2, shard="fsdp")
+    psi = spec.num_params * 2
+    assert plan.communication_bytes(spec, full)[0] == pytest.approx(1 / 2 * 3 * psi)  # 3 Psi x (n-1)/n
+
+
+def test_one_gpu_keeps_the_time_it_had(spec: models.ModelSpec) -> None:
+    gpu = hardware.resolve("RTX 4090")
+    settings = qlora(grad_accum=4, micro_batch=2)
+    step, optimizer = plan.step_seconds(spec, settings, gpu), plan.optimizer_seconds(spec, settings, gpu)
+    expected = settings.tokens_per_micro_batch * 4 / (4 * step + optimizer)
+    assert plan.tokens_per_second(spec, settings, gpu) == pytest.approx(expected)
+
+
+def test_a_slow_link_costs_what_it_cannot_hide() -> None:
+    big = models.resolve("llama-2-7b")
+    settings = Settings(method="full", precision="bf16", n_gpus=4, shard="zero3", micro_batch=1, grad_accum=4)
+    over_pcie = plan.step_time(big, settings, hardware.resolve("RTX 4090"))
+    over_nvlink = plan.step_time(big, settings, hardware.resolve("H100 SXM"))
+    assert over_pcie.communication > 0.5 * over_pcie.compute  # 3 x 13.5 GB a micro-batch at ~12 GB/s
+    assert over_nvlink.communication == 0.0  # hidden behind compute at 340 GB/s
+
+
+def test_70b_qlora_on_rtx_4090s_suggests_two_cards_with_offloaded_parameters(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # TRL under accelerate's FSDP loads the base in host memory and sends out shards (stack trl)
+    code, out, _ = run_cli(
+        ["plan", "--model", "llama-2-70b", "--method", "qlora", "--gpu", "rtx-4090", "--stack", "trl", "--json"],
+        capsys,
+    )
+    assert code == 0
+    answer = json.loads(out)
+    assert not answer["fits"]
+    several = [s for s in answer["suggestions"] if s["n_gpus"] > 1]
+    assert several[0]["n_gpus"] == 2 and several[0]["offload"] == "params" and several[0]["hours"] > 0
+    assert several[0]["estimate"]["fits"] and several[0]["estimate"]["host_ram_gib"] > 30
+    assert several[0]["change"].startswith("2x RTX 4090 with ZeRO-3 and CPU offload of the parameters, ")
+    assert any(s["n_gpus"] >= 4 and s["offload"] == "none" for s in several)  # the fewest without offload
+
+
+def test_a_base_loaded_whole_on_every_gpu_rules_out_sharding_it_over_cards_smaller_than_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """lorafit's trainer quantises a 4-bit base on each process's GPU, whole, before FSDP/ZeRO-3 shard it:
+    70B in nf4 (about 0.5 byte a weight plus the quantisation state) never fits a 24 GB card while loading."""
+    args = ["--model", "llama-2-70b", "--method", "qlora", "--gpu", "rtx-4090"]
+    code, out, _ = run_cli(["estimate", *args, "--n-gpus", "4", "--shard", "fsdp", "--json"], capsys)
+    assert code == 0
+    answer = json.loads(out)
+    nf4_bytes_per_weight = 0.5 + 4 / 64  # packed weight + fp32 absmax per 64 (double quantisation shrinks it)
+    assert answer["loading_peak_gib"] > 0.9 * 69e9 * nf4_bytes_per_weight / 2**30 > answer["gpu_memory_gib"]
+    assert answer["fits"] is False  # although the sharded step itself would
+    assert answer["peak_device_gib"] < answer["gpu_memory_gib"]
+    code, out, _ = run_cli(["plan", *args, "--json"], capsys)
+    plan = json.loads(out)
+    assert not any(s["n_gpus"] > 1 and s["settings"]["n_gpus"] > 1 for s in plan["suggestions"])
+    assert any("loads the nf4 base whole" in reason for reason in plan["reasons"])
+    code, out, _ = run_cli(["estimate", *args, "--n-gpus", "4", "--shard", "fsdp", "--stack", "trl", "--json"], capsys)
+    trl = json.loads(out)
+    assert trl["loading_peak_gib"] is None
+    # ... and rank 0 builds the whole bf16 model in host memory instead, once per machine
+    bf16_model_gib = trl["total_params"] * 2 / 2**30
+    assert trl["host_ram_breakdown_gib"]["model_loading"] == pytest.approx(bf16_model_gib, rel=1e-3)
+
+
+def test_estimate_json_has_the_per_gpu_figures_and_the_host_ram(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["estimate", "--model", "llama-2-70b", "--method", "qlora", "--gpu", "rtx-4090", "--n-gpus", "2"]
+    code, out, _ = run_cli([*args, "--shard", "fsdp", "--offload", "params", "--json"], capsys)
+    assert code == 0
+    answer = json.loads(out)
+    assert answer["world_size"] == 2 and answer["settings"]["offload"] == "params"
+    assert set(answer["per_gpu_gib"]) >= {"sharded_weights", "gradients", "optimizer_states", "gathered_layers"}
+    assert answer["host_ram_gib"] > answer["host_ram_breakdown_gib"]["offloaded_weights"] > 30
+    assert "peak_device_gib" in answer and "breakdown_gib" in answer  # the keys scripts read stay
+    code, out, _ = run_cli(args[:-2] + ["--n-gpus", "2", "--nodes", "2", "--shard", "zero3"], capsys)
+    assert code == 0 and "per GPU of 4" in out and "host RAM per machine" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--method", "qlora", "--quant", "int8", "--n-gpus", "2", "--shard", "fsdp"], "use quant nf4"),
+        (["--n-gpus", "2", "--shard", "ddp", "--offload", "optimizer"], "use shard zero2"),
+        (["--n-gpus", "2", "--shard", "zero2", "--offload", "params"], "use shard zero3"),
+        (["--n-gpus", "2", "--shard", "zero3", "--offload", "optimizer", "--optimizer", "adamw_8bit"], "use optimizer"),
+        (["--n-gpus", "32"], "use n_gpus 8 with nodes 4"),
+        (["--n-gpus", "1", "--shard", "fsdp"], "use shard none"),
+    ],
+)
+def test_a_strategy_that_cannot_apply_is_one_line_and_exit_2(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(["estimate", "--gpu", "rtx-4090", *flags], capsys)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_one_gpu_on_each_of_two_nodes_shards(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(["estimate", "--gpu", "rtx-4090", "--nodes", "2", "--shard", "zero3"], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["plan", "--gpu", "rtx-4090", "--n-gpus", "2", "--nodes", "2", "--batch-size", "6"], capsys)
+    assert code == 2 and "use a batch_size that is a multiple of 4" in err
+
+
+# --- FSDP2 on two CPU processes -----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _shard_and_measure(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    """One process: load the demo base in 4-bit NF4 stored as bf16 (what `lorafit train` loads for FSDP), add
+    the adapters, shard every decoder layer and the root with FSDP2's fully_shard, give each trainable shard a
+    gradient and let AdamW make its states; then count every live tensor's bytes once per storage."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from lorafit.train import build
+
+    settings = qlora(n_gpus=world, shard="fsdp", lora_dropout=0.0)
+    spec = tiny_spec(1024, hidden_size=256)
+    model = build.prepare(build.load_model(Path(model_dir), settings), spec, settings)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for parameter in trainable:
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=False)
+    optimizer.step()
+
+    def local(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+    def sizes(tensors: list[torch.Tensor]) -> dict[int, int]:
+        return {local(t).untyped_storage().data_ptr(): local(t).untyped_storage().nbytes() for t in tensors}
+
+    gc.collect()
+    live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and not isinstance(o, torch.nn.Parameter)]
+    live += list(model.parameters())
+    quant_state = []
+    for module in model.modules():
+        # bitsandbytes keeps it on the module too, where FSDP's DTensor weight has none
+        state = getattr(module, "quant_state", None) or getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None:
+            quant_state += [state.absmax, state.state2.absmax]
+    measured = {
+        "total": sum(sizes(live + quant_state).values()),
+        "frozen": sum(sizes([p for p in model.parameters() if not p.requires_grad]).values()),
+        "quant_state": sum(sizes(quant_state).values()),
+        "adapters": sum(sizes(trainable).values()),
+        "gradients": sum(sizes([p.grad for p in trainable]).values()),
+        "optimizer": sum(sizes([t for s in optimizer.state.values() for t in s.values() if t.dim()]).values()),
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(measured))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_shards_the_demo_model_as_the_estimate_says(tmp_path: Path) -> None:
+    """Two gloo processes shard the demo base (width 256) in NF4 with bf16 storage; each holds its half of the
+    packed weights, the bf16 rest and the adapters, all of the quantisation state, and its half of the
+    gradients and AdamW states: the estimator's per-GPU weights, adapters, gradients and optimizer states for
+    a world of 2, within 3% (FSDP2 pads each shard to a whole row of the mesh)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("bitsandbytes")
+    import torch.multiprocessing as mp
+
+    from lorafit.train.demo import build_demo_base
+
+    model_dir = tmp_path / "base"
+    build_demo_base(model_dir, hidden_size=256)
+    mp.spawn(_shard_and_measure, args=(2, _free_port(), str(model_dir), str(tmp_path)), nprocs=2, join=True)
+    spec = tiny_spec(1024, hidden_size=256)
+    settings = qlora(n_gpus=2, shard="fsdp", lora_dropout=0.0)
+    parts, _ = memory.breakdown(spec, settings, memory.stack_runtime(settings))
+    optimizer = memory.optimizer_bytes(spec, settings, memory.stack_runtime(settings)) / 2
+    gradients = memory.gradient_bytes(spec, settings, memory.stack_runtime(settings)) / 2
+    state = memory.quant_state_bytes(spec, settings, memory.stack_runtime(settings))
+    for rank in range(2):
+        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert measured["quant_state"] == pytest.approx(state, rel=0.03)
+        assert measured["frozen"] + measured["quant_state"] == pytest.approx(parts["weights"], rel=0.03)
+        assert measured["adapters"] == pytest.approx(parts["lora_adapters"], rel=0.03)
+        assert measured["gradients"] == pytest.approx(gradients, rel=0.03)
+        assert measured["optimizer"] == pytest.approx(optimizer, rel=0.03)
+        estimated = parts["weights"] + parts["lora_adapters"] + gradients + optimizer
+        assert measured["total"] == pytest.approx(estimated, rel=0.05)
+    assert torch is not None
