@@ -193,14 +193,19 @@ def embedding_grad_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) 
 
 def optimizer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     """AdamW keeps two moments per trainable parameter in the parameter's dtype (torch) or 8-bit blockwise
-    (bitsandbytes, with 32-bit state for tensors under 4096 elements); SGD without momentum keeps none."""
+    (bitsandbytes, with 32-bit state for tensors under 4096 elements); SGD without momentum keeps none.
+    DeepSpeed ZeRO (zero2, zero3) steps an fp32 master copy of its partition instead of the parameters, even
+    where they are fp32 already (stage_1_and_2.py single_partition_of_fp32_groups, stage3.py
+    fp32_partitioned_groups_flat): 4 more bytes a trainable parameter, and the moments are fp32 too."""
     n = trainable_params(spec, settings)
+    zero = settings.shard in ("zero2", "zero3")
+    master = 4 * n if zero else 0.0
     if settings.optimizer == "sgd":
-        return 0.0
+        return master
     if settings.optimizer in ("adamw", "paged_adamw_32bit"):
-        return 2 * n * trainable_dtype_bytes(settings, runtime)
+        return 2 * n * (4 if zero else trainable_dtype_bytes(settings, runtime)) + master
     small = _params_in_small_tensors(spec, settings)
-    return 2 * (n - small) * (1 + 4 / BNB_8BIT_BLOCK) + 2 * small * 4
+    return 2 * (n - small) * (1 + 4 / BNB_8BIT_BLOCK) + 2 * small * 4 + master
 
 
 def _params_in_small_tensors(spec: ModelSpec, settings: Settings) -> int:

@@ -809,6 +809,7 @@ def _gpus_share_the_batch(v: Mapping[str, Any]) -> str | None:
 # The most GPUs one machine holds: 8 on HGX/DGX A100, H100 and B200 boards, 16 on the DGX-2 (V100).
 MAX_GPUS_PER_NODE = 16
 SHARDED_SHARDS = ("zero2", "zero3", "fsdp")  # the shards that keep a part of the states per GPU
+OFFLOAD_OPTIMIZERS = ("adamw", "paged_adamw_32bit")  # what an offloaded optimizer can step on the CPU
 
 
 def _gpus_fit_a_node(v: Mapping[str, Any]) -> str | None:
@@ -841,7 +842,7 @@ def _offload_params_needs_sharded_weights(v: Mapping[str, Any]) -> str | None:
 
 
 def _offload_steps_adamw(v: Mapping[str, Any]) -> str | None:
-    if v["offload"] == "none" or v["optimizer"] in ("adamw", "paged_adamw_32bit"):
+    if v["offload"] == "none" or v["optimizer"] in OFFLOAD_OPTIMIZERS:
         return None
     return (
         f"offload {v['offload']}: the optimizer steps on the CPU (DeepSpeed's CPU AdamW, or torch's AdamW on FSDP's "

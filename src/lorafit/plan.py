@@ -610,9 +610,11 @@ def fewest_gpus(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Candid
     offload and, where an offload to host memory fits on fewer, that one too (the first offload that fits at
     the smallest count: optimizer states before parameters, which cost more copies)."""
     pinned_offload = request.pinned.get("offload")
+    # an offloaded optimizer steps 32-bit AdamW on the CPU: not tried for a pinned optimizer without a CPU step
+    offloads = OFFLOADS if request.pinned.get("optimizer", "adamw") in options.OFFLOAD_OPTIMIZERS else ("none",)
     found: list[Candidate] = []
     for n_gpus in (n for n in GPU_COUNTS if n >= request.n_gpus and request.effective_batch % n == 0):
-        tried = [pinned_offload] if pinned_offload else list(OFFLOADS) if not found else ["none"]
+        tried = [pinned_offload] if pinned_offload else list(offloads) if not found else ["none"]
         for offload in tried:
             if (n_gpus, offload) == (request.n_gpus, pinned_offload or "none"):
                 continue  # the plan itself

@@ -611,6 +611,10 @@ def main(argv: list[str] | None = None) -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    # and out without the interpreter's teardown, where a library thread still joinable aborts the process
+    # ("terminate called without an active exception", SIGABRT) after a run that has finished and been saved
+    logging.shutdown()
+    os._exit(0)
 
 
 def _work(payload: dict[str, Any], processes: Processes, console: Console) -> int:
