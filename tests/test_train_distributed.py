@@ -146,6 +146,26 @@ def test_an_out_of_memory_stop_is_one_line_and_the_rerun_resumes_the_same_curve(
         assert close(mine.get("eval_loss", 0.0), reference.get("eval_loss", 0.0), 1e-6)
 
 
+def test_a_run_of_two_processes_resumes_on_one_with_the_same_curve(
+    two_processes: dict[str, Any], tmp_path: Path
+) -> None:
+    """Checkpoints hold the whole adapter and optimizer state (DDP): a run stopped on 2 processes goes on in one,
+    the accumulation taking over the other process's share of the effective batch."""
+    out = tmp_path / "moved"
+    stopped = lorafit(
+        ["train", "--demo", "--n-gpus", "2", "--main-port", str(free_port()), "--output-dir", str(out), *STEPS],
+        env={"LORAFIT_FAULT_OOM_AT_STEP": "5"},
+    )
+    assert stopped.returncode == 2, stopped.stderr[-3000:]
+    one = lorafit(["train", "--demo", "--output-dir", str(out), *STEPS, "--resume"])
+    assert one.returncode in (0, 1), one.stderr[-3000:]
+    assert "resuming from checkpoint-3" in one.stdout
+    ours, theirs = curve(out), curve(two_processes["out"])
+    assert [line["step"] for line in ours] == [1, 2, 3, 4, 5, 6]
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert close(mine["loss"], reference["loss"], 1e-6) and close(mine["grad_norm"], reference["grad_norm"], 1e-6)
+
+
 # --- the configs, read back by accelerate, DeepSpeed and transformers -----------------------------------------
 SHARDS = [
     ("ddp", "none"),

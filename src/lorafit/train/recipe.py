@@ -536,8 +536,10 @@ def resolve_plan(
         )
         seq_len = resolve_seq_len(request)
         plan = make_plan(request, truncated_rows=sum(1 for length in lengths if length > seq_len))
-    wanted = Settings.model_validate(plan.settings.model_dump() | pinned | {"method": config.method})
-    return with_settings(plan, wanted)
+    chosen = plan.settings.model_dump() | pinned | {"method": config.method}
+    if "shard" not in pinned and chosen["n_gpus"] * chosen["nodes"] == 1 and chosen["offload"] == "none":
+        chosen["shard"] = "none"  # a run resumed on one GPU after several: nothing left to shard
+    return with_settings(plan, Settings.model_validate(chosen))
 
 
 def _check_device(settings: Settings, on_cuda: bool, spec: ModelSpec, *, launched: bool = False) -> None:
