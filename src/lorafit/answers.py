@@ -65,7 +65,9 @@ def with_config(
     return values | dict(given), FromConfig(path, imported.kind, stack, warnings)
 
 
-def _validated(command: options.Command, values: Mapping[str, Any], given: Mapping[str, Any], source: Any) -> Any:
+def _validated(
+    command: options.Command, values: Mapping[str, Any], given: Mapping[str, Any], source: FromConfig | None
+) -> Any:
     """`options.validate`, naming the config file for a value that came from it rather than from a flag."""
     return options.validate(command, values, source=source.path if source else "", from_flags=given)
 
@@ -98,13 +100,12 @@ def estimate(given: Mapping[str, Any], *, exact: bool = False, from_config: str 
     target = target_gpu(request.gpu, request.vram)
     settings = options.settings_from(request.model_dump(), spec, target)
     if exact:
-        from lorafit import trace
-
         if settings.stack != "lorafit":
             raise LorafitError(
                 f"--exact traces lorafit's own training step; stack {settings.stack} is estimated from its traced "
                 "facts (`lorafit stacks`): drop --exact, or use --stack lorafit"
             )
+        from lorafit import trace
 
         result = trace.exact_estimate(spec, settings, target, request.headroom)
     else:
