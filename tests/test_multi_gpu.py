@@ -119,6 +119,19 @@ def test_communication_volume_follows_zero(spec: models.ModelSpec) -> None:
     assert plan.communication_bytes(spec, full)[0] == pytest.approx(1 / 2 * 3 * psi)  # 3 Psi x (n-1)/n
 
 
+def test_deepspeed_buckets_are_allocated_whole(spec: models.ModelSpec) -> None:
+    """ZeRO-2 double-buffers each reduce bucket (overlap_comm), ZeRO-3 keeps one, of 5e7 elements whatever the
+    model's size; DDP's buckets are a second copy of every gradient; FSDP has none of its own."""
+    runtime = Runtime()
+    fp32 = 4  # the adapters' gradients
+    buffers = {shard: memory.communication_buffer_bytes(spec, qlora(n_gpus=2, shard=shard), runtime) for shard in
+               ("ddp", "zero2", "zero3", "fsdp")}  # fmt: skip
+    assert buffers["zero2"] == 2 * 50_000_000 * fp32
+    assert buffers["zero3"] == 50_000_000 * fp32
+    assert buffers["ddp"] == spec.lora_params(16, "all") * fp32
+    assert buffers["fsdp"] == 0.0
+
+
 def test_one_gpu_keeps_the_time_it_had(spec: models.ModelSpec) -> None:
     gpu = hardware.resolve("RTX 4090")
     settings = qlora(grad_accum=4, micro_batch=2)

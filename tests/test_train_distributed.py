@@ -273,6 +273,10 @@ def check_deepspeed_json(
     assert read.bfloat16_config.enabled and read.gradient_clipping == config.max_grad_norm
     offload = read.zero_config.offload_optimizer
     assert (offload is not None and offload.device == "cpu") == (settings.offload != "none")
+    # the buckets DeepSpeed allocates whole are the ones the estimate counts (memory.communication_buffer_bytes)
+    from lorafit import memory
+
+    assert read.zero_config.reduce_bucket_size == memory.DEEPSPEED_BUCKET_ELEMENTS
 
     monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: topology.world_size))
     arguments = TrainingArguments(

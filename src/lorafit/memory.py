@@ -733,16 +733,18 @@ def gathered_layer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) 
     return 2 * (spec.layer_linear_params * linear_bytes + spec.layer_other_params * c)
 
 
-# DeepSpeed's default reduce bucket (zero_optimization.reduce_bucket_size, 5e8 elements): lorafit's deepspeed.json
-# leaves it at the default. torch DDP copies the gradients into its buckets (gradient_as_bucket_view is False
-# under the HF Trainer).
-DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
+# The reduce bucket lorafit's deepspeed.json sets (zero_optimization.reduce_bucket_size, in elements): a tenth of
+# DeepSpeed's default 5e8, whose buffers alone would take 4 GB of a GPU for fp32 adapters under ZeRO-2. torch DDP
+# copies the gradients into its buckets (gradient_as_bucket_view is False under the HF Trainer).
+DEEPSPEED_BUCKET_ELEMENTS = 50_000_000
 
 
 def communication_buffer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     """Gradient buffers of the collective itself, per GPU, beside NCCL's own (Runtime.nccl_gib): DDP's buckets
-    hold a second copy of every gradient; DeepSpeed reduces through a bucket of up to 5e8 elements; FSDP
-    reduce-scatters each layer's gradients as they come (in gathered_layer_bytes)."""
+    hold a second copy of every gradient; DeepSpeed allocates its reduce buckets whole, whatever the model's
+    size: ZeRO-2 two of them with overlap_comm (stage_1_and_2.py, the double buffer of each ipg bucket), ZeRO-3
+    one (stage3.py, the ipg bucket's buffer); FSDP reduce-scatters each layer's gradients as they come (in
+    gathered_layer_bytes)."""
     if world_size(settings) == 1 and settings.offload == "none":
         return 0.0
     grad = trainable_dtype_bytes(settings, runtime)
@@ -750,7 +752,7 @@ def communication_buffer_bytes(spec: ModelSpec, settings: Settings, runtime: Run
     if settings.shard in ("none", "ddp"):
         return n * grad
     if settings.shard in ("zero2", "zero3"):
-        return min(n, DEEPSPEED_BUCKET_ELEMENTS) * grad
+        return (2 if settings.shard == "zero2" else 1) * DEEPSPEED_BUCKET_ELEMENTS * grad
     return 0.0
 
 

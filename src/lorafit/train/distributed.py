@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from lorafit import memory
 from lorafit.errors import InvalidConfig, LorafitError, TrainError
 from lorafit.files import write_atomic
 
@@ -310,6 +311,10 @@ def deepspeed_config(settings: Settings, config: TrainConfig, topology: Topology
     accumulation = settings.grad_accum // topology.nodes
     zero: dict[str, Any] = {"stage": 3 if settings.shard == "zero3" else 2, "overlap_comm": True}
     zero["contiguous_gradients"] = True
+    # the buckets are allocated whole (memory.communication_buffer_bytes): a tenth of DeepSpeed's default
+    zero["reduce_bucket_size"] = memory.DEEPSPEED_BUCKET_ELEMENTS
+    if settings.shard == "zero2":
+        zero["allgather_bucket_size"] = memory.DEEPSPEED_BUCKET_ELEMENTS
     if settings.shard == "zero3":
         zero["stage3_gather_16bit_weights_on_model_save"] = True  # the final save gets whole weights
     if settings.offload in ("optimizer", "params"):
