@@ -797,19 +797,23 @@ def offloaded_state_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime)
     return parts
 
 
+def shards_a_quantized_base(settings: Settings) -> bool:
+    """A 4/8-bit base that ZeRO-3/FSDP shard over several GPUs: where how it is loaded matters."""
+    return settings.quant != "none" and settings.shard in ("zero3", "fsdp") and world_size(settings) > 1
+
+
 def host_loads_the_base(settings: Settings, runtime: Runtime) -> bool:
-    """A quantised base that ZeRO-3/FSDP shard, loaded in host memory by rank 0 (Runtime.quantized_load_on_gpu
-    false: accelerate's fsdp_cpu_ram_efficient_loading) rather than whole on every GPU."""
-    sharded = settings.quant != "none" and settings.shard in ("zero3", "fsdp") and world_size(settings) > 1
-    return sharded and not runtime.quantized_load_on_gpu
+    """A sharded quantised base loaded in host memory by rank 0 (Runtime.quantized_load_on_gpu false:
+    accelerate's fsdp_cpu_ram_efficient_loading) rather than whole on every GPU."""
+    return shards_a_quantized_base(settings) and not runtime.quantized_load_on_gpu
 
 
 def gpu_loading_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     """A 4/8-bit base sharded by ZeRO-3/FSDP is first loaded whole onto every process's GPU (`lorafit train`
     quantises it there, train/recipe.py `_load_model`) and only then sharded: for a moment each GPU holds all
     of it. 0 where the step itself keeps the whole base anyway."""
-    sharded = settings.quant != "none" and settings.shard in ("zero3", "fsdp") and world_size(settings) > 1
-    return weights_bytes(spec, settings, runtime) if sharded and runtime.quantized_load_on_gpu else 0.0
+    on_gpu = shards_a_quantized_base(settings) and runtime.quantized_load_on_gpu
+    return weights_bytes(spec, settings, runtime) if on_gpu else 0.0
 
 
 def host_ram_parts(spec: ModelSpec, settings: Settings, runtime: Runtime) -> dict[str, float]:
