@@ -33,6 +33,7 @@ import datetime
 import gc
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import re
@@ -465,6 +466,64 @@ def memory_cap(card: GpuSpec, probe: DeviceMemory) -> dict[str, Any]:
     }
 
 
+def fsdp_host_loading(context: Context) -> dict[str, Any]:
+    """What `lorafit train` does with a 4-bit base under FSDP (recipe.load_device_map): load it in host memory,
+    let FSDP2's fully_shard move it to the GPU a decoder layer at a time, and train. On one GPU (a process group
+    of one) every shard is the whole weight, so the check is that the GPU held nothing after loading, that the
+    peak while sharding stayed within the model plus one layer, and that a forward and backward run there
+    (bitsandbytes' quantisation state went with the weights)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lorafit.train import recipe
+
+    on_cuda = context.device == "cuda"
+    spec = model_spec(MODELS[0], tiny=True)  # the code path, not the figures: the small model in either mode
+    settings = Settings(method="qlora", quant="nf4", precision="bf16", n_gpus=2, shard="fsdp", lora_dropout=0.0)
+    folder = context.workdir / "fsdp-base"
+    build_random_model(spec, settings, folder, context.device)
+    free_memory(on_cuda)
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if on_cuda else 0
+    device_map = recipe.load_device_map(settings, gpu=torch.cuda.current_device() if on_cuda else 0)
+    model = prepare(build.load_model(folder, settings, device_map=device_map), spec, settings)
+    after_load = (torch.cuda.memory_allocated() if on_cuda else 0) - before
+    layers = model.base_model.model.model.layers
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    layer_bytes = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers)
+    dist.init_process_group(
+        "nccl" if on_cuda else "gloo", init_method=f"file://{context.workdir / 'fsdp-group'}", rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh(context.device, (1,))
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        peak = (torch.cuda.max_memory_allocated() - before) if on_cuda else None
+        tokens = torch.randint(0, spec.vocab_size, (1, 64), device=context.device)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        graded = sum(1 for p in model.parameters() if p.requires_grad and p.grad is not None)
+    finally:
+        dist.destroy_process_group()
+    del model
+    free_memory(on_cuda)
+    within = None if peak is None else peak <= model_bytes + 2 * layer_bytes
+    return {
+        "settings": "qlora nf4 (bf16 storage), loaded in host memory, fully_shard per decoder layer",
+        "model": spec.name,
+        "gpu_bytes_after_load": after_load,
+        "peak_bytes_while_sharding": peak,
+        "model_bytes": model_bytes,
+        "largest_layer_bytes": layer_bytes,
+        "loss": float(loss),
+        "adapters_with_gradients": graded,
+        "ok": after_load < layer_bytes and within is not False and math.isfinite(float(loss)) and graded > 0,
+    }
+
+
 def measured_speed(settings: Settings, seconds: list[float]) -> dict[str, Any]:
     """tokens/s over the timed steps (those after the warm-up)."""
     timed = seconds[WARMUP_STEPS:]
@@ -894,10 +953,19 @@ def main(argv: list[str] | None = None) -> int:
             return written
 
         final = save(run_all(rows, context, budget, save))
+        try:
+            final["fsdp_host_loading"] = fsdp_host_loading(context)
+        except Exception:
+            final["fsdp_host_loading"] = {"ok": False, "traceback": traceback.format_exc()}
+        write_atomic(out, json.dumps(final, indent=2) + "\n")
     print_table(final["rows"], env)
     if final["skipped"]:
         print(f"\nskipped (time budget of {args.time_budget:g} min): {', '.join(final['skipped'])}")
     failed = [r["name"] for r in final["rows"] if r["status"] == "failed"]
+    loading = final["fsdp_host_loading"]
+    print(f"\nFSDP with the 4-bit base loaded in host memory: {'ok' if loading['ok'] else 'FAILED'} {loading}")
+    if not loading["ok"]:
+        failed.append("fsdp_host_loading")
     if failed:
         print(f"\nfailed: {', '.join(failed)} (the JSON file has each traceback)")
     print(f"\nwrote {out} in {final['elapsed_s']:.0f} s")

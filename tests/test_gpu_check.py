@@ -183,3 +183,14 @@ def test_device_figure_reads_nvidia_smi_in_mib(gpu_check, tmp_path: Path) -> Non
     (tmp_path / "answer").write_text("No devices were found\n")
     assert gpu_check.nvidia_smi_used(str(command)) is None
     assert gpu_check.nvidia_smi_used(str(tmp_path / "missing")) is None
+
+
+def test_the_fsdp_host_loading_check_runs_the_sharded_step(gpu_check, tmp_path: Path) -> None:
+    """The check's own path on the CPU (gloo, a process group of one): the base loaded where lorafit train
+    loads it for FSDP, sharded per layer, a forward and backward with every adapter graded."""
+    context = gpu_check.Context("cpu", True, None, None, tmp_path, 1)
+    result = gpu_check.fsdp_host_loading(context)
+    assert (
+        result["ok"] and result["adapters_with_gradients"] > 0 and result["model_bytes"] > result["largest_layer_bytes"]
+    )
+    assert result["peak_bytes_while_sharding"] is None  # no CUDA memory to read on the CPU

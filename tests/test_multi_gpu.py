@@ -78,12 +78,18 @@ def test_host_ram_is_the_larger_of_loading_and_training(spec: models.ModelSpec) 
     # LoRA in bf16: each of 4 processes builds the whole model in host memory before it moves to the GPU
     loading = memory.host_ram_parts(big, Settings(method="lora", n_gpus=4, shard="fsdp"), Runtime())
     assert loading == {"processes": 4 * 3 * GIB, "model_loading": 4 * big.num_params * 2}
-    # QLoRA with the parameters offloaded: the two processes' halves of the packed base, and their runtimes
+    # QLoRA under ZeRO-3 with the parameters offloaded (the base loaded onto the GPUs, one file at a time through
+    # host memory): the two processes' halves of the packed base, and their runtimes
     huge = models.resolve("llama-2-70b")
-    settings = qlora(n_gpus=2, shard="fsdp", offload="params", lora_r=8)
+    settings = qlora(n_gpus=2, shard="zero3", offload="params", lora_r=8)
     training = memory.host_ram_parts(huge, settings, Runtime())
     linear = huge.num_hidden_layers * huge.layer_linear_params
     base = 0.5 * linear + 2 * (huge.num_params - linear)  # packed 4-bit linears, the rest in bf16
+    # the same under FSDP: each process loads the whole packed base in host memory (and one 5 GB file being
+    # quantised) before fully_shard moves it to the GPU, which is larger than what training keeps there
+    fsdp = memory.host_ram_parts(huge, settings.model_copy(update={"shard": "fsdp"}), Runtime())
+    state = memory.quant_state_bytes(huge, settings, Runtime())
+    assert fsdp == {"processes": 2 * 3 * GIB, "model_loading": pytest.approx(2 * (base + state + 5e9))}
     adapters = huge.lora_params(8, "all") * 4
     assert training["processes"] == 2 * 3 * GIB
     assert training["offloaded_weights"] == pytest.approx(2 * (base + adapters) / 2)
@@ -152,49 +158,79 @@ def test_a_slow_link_costs_what_it_cannot_hide() -> None:
 def test_70b_qlora_on_rtx_4090s_suggests_two_cards_with_offloaded_parameters(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # TRL under accelerate's FSDP loads the base in host memory and sends out shards (stack trl)
+    # lorafit's trainer loads the 4-bit base in host memory and FSDP moves it to the GPUs a sharded layer at a time
     code, out, _ = run_cli(
-        ["plan", "--model", "llama-2-70b", "--method", "qlora", "--gpu", "rtx-4090", "--stack", "trl", "--json"],
-        capsys,
+        ["plan", "--model", "llama-2-70b", "--method", "qlora", "--gpu", "rtx-4090", "--json"], capsys
     )
     assert code == 0
     answer = json.loads(out)
     assert not answer["fits"]
     several = [s for s in answer["suggestions"] if s["n_gpus"] > 1]
     assert several[0]["n_gpus"] == 2 and several[0]["offload"] == "params" and several[0]["hours"] > 0
+    assert several[0]["settings"]["shard"] == "fsdp"
     assert several[0]["estimate"]["fits"] and several[0]["estimate"]["host_ram_gib"] > 30
-    assert several[0]["change"].startswith("2x RTX 4090 with ZeRO-3 and CPU offload of the parameters, ")
+    assert several[0]["estimate"]["loading_peak_gib"] is None
+    assert several[0]["change"].startswith("2x RTX 4090 with FSDP and CPU offload of the parameters, ")
     assert any(s["n_gpus"] >= 4 and s["offload"] == "none" for s in several)  # the fewest without offload
+    # FSDP has one CPU offload (parameters, gradients and the step): no "offload of the optimizer states" row
+    assert not any(s["offload"] == "optimizer" for s in several)
 
 
+HOST_LOADING = [
+    # stack, shard, whole base onto every GPU first
+    ("lorafit", "fsdp", False),
+    ("lorafit", "zero3", True),
+    ("trl", "fsdp", True),
+    ("trl", "zero3", True),
+]
+
+
+@pytest.mark.parametrize(("stack", "shard", "whole"), HOST_LOADING)
 def test_a_base_loaded_whole_on_every_gpu_rules_out_sharding_it_over_cards_smaller_than_it(
-    capsys: pytest.CaptureFixture[str],
+    stack: str, shard: str, whole: bool, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """lorafit's trainer quantises a 4-bit base on each process's GPU, whole, before FSDP/ZeRO-3 shard it:
-    70B in nf4 (about 0.5 byte a weight plus the quantisation state) never fits a 24 GB card while loading."""
-    args = ["--model", "llama-2-70b", "--method", "qlora", "--gpu", "rtx-4090"]
-    code, out, _ = run_cli(["estimate", *args, "--n-gpus", "4", "--shard", "fsdp", "--json"], capsys)
+    """A 4-bit base quantised on each process's GPU, whole, before FSDP/ZeRO-3 shard it: 70B in nf4 (about 0.5
+    byte a weight plus the quantisation state) never fits a 24 GB card while loading. lorafit's trainer loads
+    it in host memory under FSDP instead: every process holds the packed base there until FSDP moves it."""
+    args = ["--model", "llama-2-70b", "--method", "qlora", "--gpu", "rtx-4090", "--stack", stack]
+    code, out, _ = run_cli(["estimate", *args, "--n-gpus", "4", "--shard", shard, "--json"], capsys)
     assert code == 0
     answer = json.loads(out)
     nf4_bytes_per_weight = 0.5 + 4 / 64  # packed weight + fp32 absmax per 64 (double quantisation shrinks it)
-    assert answer["loading_peak_gib"] > 0.9 * 69e9 * nf4_bytes_per_weight / 2**30 > answer["gpu_memory_gib"]
-    assert answer["fits"] is False  # although the sharded step itself would
-    assert answer["peak_device_gib"] < answer["gpu_memory_gib"]
-    code, out, _ = run_cli(["plan", *args, "--json"], capsys)
+    packed_gib = 69e9 * nf4_bytes_per_weight / 2**30
+    assert answer["peak_device_gib"] < answer["gpu_memory_gib"]  # the sharded step itself fits
+    loading = answer["host_ram_breakdown_gib"].get("model_loading", 0.0)
+    if whole:
+        assert answer["loading_peak_gib"] > 0.9 * packed_gib > answer["gpu_memory_gib"]
+        assert answer["fits"] is False
+        assert loading < 4 * 5  # each process holds one checkpoint file (5 GB) on its way to the GPU
+    else:
+        assert answer["loading_peak_gib"] is None and answer["fits"] is True
+        assert loading > 4 * 0.9 * packed_gib  # four processes, each its packed copy
+
+
+@pytest.mark.parametrize("stack", ["lorafit", "trl"])
+def test_the_plan_says_when_several_cards_do_not_help_and_what_does(
+    stack: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["--model", "llama-2-70b", "--method", "qlora", "--gpu", "rtx-4090", "--stack", stack, "--json"]
+    code, out, _ = run_cli(["plan", *args], capsys)
     plan = json.loads(out)
-    assert not any(s["n_gpus"] > 1 and s["settings"]["n_gpus"] > 1 for s in plan["suggestions"])
-    assert any("loads the nf4 base whole" in reason for reason in plan["reasons"])
-    code, out, _ = run_cli(["estimate", *args, "--n-gpus", "4", "--shard", "fsdp", "--stack", "trl", "--json"], capsys)
-    trl = json.loads(out)
-    assert trl["loading_peak_gib"] is None
-    # ... and rank 0 builds the whole bf16 model in host memory instead, once per machine
-    bf16_model_gib = trl["total_params"] * 2 / 2**30
-    assert trl["host_ram_breakdown_gib"]["model_loading"] == pytest.approx(bf16_model_gib, rel=1e-3)
+    several = [s for s in plan["suggestions"] if s["n_gpus"] > 1]
+    said = [reason for reason in plan["reasons"] if "loads the nf4 base whole" in reason]
+    if stack == "lorafit":
+        assert several and not said
+    else:
+        assert not several and said and "--stack lorafit" in said[0]
+    code, out, _ = run_cli(["plan", *args, "--shard", "zero3", "--n-gpus", "2"], capsys)
+    pinned = json.loads(out)
+    said = [reason for reason in pinned["reasons"] if "loads the nf4 base whole" in reason]
+    assert said and ("--shard fsdp" if stack == "lorafit" else "--stack lorafit") in said[0]
 
 
 def test_estimate_json_has_the_per_gpu_figures_and_the_host_ram(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["estimate", "--model", "llama-2-70b", "--method", "qlora", "--gpu", "rtx-4090", "--n-gpus", "2"]
-    code, out, _ = run_cli([*args, "--shard", "fsdp", "--offload", "params", "--json"], capsys)
+    code, out, _ = run_cli([*args, "--shard", "zero3", "--offload", "params", "--json"], capsys)
     assert code == 0
     answer = json.loads(out)
     assert answer["world_size"] == 2 and answer["settings"]["offload"] == "params"
@@ -325,3 +361,161 @@ def test_fsdp2_shards_the_demo_model_as_the_estimate_says(tmp_path: Path) -> Non
         estimated = parts["weights"] + parts["lora_adapters"] + gradients + optimizer
         assert measured["total"] == pytest.approx(estimated, rel=0.05)
     assert torch is not None
+
+
+def _adapted_demo(model_dir: str, world: int) -> Any:
+    """The demo base in NF4, loaded as `lorafit train` loads a base FSDP shards (recipe.load_device_map: in host
+    memory, whatever GPU the process has), with adapters whose B is not zero, so that every adapter gets a
+    gradient."""
+    import torch
+
+    from lorafit.train import build, recipe
+
+    settings = qlora(n_gpus=max(world, 2), shard="fsdp", lora_dropout=0.0)  # a run planned for several GPUs
+    device_map = recipe.load_device_map(settings, gpu=0)
+    assert device_map == {"": "cpu"}
+    torch.manual_seed(0)
+    model = build.prepare(
+        build.load_model(Path(model_dir), settings, device_map=device_map), tiny_spec(1024, 256), settings
+    )
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return model
+
+
+def _batches(world: int) -> Any:
+    import torch
+
+    return torch.randint(0, 1024, (world, 24), generator=torch.Generator().manual_seed(2))
+
+
+def _shard_and_step(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    """One process: the host-loaded base sharded as accelerate's FSDP2 shards it (each decoder layer, then the
+    root), one forward and backward on this process's row; rank 0 saves the loss and the whole gradients."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _adapted_demo(model_dir, world)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    row = _batches(world)[rank : rank + 1]
+    loss = model(input_ids=row, labels=row).loss
+    loss.backward()
+    losses = [torch.zeros(()) for _ in range(world)]
+    dist.all_gather(losses, loss.detach().float())
+    gradients = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.requires_grad}
+    if rank == 0:
+        torch.save({"losses": torch.stack(losses), "gradients": gradients}, Path(out_dir, "sharded_step.pt"))
+    dist.destroy_process_group()
+
+
+def test_a_base_loaded_in_host_memory_and_sharded_by_fsdp2_steps_as_one_process_does(tmp_path: Path) -> None:
+    """What `lorafit train` does under FSDP with a 4-bit base: every process loads it in host memory and FSDP2
+    shards it a layer at a time. Two gloo processes, one row each, give the losses and the (averaged) adapter
+    gradients of one unsharded process over both rows: the 4-bit weights and their quantisation state
+    survive the sharding, and nothing but the shard of each weight stays with a process."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("bitsandbytes")
+    import torch.multiprocessing as mp
+
+    from lorafit.train.demo import build_demo_base
+
+    model_dir = tmp_path / "base"
+    build_demo_base(model_dir, hidden_size=256)
+    mp.spawn(_shard_and_step, args=(2, _free_port(), str(model_dir), str(tmp_path)), nprocs=2, join=True)
+    sharded = torch.load(tmp_path / "sharded_step.pt")
+
+    model = _adapted_demo(str(model_dir), 2)
+    rows = _batches(2)
+    losses = []
+    for index in range(2):
+        loss = model(input_ids=rows[index : index + 1], labels=rows[index : index + 1]).loss
+        (loss / 2).backward()  # FSDP averages the gradients over the processes
+        losses.append(loss.detach().float())
+    assert torch.allclose(sharded["losses"], torch.stack(losses), rtol=1e-5)
+    expected = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    assert set(sharded["gradients"]) == set(expected) and len(expected) > 10
+    for name, gradient in expected.items():
+        assert gradient.abs().sum() > 0, name
+        assert torch.allclose(sharded["gradients"][name], gradient, rtol=1e-3, atol=1e-6), name
+
+
+def _fsdp_checkpoint(rank: int, world: int, port: int, model_dir: str, out_dir: str, mode: str) -> None:
+    """One process of an FSDP2 run (host-loaded NF4 demo base, sharded per layer, AdamW): `save` takes one step
+    and writes the checkpoint with accelerate's save_fsdp_model / save_fsdp_optimizer, as the Trainer saves
+    under `fsdp_state_dict_type: SHARDED_STATE_DICT`; `load` reads it back into a fresh run with
+    load_fsdp_model / load_fsdp_optimizer. Rank 0 writes the whole adapters and AdamW moments it then has."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from accelerate import PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    state = PartialState(cpu=True)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    model = _adapted_demo(model_dir, world)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    checkpoint = Path(out_dir, "checkpoint")
+    if mode == "save":
+        rows = _batches(world)[rank : rank + 1]
+        model(input_ids=rows, labels=rows).loss.backward()
+        optimizer.step()
+        save_fsdp_model(plugin, state, model, str(checkpoint))
+        save_fsdp_optimizer(plugin, state, optimizer, model, str(checkpoint))
+    else:
+        load_fsdp_model(plugin, state, model, str(checkpoint))
+        load_fsdp_optimizer(plugin, state, optimizer, model, str(checkpoint))
+    names = {p: name for name, p in model.named_parameters()}
+    whole = {f"adapter {names[p]}": p.detach().full_tensor() for p in names if p.requires_grad}
+    for parameter, moments in optimizer.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            whole[f"{key} {names[parameter]}"] = moments[key].full_tensor()
+    if rank == 0:
+        torch.save(whole, Path(out_dir, f"{mode}-{world}.pt"))
+    dist.destroy_process_group()
+
+
+def test_an_fsdp_checkpoint_resumes_on_another_number_of_processes(tmp_path: Path) -> None:
+    """A checkpoint written by 2 FSDP2 processes, as accelerate writes it for the Trainer (torch.distributed
+    .checkpoint), loads on 1 and on 3: the adapters and the AdamW moments each then holds, put together, are
+    the 2-process run's exactly. Why `lorafit train --resume` lets an FSDP run change its GPU count
+    (distributed.check_resume) and refuses it for DeepSpeed, which cannot re-partition its ZeRO states."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("bitsandbytes")
+    import torch.multiprocessing as mp
+
+    from lorafit.train.demo import build_demo_base
+
+    model_dir = tmp_path / "base"
+    build_demo_base(model_dir, hidden_size=256)
+    for world, mode in ((2, "save"), (1, "load"), (3, "load")):
+        mp.spawn(_fsdp_checkpoint, args=(world, _free_port(), str(model_dir), str(tmp_path), mode), nprocs=world)
+    saved = torch.load(tmp_path / "save-2.pt")
+    assert sum(key.startswith("exp_avg_sq ") for key in saved) > 10
+    assert all(value.abs().sum() > 0 for key, value in saved.items() if key.startswith("exp_avg"))
+    for world in (1, 3):
+        loaded = torch.load(tmp_path / f"load-{world}.pt")
+        assert set(loaded) == set(saved)
+        for key, value in saved.items():
+            assert torch.equal(loaded[key], value), (world, key)

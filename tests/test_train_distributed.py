@@ -405,3 +405,83 @@ def test_bad_multi_gpu_input_is_one_line_and_exit_2(
     assert expected in err
     assert SUGGESTIONS.get(case, "") in err
     assert not out.exists()
+
+
+# --- where the base is loaded, and the host RAM it takes ---------------------------------------------------
+@pytest.mark.parametrize(
+    ("settings", "device_map"),
+    [
+        # FSDP over several GPUs: the 4-bit base in host memory, fully_shard moves it a layer at a time
+        (Settings(method="qlora", n_gpus=2, shard="fsdp"), {"": "cpu"}),
+        # ZeRO-3 moves a model it did not build whole to the GPU anyway: quantised there directly
+        (Settings(method="qlora", n_gpus=2, shard="zero3"), {"": 3}),
+        (Settings(method="qlora"), {"": 3}),
+        (Settings(method="qlora", n_gpus=2, shard="ddp"), {"": 3}),
+        # a 16-bit base is built in host memory and moved by the Trainer or the engine
+        (Settings(method="lora", n_gpus=2, shard="fsdp"), None),
+    ],
+)
+def test_a_quantised_base_is_loaded_where_the_estimate_says(settings: Settings, device_map: Any) -> None:
+    from lorafit import memory, models
+    from lorafit.train import recipe
+
+    assert recipe.load_device_map(settings, gpu=3) == device_map
+    assert recipe.load_device_map(settings, gpu=None) is None  # no GPU: everything is in host memory
+    spec = models.resolve("llama-2-7b")
+    runtime = memory.stack_runtime(settings)
+    loading_on_gpu = memory.gpu_loading_bytes(spec, settings, runtime)
+    assert memory.host_loads_the_base(settings, runtime) == (device_map == {"": "cpu"})
+    if settings.quant != "none" and settings.shard in ("zero3", "fsdp"):
+        assert (loading_on_gpu > 0) == (device_map != {"": "cpu"})
+
+
+def test_a_run_whose_loading_the_host_ram_cannot_hold_is_refused_before_it_starts() -> None:
+    from lorafit import hardware, memory, models
+
+    settings = Settings(method="qlora", n_gpus=4, shard="fsdp", grad_ckpt=True)
+    estimate = memory.estimate(models.resolve("llama-2-70b"), settings, hardware.resolve("RTX 4090"))
+    needed = estimate.host_ram_gib
+    assert needed > 4 * 35  # four processes, each its packed copy of the 70B base
+    topology = Topology(n_gpus=4)
+    distributed.check_host_ram(estimate, needed + 1, topology)
+    distributed.check_host_ram(estimate, None, topology)  # unknown: not refused
+    with pytest.raises(InvalidConfig) as refused:
+        distributed.check_host_ram(estimate, 64.0, topology)
+    line = str(refused.value)
+    assert "\n" not in line and f"{needed:.1f} GiB" in line and "64.0 GiB is free" in line
+    assert "model loading" in line and "--n-gpus 2 on more machines" in line
+
+
+RESUMES = [
+    # saved, resumed, refused with
+    (dict(n_gpus=2, shard="ddp"), dict(n_gpus=1, shard="none"), None),  # whole states load anywhere
+    (dict(n_gpus=4, shard="fsdp"), dict(n_gpus=2, shard="fsdp"), None),  # torch.distributed.checkpoint reshards
+    (dict(n_gpus=2, shard="zero3"), dict(n_gpus=4, shard="zero3"), "resume with --n-gpus 2"),
+    (dict(n_gpus=2, shard="zero2", nodes=2), dict(n_gpus=2, shard="zero2"), "resume with --n-gpus 2 --nodes 2"),
+    (dict(n_gpus=2, shard="zero3"), dict(n_gpus=1, shard="none"), "resume with --shard zero3 --n-gpus 2"),
+    # ZeRO-Offload on one GPU is DeepSpeed too
+    (
+        dict(n_gpus=1, shard="zero2", offload="optimizer"),
+        dict(n_gpus=1, shard="none"),
+        "--offload optimizer --n-gpus 1",
+    ),
+    (dict(n_gpus=2, shard="fsdp"), dict(n_gpus=2, shard="zero3"), "resume with --shard fsdp"),
+    (dict(n_gpus=2, shard="ddp"), dict(n_gpus=2, shard="fsdp"), "resume with --shard ddp"),
+]
+
+
+@pytest.mark.parametrize(("saved", "resumed", "refused"), RESUMES)
+def test_a_checkpoint_resumes_on_other_gpus_where_its_engine_can_load_it(
+    saved: dict[str, Any], resumed: dict[str, Any], refused: str | None
+) -> None:
+    def settings(values: dict[str, Any]) -> Settings:
+        return Settings(method="qlora", **values)
+
+    checkpoint = Path("run/checkpoint-40")
+    if refused is None:
+        distributed.check_resume(settings(saved), settings(resumed), checkpoint)
+        return
+    with pytest.raises(InvalidConfig) as error:
+        distributed.check_resume(settings(saved), settings(resumed), checkpoint)
+    line = str(error.value)
+    assert "\n" not in line and line.startswith("resume: checkpoint-40 holds") and refused in line

@@ -85,10 +85,11 @@ class Runtime(BaseModel):
     # optimizers): nvidia-smi minus reserved; see device_bytes for the measurement
     cuda_context_gib: float = 0.9
     nccl_gib: float = 1.2  # NCCL buffers and the collective streams' pools, per GPU, when training on several
-    # a 4/8-bit base that ZeRO-3/FSDP shard is loaded whole onto every GPU first (lorafit train's device_map);
-    # false where rank 0 loads it in host memory and the shards are sent out (accelerate's
-    # fsdp_cpu_ram_efficient_loading, as peft's FSDP/DeepSpeed QLoRA guides run TRL)
-    quantized_load_on_gpu: bool = True
+    # the shards under which a 4/8-bit base is loaded whole onto every GPU before it is sharded: transformers
+    # quantises it on the process's GPU (bitsandbytes' device_map), accelerate's FSDP2 keeps bitsandbytes'
+    # Params4bit off the meta device, and DeepSpeed moves a model that ZeRO-3 did not build whole to the GPU.
+    # A shard not listed loads the base in host memory and moves it to the GPUs one sharded layer at a time
+    quantized_whole_on_gpu: tuple[str, ...] = ("zero3",)
 
 
 def stack_runtime(settings: Settings) -> Runtime:
@@ -773,14 +774,19 @@ def processes_per_node(settings: Settings) -> int:
     return settings.n_gpus
 
 
-def loading_bytes_per_process(spec: ModelSpec, settings: Settings) -> float:
+def loading_bytes_per_process(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     """Host memory a process needs to load the model, as `lorafit train` loads it (train/recipe.py): a 4/8-bit
-    base goes straight to the process's GPU, one checkpoint file at a time; a 16-bit one is built in host
-    memory first, whole, in the compute dtype, and only then moved to the GPU or sharded. Every process of a
-    node loads its own copy: the loading peak that stops many multi-GPU runs before their first step."""
-    if settings.quant != "none":
-        return min(CHECKPOINT_FILE_BYTES, spec.num_params * DTYPE_BYTES[settings.precision])
-    return spec.num_params * DTYPE_BYTES[settings.precision]
+    base goes straight to the process's GPU, one checkpoint file at a time, unless it is loaded in host memory
+    for the shard (host_loads_the_base: then the whole packed base and the file being quantised); a 16-bit one
+    is built in host memory first, whole, in the compute dtype, and only then moved to the GPU or sharded.
+    Every process of a node loads its own copy: the loading peak that stops many multi-GPU runs before their
+    first step."""
+    if settings.quant == "none":
+        return spec.num_params * DTYPE_BYTES[settings.precision]
+    one_file = min(CHECKPOINT_FILE_BYTES, spec.num_params * DTYPE_BYTES[settings.precision])
+    if host_loads_the_base(settings, runtime):
+        return weights_bytes(spec, settings, runtime) + one_file
+    return one_file
 
 
 def offloaded_state_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> dict[str, float]:
@@ -803,16 +809,17 @@ def shards_a_quantized_base(settings: Settings) -> bool:
 
 
 def host_loads_the_base(settings: Settings, runtime: Runtime) -> bool:
-    """A sharded quantised base loaded in host memory by rank 0 (Runtime.quantized_load_on_gpu false:
-    accelerate's fsdp_cpu_ram_efficient_loading) rather than whole on every GPU."""
-    return shards_a_quantized_base(settings) and not runtime.quantized_load_on_gpu
+    """A sharded quantised base loaded in host memory by every process, and moved to its GPU one sharded layer
+    at a time by the engine (FSDP2's fully_shard), rather than whole onto every GPU first. `lorafit train`
+    loads it so where the plan says so (train/recipe.py `_load_model`)."""
+    return shards_a_quantized_base(settings) and settings.shard not in runtime.quantized_whole_on_gpu
 
 
 def gpu_loading_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
-    """A 4/8-bit base sharded by ZeRO-3/FSDP is first loaded whole onto every process's GPU (`lorafit train`
-    quantises it there, train/recipe.py `_load_model`) and only then sharded: for a moment each GPU holds all
-    of it. 0 where the step itself keeps the whole base anyway."""
-    on_gpu = shards_a_quantized_base(settings) and runtime.quantized_load_on_gpu
+    """A 4/8-bit base that ZeRO-3/FSDP shard and that is loaded whole onto every process's GPU first
+    (Runtime.quantized_whole_on_gpu) is only sharded after that: for a moment each GPU holds all of it. 0 where
+    it is loaded in host memory (one layer at a time reaches the GPU) or the step keeps the whole base anyway."""
+    on_gpu = shards_a_quantized_base(settings) and not host_loads_the_base(settings, runtime)
     return weights_bytes(spec, settings, runtime) if on_gpu else 0.0
 
 
@@ -829,10 +836,8 @@ def host_ram_parts(spec: ModelSpec, settings: Settings, runtime: Runtime) -> dic
         training["offloaded_savers"] = processes * savers
     loading = {
         "processes": processes * PROCESS_HOST_BYTES,
-        "model_loading": processes * loading_bytes_per_process(spec, settings),
+        "model_loading": processes * loading_bytes_per_process(spec, settings, runtime),
     }
-    if host_loads_the_base(settings, runtime):  # rank 0 alone builds the whole 16-bit model, the others wait
-        loading["model_loading"] = spec.num_params * DTYPE_BYTES[settings.precision]
     return training if sum(training.values()) >= sum(loading.values()) else loading
 
 

@@ -316,6 +316,8 @@ def candidates(
             pinned.pop("offload_embeddings", None)  # full fine-tuning trains the embeddings
     offload = pinned.pop("offload", offload)
     shard = pinned.pop("shard", "zero3" if offload != "none" and shard not in options.SHARDED_SHARDS else shard)
+    if n_gpus * pinned.get("nodes", 1) == 1 and offload == "none":
+        shard = "none"  # one bigger card for a run pinned to several: nothing to split
     fixed = {"method": method, "seq_len": seq_len, "n_gpus": n_gpus, "shard": shard, "offload": offload} | pinned
     on_cpu = request.device == "cpu"
     fixed |= options.step_defaults(fixed, request.model, gpu, on_cpu=on_cpu)
@@ -605,20 +607,37 @@ SHARD_TITLES = {"ddp": "DDP", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSD
 OFFLOAD_TITLES = {"optimizer": "the optimizer states", "params": "the parameters"}
 
 
+def several_gpus_shard(request: PlanRequest) -> str:
+    """The shard several GPUs run when none is pinned: ZeRO-3, or FSDP for a 4-bit base where the stack loads
+    it whole onto every GPU under ZeRO-3 but in host memory under FSDP (lorafit's trainer), so that no GPU has
+    to hold the whole base while it is loaded."""
+    if "shard" in request.pinned:
+        return request.pinned["shard"]
+    quant = request.pinned.get("quant", options.default_quant(request.method))
+    if quant != "nf4":
+        return "zero3"
+    probe = Settings(method=request.method, quant=quant, stack=request.pinned.get("stack", "lorafit"))
+    whole_on_gpu = memory.stack_runtime(probe).quantized_whole_on_gpu
+    return "fsdp" if "zero3" in whole_on_gpu and "fsdp" not in whole_on_gpu else "zero3"
+
+
 def fewest_gpus(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Candidate]:
-    """The fewest GPUs of this kind that fit, sharded with ZeRO-3 (or the pinned shard): the fewest without an
-    offload and, where an offload to host memory fits on fewer, that one too (the first offload that fits at
-    the smallest count: optimizer states before parameters, which cost more copies)."""
+    """The fewest GPUs of this kind that fit, sharded with several_gpus_shard: the fewest without an offload
+    and, where an offload to host memory fits on fewer, that one too (the first offload that fits at the
+    smallest count: optimizer states before parameters, which cost more copies; FSDP offloads only both)."""
     pinned_offload = request.pinned.get("offload")
+    shard = several_gpus_shard(request)
     # an offloaded optimizer steps 32-bit AdamW on the CPU: not tried for a pinned optimizer without a CPU step
     offloads = OFFLOADS if request.pinned.get("optimizer", "adamw") in options.OFFLOAD_OPTIMIZERS else ("none",)
+    if shard == "fsdp":
+        offloads = tuple(offload for offload in offloads if offload != "optimizer")
     found: list[Candidate] = []
     for n_gpus in (n for n in GPU_COUNTS if n >= request.n_gpus and request.effective_batch % n == 0):
         tried = [pinned_offload] if pinned_offload else list(offloads) if not found else ["none"]
         for offload in tried:
             if (n_gpus, offload) == (request.n_gpus, pinned_offload or "none"):
                 continue  # the plan itself
-            fit = best(candidates(request, gpu, seq_len, n_gpus=n_gpus, shard="zero3", offload=offload))
+            fit = best(candidates(request, gpu, seq_len, n_gpus=n_gpus, shard=shard, offload=offload))
             if fit:
                 found.append(fit)
                 break
@@ -695,7 +714,7 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
     options.check_against(
         request.pinned | {"method": request.method}, request.model, gpu, on_cpu=request.device == "cpu"
     )
-    shard = "zero3" if request.n_gpus * request.pinned.get("nodes", 1) > 1 else "none"
+    shard = several_gpus_shard(request) if request.n_gpus * request.pinned.get("nodes", 1) > 1 else "none"
     found = candidates(request, gpu, seq_len, n_gpus=request.n_gpus, shard=shard)
     chosen = best(found) if gpu else None
     reasons: list[str] = []
@@ -711,14 +730,17 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
             + f"and {gpu.name} has {gpu.usable_gib(request.headroom):.1f} GiB after "
             f"{request.headroom:.0%} headroom"
         ]
-        sharded = chosen.settings.model_copy(update={"n_gpus": 2, "shard": "zero3"})
+        sharded = chosen.settings.model_copy(update={"n_gpus": 2, "shard": several_gpus_shard(request)})
         runtime = memory.stack_runtime(sharded)
         loading = gib(memory.gpu_loading_bytes(request.model, sharded, runtime))
         if loading and loading + runtime.cuda_context_gib > gpu.usable_gib(request.headroom):
+            fsdp_loads_on_host = "fsdp" not in runtime.quantized_whole_on_gpu
+            instead = "--shard fsdp" if fsdp_loads_on_host else "--stack lorafit (FSDP)"
+            shards = SHARD_TITLES[sharded.shard] if fsdp_loads_on_host else "FSDP or ZeRO-3"
             reasons.append(
-                f"several {gpu.name}s do not help {chosen.settings.stack}'s trainer: it loads the "
-                f"{chosen.settings.quant} base whole ({loading:.1f} GiB) onto every GPU before sharding it "
-                "(a trainer that loads it in host memory first does not: --stack trl, as accelerate's FSDP runs it)"
+                f"several {gpu.name}s do not help {chosen.settings.stack}'s trainer with {shards}: it loads the "
+                f"{chosen.settings.quant} base whole ({loading:.1f} GiB) onto every GPU before sharding it; "
+                f"{instead} loads it in host memory and moves it to the GPUs a sharded layer at a time"
             )
         extra = suggestions(request, gpu, seq_len)
     else:

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from lorafit.options import TrainConfig
-    from lorafit.schema import Settings
+    from lorafit.schema import Estimate, Settings
 
 ENTRY = "lorafit.train.distributed"  # the module `accelerate launch -m` runs in every process
 LAUNCH_KEYS = ("node_rank", "main_address", "main_port")  # where a run is started from, not what it trains
@@ -198,6 +198,22 @@ def check_topology(topology: Topology, gpus: list[tuple[str, int]]) -> None:
         )
 
 
+def check_host_ram(estimate: Estimate, available_gib: float | None, topology: Topology) -> None:
+    """Refuse, before any process starts, a run whose host-memory peak (every process loading its copy of the
+    model, or the offloaded states) this machine does not have free: it would be killed while loading."""
+    needed = estimate.host_ram_gib
+    if available_gib is None or needed is None or needed <= available_gib:
+        return
+    parts = ", ".join(
+        f"{name.replace('_', ' ')} {value:.1f}" for name, value in estimate.host_ram_breakdown_gib.items()
+    )
+    fewer = f"--n-gpus {topology.n_gpus // 2} on more machines" if topology.n_gpus > 1 else "a machine with more RAM"
+    raise InvalidConfig(
+        f"host RAM: the {topology.n_gpus} processes on this machine need {needed:.1f} GiB ({parts}) and "
+        f"{available_gib:.1f} GiB is free; free memory, or use {fewer}"
+    )
+
+
 def visible_gpus() -> list[tuple[str, int]]:
     """(name, total memory in bytes) of each GPU torch sees, in CUDA order."""
     import torch
@@ -249,6 +265,40 @@ def split_over_nodes(settings: Settings, nodes: int) -> Settings:
     return settings.model_copy(
         update={"micro_batch": settings.micro_batch // needed, "grad_accum": settings.grad_accum * needed}
     )
+
+
+# --- resuming on other GPUs ----------------------------------------------------------------------------------
+ENGINE = {"none": "ddp", "ddp": "ddp", "zero2": "deepspeed", "zero3": "deepspeed", "fsdp": "fsdp"}
+ENGINE_TITLES = {"ddp": "whole (one GPU or DDP)", "deepspeed": "DeepSpeed's ZeRO partitions", "fsdp": "FSDP's sharded"}
+
+
+def engine_of(settings: Settings) -> str:
+    """Who writes the optimizer state of a checkpoint: DeepSpeed for zero2/zero3 (and ZeRO-Offload on one GPU),
+    FSDP (torch.distributed.checkpoint), or the Trainer itself, whole, for one GPU and DDP."""
+    return ENGINE[settings.shard]
+
+
+def check_resume(saved: Settings, resumed: Settings, checkpoint: Path) -> None:
+    """Refuse, in one line naming the settings that resume, a checkpoint the engine cannot load on these GPUs.
+    Whole states (one GPU, DDP) load on any number; FSDP's go through torch.distributed.checkpoint, which
+    reshards to the new number; DeepSpeed loads its ZeRO partitions only on as many GPUs as wrote them
+    (deepspeed 0.19.8 runtime/engine.py `_load_zero_checkpoint`, without a universal checkpoint). Across
+    engines the optimizer state is in another format, which the Trainer would skip rather than load."""
+    before, after = engine_of(saved), engine_of(resumed)
+    saved_world = saved.n_gpus * saved.nodes
+    topology = f"--n-gpus {saved.n_gpus}" + (f" --nodes {saved.nodes}" if saved.nodes > 1 else "")
+    shard = f"--shard {saved.shard}" + (f" --offload {saved.offload}" if saved.offload != "none" else "")
+    if before != after:
+        same = shard if before != "ddp" else "--shard ddp (or none on one GPU)"
+        raise InvalidConfig(
+            f"resume: {checkpoint.name} holds the optimizer state {ENGINE_TITLES[before]}, and this run would "
+            f"load it as {ENGINE_TITLES[after]}; resume with {same}" + (f" {topology}" if before == "deepspeed" else "")
+        )
+    if before == "deepspeed" and resumed.n_gpus * resumed.nodes != saved_world:
+        raise InvalidConfig(
+            f"resume: {checkpoint.name} holds DeepSpeed ZeRO partitions for {saved_world} GPU"
+            f"{'s' if saved_world > 1 else ''}, and DeepSpeed loads them only on as many; resume with {topology}"
+        )
 
 
 # --- out of memory among several processes ---------------------------------------------------------------
@@ -458,7 +508,11 @@ def launch(
     if prepared is None:
         return 0  # finished: nothing to train
     plan = prepared.plan
-    if not on_cuda:
+    if on_cuda:
+        from lorafit.hardware import available_ram_gib
+
+        check_host_ram(plan.estimate, available_ram_gib(), topology)
+    else:
         console.print(cpu_note(prepared.asked, topology))
     launch_dir = Path(tempfile.mkdtemp(prefix="lorafit-launch-"))
     try:

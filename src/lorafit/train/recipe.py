@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from rich.console import Console
 
+from lorafit import memory
 from lorafit.errors import DataError, InvalidConfig, TrainError
 from lorafit.files import ordinary_mode, write_atomic
 from lorafit.schema import Plan, Settings
@@ -123,6 +124,8 @@ def run(
             config, spec, profile, encoded.lengths, saved_plan=saved_plan, on_cuda=on_cuda, console=console
         )
         plan = for_processes(plan, config, on_cuda)
+        if saved_plan is not None and not processes.launched and start.checkpoint is not None:
+            distributed.check_resume(saved_plan.settings, plan.settings, start.checkpoint)
     plan = _same_plan_everywhere(processes.broadcast(plan), plan)
     settings = plan.settings
     _check_device(settings, on_cuda, spec, launched=processes.launched)
@@ -326,6 +329,10 @@ def prepare_launch(
     plan = resolve_plan(config, spec, profile, encoded.lengths, saved_plan=saved_plan, on_cuda=on_cuda, console=console)
     asked = plan.settings
     plan = for_processes(plan, config, on_cuda)
+    if saved_plan is not None and start.checkpoint is not None:
+        from lorafit.train import distributed
+
+        distributed.check_resume(saved_plan.settings, plan.settings, start.checkpoint)
     _check_device(plan.settings, on_cuda, spec, launched=True)
     build.check_settings(spec, plan.settings)
     show_plan(plan, console)
@@ -546,7 +553,7 @@ def _check_device(settings: Settings, on_cuda: bool, spec: ModelSpec, *, launche
     """What this machine cannot run: offloads that the free host RAM cannot hold, or several GPUs in one process
     (`lorafit train` starts the processes: `distributed.launch`)."""
     if on_cuda:
-        from lorafit import hardware, memory
+        from lorafit import hardware
 
         problem = memory.host_saver_problem(spec, settings, hardware.available_ram_gib())
         if problem:
@@ -606,7 +613,7 @@ def _load_model(
     from lorafit.train import build
 
     set_seed(config.seed)  # the adapters' random init: the same seed gives the same run
-    device_map = {"": torch.cuda.current_device()} if on_cuda and settings.quant != "none" else None
+    device_map = load_device_map(settings, torch.cuda.current_device() if on_cuda else None)
     try:
         model = build.load_model(
             model_dir,
@@ -622,6 +629,19 @@ def _load_model(
         raise TrainError(f"cannot load model from {model_dir}: {detail}") from None
     _one_cpu_weight_format(model)
     return build.checked_prepare(model, spec, settings)
+
+
+def load_device_map(settings: Settings, gpu: int | None) -> dict[str, int | str] | None:
+    """Where from_pretrained puts the weights. A 4/8-bit base is quantised where it is loaded: on this process's
+    GPU, or, where FSDP shards it over several (memory.host_loads_the_base), in host memory, so that
+    fully_shard moves it to the GPU one layer at a time and no GPU ever holds the whole base. A 16-bit base is
+    built in host memory and moved by the Trainer (or the engine). `gpu`: this process's CUDA device, None on
+    the CPU."""
+    if gpu is None or settings.quant == "none":
+        return None
+    if memory.host_loads_the_base(settings, memory.stack_runtime(settings)):
+        return {"": "cpu"}
+    return {"": gpu}
 
 
 def _one_cpu_weight_format(model: PreTrainedModel) -> None:
