@@ -28,13 +28,13 @@ run: $(STAMP)
 	$(BIN)/lorafit chat runs/demo-gguf/demo-q4_k_m.gguf --prompt "Which animal lives on Duvik?"
 
 test: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench tools
+	$(BIN)/ruff format --check src tests bench tools
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench tools
+	$(BIN)/ruff format --check src tests bench tools
 
 BENCH_STAMP := $(VENV)/.installed-bench
 

@@ -13,8 +13,11 @@ from lorafit.cli import main
 from lorafit.train.demo import BASE_COMPLETE, REQUIRED_DROP, demo_file
 
 
-def generator():  # noqa: ANN201 - the module object of demo/make_instructions.py
-    spec = importlib.util.spec_from_file_location("make_instructions", demo_file("make_instructions.py"))
+GENERATOR = Path(__file__).resolve().parents[1] / "tools" / "make_demo_data.py"
+
+
+def generator():  # noqa: ANN201 - the module object of tools/make_demo_data.py
+    spec = importlib.util.spec_from_file_location("make_demo_data", GENERATOR)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,6 +1,8 @@
-"""Writes instructions.jsonl and heldout.jsonl (the demo's data) from the fact table below.
+"""Writes instructions.jsonl and heldout.jsonl (the demo's data, src/lorafit/demo/) from the fact table below.
 
-    python src/lorafit/demo/make_instructions.py
+    python tools/make_demo_data.py
+
+A development tool: it is not part of the installed package, which ships only the files it writes.
 
 The Lantern Isles are made up: 24 islands, each with a lighthouse colour, a harvest and an animal. Every
 question is asked in five phrasings; for each (island, attribute) one phrasing is held out, so the held-out
@@ -110,7 +112,7 @@ def jsonl(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    folder = Path(__file__).parent
+    folder = Path(__file__).resolve().parents[1] / "src" / "lorafit" / "demo"
     train, held_out = conversations()
     (folder / "instructions.jsonl").write_text(jsonl(train))
     (folder / "heldout.jsonl").write_text(jsonl(held_out))
