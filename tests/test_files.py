@@ -163,3 +163,14 @@ def test_stale_folders_of_dead_processes_go_and_the_living_ones_stay(tmp_path: P
     assert sorted(remove_stale_partials(tmp_path, pattern)) == sorted([dead, linked])
     assert alive.is_dir() and not dead.exists() and not linked.is_symlink()
     assert (outside / "keep.txt").read_text() == "mine"
+
+
+def test_a_temporary_from_another_machine_is_left_alone(tmp_path: Path) -> None:
+    """A shared folder (several nodes of one run): a process id says nothing about another machine's processes."""
+    from lorafit.files import host_tag
+
+    other = "ffffffff" if host_tag() != "ffffffff" else "00000000"
+    theirs = tmp_path / f".lorafit-{other}-{dead_pid()}-abcd1234.tmp"
+    theirs.write_text("being written there")
+    write_atomic(tmp_path / "plan.json", "{}")
+    assert theirs.read_text() == "being written there"
