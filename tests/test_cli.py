@@ -500,3 +500,99 @@ def test_a_torchtune_config_is_refused_while_its_stack_is_not_offered(capsys: py
     path = CONFIGS / "torchtune_llama2_7b_qlora_single_device.yaml"
     code, _, err = run(["plan", "--from", str(path), "--gpu", "RTX 4090"], capsys)
     assert code == 2 and "stack torchtune: not offered" in err and err.count("\n") == 1
+
+
+# --- Ctrl-C, for every command ----------------------------------------------------------------------------------
+def test_ctrl_c_in_any_command_is_one_line_and_exit_130(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lorafit import answers
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(answers, "plan", interrupted)
+    code, out, err = run(["plan", "--model", "llama-2-7b"], capsys)
+    assert (code, out, err) == (130, "", "lorafit: interrupted\n")
+
+
+def test_sigint_while_a_command_runs_is_one_line_and_exit_130() -> None:
+    """The real signal, sent once the command is running (it waits in place of planning)."""
+    import os
+    import signal
+
+    script = (
+        "import signal, time\n"
+        "from lorafit import answers, cli\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even started in the background\n"
+        "def wait(*args, **kwargs):\n"
+        "    print('running', flush=True)\n"
+        "    time.sleep(60)\n"
+        "answers.plan = wait\n"
+        "cli.main(['plan', '--model', 'llama-2-7b'])\n"
+    )
+    environment = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}  # this lorafit, wherever it is installed
+    process = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment
+    )
+    assert process.stdout is not None and process.stdout.readline() == "running\n"
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert (process.returncode, out, err) == (130, "", "lorafit: interrupted\n")
+
+
+# --- init: a regular file or nothing ----------------------------------------------------------------------------
+def test_init_force_never_replaces_a_pipe_or_a_symlink(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+    import stat
+
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)
+    code, _, err = run(["init", str(fifo), "--force"], capsys)
+    assert (
+        code == 2 and err == f"lorafit: error: {fifo} is not a regular file (a device, pipe or socket); name a file\n"
+    )
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("model: mine\n")
+    for name, points_to in (("link", mine), ("dangling", tmp_path / "gone.yaml"), ("loop", None)):
+        link = tmp_path / f"{name}.yaml"
+        link.symlink_to(points_to or link)
+        code, _, err = run(["init", str(link), "--force"], capsys)
+        assert code == 2 and err == f"lorafit: error: {link} is a symbolic link; name the file itself, or a new name\n"
+        assert os.readlink(link) == str(points_to or link)
+    assert mine.read_text() == "model: mine\n" and not (tmp_path / "gone.yaml").exists()
+
+
+def test_init_force_never_replaces_a_device_node(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As root, `init /dev/null --force` once replaced /dev/null; a node made in a temporary folder stands in."""
+    import os
+    import stat
+
+    node = tmp_path / "null"
+    try:
+        os.mknod(node, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    except (PermissionError, AttributeError):
+        pytest.skip("making a device node needs root (and a system that allows it)")
+    code, _, err = run(["init", str(node), "--force"], capsys)
+    assert code == 2 and "is not a regular file" in err and err.count("\n") == 1
+    assert stat.S_ISCHR(os.lstat(node).st_mode)
+
+
+def test_init_writes_any_legal_name_and_refuses_a_longer_one_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    longest = tmp_path / ("c" * 250 + ".yaml")
+    code, out, err = run(["init", str(longest)], capsys)
+    assert code == 0 and "wrote" in out, err
+    for too_long in (tmp_path / ("c" * 251 + ".yaml"), tmp_path / ("d" * 300) / "lorafit.yaml"):
+        code, out, err = run(["init", str(too_long)], capsys)
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in out + err
+        assert err.startswith(f"lorafit: error: {too_long} has a name of ")
+        assert err.endswith("a file or folder name may have at most 255\n")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_init_where_no_file_can_be_made_is_cannot_write(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["init", "/proc/lorafit.yaml", "--force"], capsys)
+    assert code == 2 and err.startswith("lorafit: error: cannot write /proc/lorafit.yaml: ") and err.count("\n") == 1

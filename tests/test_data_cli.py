@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -285,3 +286,97 @@ def test_a_folder_that_refuses_writes_is_one_line_for_every_output(
         code, _, err = run_main([*args, str(target)], capsys)
         assert code == 2 and err == f"lorafit: error: cannot write {target}: Permission denied\n"
         assert not target.exists()
+
+
+OUTPUTS = (  # (the option's name in messages, the arguments before the output path, those after it)
+    ("--report", ["check"], ["--report"]),
+    ("--plot", ["check"], ["--plot"]),
+    ("output", ["convert"], []),
+)
+
+
+def output_args(kind: list[str], option: list[str], source: Path, target: Path) -> list[str]:
+    if kind == ["convert"]:
+        return ["data", "convert", str(source), str(target), "--overwrite"]
+    return ["data", "check", str(source), *option, str(target)]
+
+
+@pytest.mark.parametrize(("label", "kind", "option"), OUTPUTS)
+def test_a_symlink_output_is_refused_never_replaced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], label: str, kind: list[str], option: list[str]
+) -> None:
+    """A link to a file, a dangling link, a link to itself: the writer's rename once replaced each of them."""
+    source = write_jsonl(tmp_path / "a.jsonl", [GOOD])
+    suffix = {"--report": ".json", "--plot": ".png", "output": ".jsonl"}[label]
+    mine = tmp_path / f"mine{suffix}"
+    mine.write_text("keep me")
+    for name, points_to in (("to-a-file", mine), ("dangling", tmp_path / f"gone{suffix}"), ("loop", None)):
+        link = tmp_path / f"{name}{suffix}"
+        link.symlink_to(points_to or link)
+        code, _, err = run_main(output_args(kind, option, source, link), capsys)
+        assert (
+            code == 2
+            and err == f"lorafit: error: {label} {link} is a symbolic link; name the file itself, or a new name\n"
+        )
+        assert os.readlink(link) == str(points_to or link)
+    assert mine.read_text() == "keep me" and not (tmp_path / f"gone{suffix}").exists()
+
+
+@pytest.mark.parametrize(("label", "kind", "option"), OUTPUTS)
+def test_any_legal_output_name_is_written_and_a_longer_one_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], label: str, kind: list[str], option: list[str]
+) -> None:
+    source = write_jsonl(tmp_path / "a.jsonl", [GOOD])
+    suffix = {"--report": ".json", "--plot": ".png", "output": ".jsonl"}[label]
+    longest = tmp_path / ("n" * (255 - len(suffix)) + suffix)
+    code, _, err = run_main(output_args(kind, option, source, longest), capsys)
+    assert code == 0, err
+    assert longest.stat().st_size > 0
+    for too_long in (tmp_path / ("n" * (256 - len(suffix)) + suffix), tmp_path / ("d" * 300) / f"x{suffix}"):
+        code, out, err = run_main(output_args(kind, option, source, too_long), capsys)
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in out + err
+        assert err.startswith(f"lorafit: error: {label} {too_long} has a name of ")
+        assert err.endswith("a file or folder name may have at most 255\n")
+
+
+def test_an_input_name_too_long_to_exist_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / ("i" * 300 + ".jsonl")
+    for args in (["data", "check", str(missing)], ["data", "convert", str(missing), str(tmp_path / "out.jsonl")]):
+        code, _, err = run_main(args, capsys)
+        assert code == 2 and err == f"lorafit: error: no such file or directory: {missing}\n"
+
+
+def test_ctrl_c_in_convert_says_so_and_keeps_the_old_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+
+    real = importlib.import_module("lorafit.data.convert").from_messages
+    calls = {"n": 0}
+
+    def interrupt_after_ten(messages: list, to: str) -> dict:
+        calls["n"] += 1
+        if calls["n"] > 10:
+            raise KeyboardInterrupt  # what Ctrl-C raises, with the output half written
+        return real(messages, to)
+
+    source = write_jsonl(tmp_path / "a.jsonl", [GOOD] * 50)
+    out_file = tmp_path / "out.jsonl"
+    out_file.write_text("the old file\n")
+    monkeypatch.setattr(importlib.import_module("lorafit.data.convert"), "from_messages", interrupt_after_ten)
+    code, out, err = run_main(["data", "convert", str(source), str(out_file), "--overwrite"], capsys)
+    assert code == 130 and err == "lorafit: interrupted\n" and out == ""
+    assert out_file.read_text() == "the old file\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.jsonl", "out.jsonl"]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_place_that_takes_no_files_is_cannot_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = write_jsonl(tmp_path / "a.jsonl", [GOOD])
+    for target, args in (
+        ("/proc/lorafit-x.jsonl", ["data", "convert", str(source)]),
+        ("/proc/lorafit-x.json", ["data", "check", str(source), "--report"]),
+        ("/proc/lorafit-x.png", ["data", "check", str(source), "--plot"]),
+    ):
+        code, _, err = run_main([*args, target], capsys)
+        assert code == 2 and err.startswith(f"lorafit: error: cannot write {target}: ") and err.count("\n") == 1

@@ -180,13 +180,15 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
+INTERRUPTED = 130  # the exit code of a process ended by SIGINT, as shells report it
+
+
 def main(argv: list[str] | None = None) -> None:
     _register_subcommands()
     try:
         code = app(args=argv, standalone_mode=False)
     except typer.Abort:
-        typer.echo("lorafit: interrupted", err=True)
-        raise SystemExit(130) from None
+        code = INTERRUPTED
     except typer.TyperException as error:  # a usage error: an unknown flag, a missing value, a bad argument
         context = getattr(error, "ctx", None)
         if type(error).__name__ == "NoArgsIsHelpError" and context is not None:
@@ -198,8 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValidationError as error:
         fail(one_line(error))
     except KeyboardInterrupt:
+        code = INTERRUPTED
+    if code == INTERRUPTED:  # typer answers Ctrl-C in a command with this code and no word
         typer.echo("lorafit: interrupted", err=True)
-        raise SystemExit(130) from None
     raise SystemExit(code if isinstance(code, int) else 0)  # as click's standalone mode ends
 
 

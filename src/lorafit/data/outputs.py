@@ -5,18 +5,20 @@
   `plot.jpg` or a report as `notes` is refused rather than silently renamed or mislabelled.
 - Missing parent folders are created, as the atomic writer writes (`lorafit.files`).
 - The path may not be an input file, nor a data file inside an input directory (the next check of that directory
-  would read it as data), nor an existing device, pipe or socket: the writer renames a finished file over the
-  target, which would put a regular file where the device was.
+  would read it as data), nor anything the writer refuses (`lorafit.files.target_problem`): a name longer than
+  a file system holds, or an existing symlink, device, pipe or socket, which the writer's rename would replace.
 
 Everything here is checked before the dataset is read, so a mistyped path fails at once, not after the scan.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from lorafit.data.readers import EXTENSIONS, data_files
 from lorafit.errors import DataError
+from lorafit.files import name_problem, target_problem
 
 
 def output_path(
@@ -27,18 +29,22 @@ def output_path(
     `what` names the content for messages ("the histogram is a PNG"); `suffixes` are the accepted endings, the
     first one used for a name made inside a directory: `<dataset stem><name_suffix><suffixes[0]>`."""
     path, source = Path(path), Path(source)
-    if path.is_dir():
+    if os.path.isdir(path):  # False, not an error, for a name too long to exist
         path = path / f"{dataset_stem(source)}{name_suffix}{suffixes[0]}"
     elif path.suffix.lower() not in suffixes:
         endings = " or ".join(filter(None, [", ".join(suffixes[:-1]), suffixes[-1]]))
         raise DataError(f"{label} {path}: {what}; name a {endings} file, or an existing directory to write it in")
     shown = f"{label} {path}"
+    problem = name_problem(path)
+    if problem:
+        raise DataError(f"{shown} {problem}")
     _check_parents(path, shown)
-    if path.exists() and not path.is_file():  # directories were handled above
-        raise DataError(f"{shown} is not a regular file (a device, pipe or socket); name a file")
     if path.exists() and any(_same_file(file, path) for file in data_files(source)):
         raise DataError(f"{shown} is the input; write to another file")
-    if source.is_dir() and path.suffix.lower() in EXTENSIONS and path.resolve().is_relative_to(source.resolve()):
+    problem = target_problem(path)
+    if problem:
+        raise DataError(f"{shown} {problem}")
+    if os.path.isdir(source) and path.suffix.lower() in EXTENSIONS and path.resolve().is_relative_to(source.resolve()):
         raise DataError(f"{shown} is inside the input directory {source}, where it would be read as data")
     return path
 
@@ -46,7 +52,7 @@ def output_path(
 def dataset_stem(source: Path) -> str:
     """'train' for train.jsonl, 'data' for a directory data/ (the current directory's own name for '.')."""
     resolved = source.resolve()
-    return (resolved.name if resolved.is_dir() else resolved.stem) or "data"
+    return (resolved.name if os.path.isdir(resolved) else resolved.stem) or "data"
 
 
 def _check_parents(path: Path, shown: str) -> None:

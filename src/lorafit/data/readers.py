@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,12 +74,13 @@ def file_kind(path: Path) -> FileKind:
 
 
 def data_files(path: Path) -> list[Path]:
-    """The file itself, or every data file under a directory (sorted, hidden files skipped)."""
+    """The file itself, or every data file under a directory (sorted, hidden files skipped). A name too long to
+    exist is no file (os.path answers False where pathlib raises)."""
     path = Path(path)
-    if path.is_file():
+    if os.path.isfile(path):
         file_kind(path)
         return [path]
-    if path.is_dir():
+    if os.path.isdir(path):
         try:
             candidates = [
                 candidate
@@ -99,7 +101,7 @@ def data_files(path: Path) -> list[Path]:
             hint = f"; it holds compressed files ({', '.join(compressed)}): extract them first" if compressed else ""
             raise DataError(f"no data files in {path} (looked for {', '.join(sorted(EXTENSIONS))}){hint}")
         return files
-    if path.exists():
+    if os.path.exists(path):
         raise DataError(f"{path} is not a regular file or a directory (a pipe, device or socket); name a data file")
     raise DataError(f"no such file or directory: {path}")
 

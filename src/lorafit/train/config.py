@@ -16,6 +16,7 @@ import yaml
 
 from lorafit import options
 from lorafit.errors import InvalidConfig
+from lorafit.files import target_problem, write_atomic
 from lorafit.options import TrainConfig
 
 # The Settings fields a train config can fix (the single-device trainer has no n_gpus or shard).
@@ -76,9 +77,11 @@ def starter_config(name: str) -> str:
 
 
 def write_starter(path: Path, force: bool = False) -> None:
-    """Write a commented starter config; never over an existing file unless `force`."""
-    from lorafit.files import write_atomic
-
+    """Write a commented starter config; never over an existing file unless `force`, and never over a symlink,
+    device, pipe or socket, even with it."""
+    problem = target_problem(path)
+    if problem:
+        raise InvalidConfig(f"{path} {problem}")
     if path.exists() and not force:
         raise InvalidConfig(f"{path} already exists; pass --force to replace it")
     try:
