@@ -201,7 +201,6 @@ LORAFIT_KEYS = frozenset(
         "vram",
         "eval_data",
         "eval_split",
-        "train_on_prompt",
         "method",
         "quant",
         "double_quant",
