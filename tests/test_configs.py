@@ -405,6 +405,7 @@ def test_a_malformed_deepspeed_section_is_one_line(tmp_path: Path, deepspeed: An
         ("maybe.json", {"use_peft": True, "load_in_8bit": "maybe"}, "load_in_8bit maybe: must be true or false"),
         ("peft.json", {"use_peft": "yes please"}, "use_peft yes please: must be true or false"),
         ("ckpt.yaml", "stage: sft\ndisable_gradient_checkpointing: 1\n", "disable_gradient_checkpointing 1: must be"),
+        ("offload.yml", "base_model: x\nactivation_offloading: 1\n", "activation_offloading 1: must be true or false"),
         ("batch.json", {"use_peft": True, "per_device_train_batch_size": True}, "per_device_train_batch_size true"),
         ("lorafit.yaml", "method: lora\nmicro_batch: true\n", "micro_batch true: must be a whole number"),
         # what transformers' torch_dtype cannot be

@@ -9,7 +9,9 @@ is ignored. The kind of file is told from its keys, never from its name.
 and changes memory (LLaMA-Factory's LoRA rank 8, axolotl's sequence_len 512, ...), the tool's default is put in
 too, with the source it comes from. The code paths of each tool (what its step keeps alive) are its stack's, in
 catalog/stacks.toml, and are not repeated here; only the facets a file switches (autocast, fused AdamW) are.
-Nothing is validated beyond mapping: the caller checks the values with `options.validate`. Pure Python.
+A key this module reads must have the shape its tool gives it (a switch true or false, a section a mapping, a
+number not a boolean), else it is refused in one line naming it, never read as on, off or a default; the values
+mapped are checked by the caller with `options.validate`. The file is parsed with bounds (`safeload`). Pure Python.
 """
 
 from __future__ import annotations
@@ -700,6 +702,8 @@ def _axolotl_checkpointing(reading: _Reading) -> None:
     elif checkpointing == "offload_disk":
         reading.note("gradient_checkpointing", checkpointing, "checkpoints on disk are not modelled")
     offloading = reading.get("activation_offloading")
+    if offloading not in ("legacy", "disk"):
+        offloading = reading.switch("activation_offloading")
     if offloading in (True, "legacy"):
         reading.values["offload_activations"] = True
     elif offloading == "disk":
