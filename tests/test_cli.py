@@ -180,6 +180,13 @@ def test_plan_compare_json_names_the_cheapest(capsys: pytest.CaptureFixture[str]
     assert data["max_price_hour"] == 0.3
 
 
+@pytest.mark.parametrize("flags", [["--gpu", "RTX 4090"], ["--vram", "24"]])
+def test_compare_refuses_one_gpu_rather_than_ignore_it(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(["plan", "--model", "llama-2-7b", "--compare", *flags], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert f"--compare plans on every catalog GPU; drop {flags[0]}" in err
+
+
 def test_plan_for_people(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["plan", "--model", "llama-2-70b", "--gpu", "RTX 4090"], capsys)
     assert code == 0

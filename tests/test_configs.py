@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from conftest import run_cli
 from lorafit import configs, options
 from lorafit.errors import InvalidConfig
 
@@ -317,6 +318,146 @@ def test_a_file_that_cannot_be_read_is_refused_in_one_line_naming_it(
     assert says in message
     assert str(path) in message
     assert "\n" not in message
+
+
+# a ~350-byte YAML whose aliases expand to 9^9 (387 million) strings: a "billion laughs"
+LAUGHS = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
+    f"{name}: &{name} [{', '.join(['*' + previous] * 9)}]\n"
+    for previous, name in zip("abcdefgh", "bcdefghi", strict=True)
+)
+# files that ended in a traceback, or in exhausting memory, before they were bounded
+HOSTILE: dict[str, tuple[str, str, str]] = {
+    "an alias inside itself": ("recursive.yaml", "method: lora\nlora_targets: &a [*a]\n", "inside its own anchor"),
+    "20,000-deep YAML": ("deep.yaml", "method: " + "[" * 20_000 + "]" * 20_000 + "\n", "nested more than"),
+    "100,000-deep JSON": ("deep.json", '{"use_peft": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested more than"),
+    "a 5,000-digit YAML number": ("long.yaml", "method: lora\nlora_r: " + "7" * 5000 + "\n", "5000 digits"),
+    "a 5,000-digit JSON number": ("long.json", '{"use_peft": true, "lora_r": ' + "7" * 5000 + "}", "5000 digits"),
+    "a billion laughs": ("laughs.yaml", LAUGHS, "values once aliases expand"),
+    "a date that does not exist": ("date.yaml", "method: lora\nseed: 2024-02-30\n", "day is out of range"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_file_is_refused_in_one_line_naming_it(tmp_path: Path, case: str) -> None:
+    name, content, says = HOSTILE[case]
+    path = write(tmp_path, name, content)
+    assert len(LAUGHS) < 500
+    with pytest.raises(InvalidConfig) as refused:
+        configs.read(path)
+    message = str(refused.value)
+    assert says in message and str(path) in message and "\n" not in message
+
+
+def test_plan_from_a_hostile_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for name, content, says in HOSTILE.values():
+        path = write(tmp_path, name, content)
+        code, out, err = run_cli(["plan", "--gpu", "RTX 4090", "--from", str(path)], capsys)
+        assert (code, out, err.count("\n")) == (2, "", 1) and says in err and str(path) in err, err
+
+
+@pytest.mark.parametrize(
+    ("deepspeed", "says"),
+    [
+        ({"zero_optimization": "stage3"}, "deepspeed.zero_optimization stage3: must be a mapping"),
+        ({"zero_optimization": [3]}, "deepspeed.zero_optimization [3]: must be a mapping"),
+        ([{"zero_optimization": {"stage": 3}}], "a DeepSpeed config is the path to its file or a mapping"),
+        ({"zero_optimization": {"stage": [3]}}, "deepspeed.zero_optimization.stage [3]: DeepSpeed ZeRO has stages"),
+        ({"zero_optimization": {"stage": True}}, "deepspeed.zero_optimization.stage true: DeepSpeed ZeRO has stages"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": "cpu"}},
+            "deepspeed.zero_optimization.offload_param cpu: must be a mapping such as {device: cpu}",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "disk"}}},
+            "offload_optimizer.device disk: DeepSpeed offloads to none, cpu or nvme",
+        ),
+    ],
+)
+def test_a_malformed_deepspeed_section_is_one_line(tmp_path: Path, deepspeed: Any, says: str) -> None:
+    for base in ({"use_peft": True}, {"base_model": "x", "adapter": "lora"}, {"stage": "sft", "cutoff_len": 512}):
+        path = write(tmp_path, "ds.json", base | {"deepspeed": deepspeed})
+        with pytest.raises(InvalidConfig) as refused:
+            configs.read(path)
+        assert says in str(refused.value) and str(path) in str(refused.value), base
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "says"),
+    [
+        # values of the wrong shape or type, deeper than the top level
+        ("lf_bits.yaml", "stage: sft\nfinetuning_type: lora\nquantization_bit: [4]\n", "quantization_bit [4]"),
+        ("lf_attn.yaml", "stage: sft\nflash_attn: [fa2]\n", "flash_attn [fa2]: use one of"),
+        ("trl_loss.json", {"use_peft": True, "loss_type": ["nll"]}, "loss_type [nll]"),
+        ("tt_dtype.yaml", "model: {_component_: torchtune.models.llama2.llama2_7b}\ndtype: [bf16]\n", "dtype [bf16]"),
+        (
+            "litgpt_batch.yaml",
+            "checkpoint_dir: checkpoints/x\ntrain: {global_batch_size: '16'}\n",
+            "train.global_batch_size 16: must be a whole number",
+        ),
+        (
+            "litgpt_fused.yaml",
+            "checkpoint_dir: checkpoints/x\noptimizer: {class_path: torch.optim.AdamW, init_args: [fused]}\n",
+            "optimizer.init_args [fused]: must be a mapping",
+        ),
+        ("key.yaml", "1: lora\nmethod: lora\n", "the key 1 is not a setting's name"),
+        # true/false settings that are neither, and a number that is a boolean
+        ("maybe.yml", "base_model: x\nadapter: lora\nload_in_4bit: maybe\n", "load_in_4bit maybe: must be true or"),
+        ("maybe.json", {"use_peft": True, "load_in_8bit": "maybe"}, "load_in_8bit maybe: must be true or false"),
+        ("peft.json", {"use_peft": "yes please"}, "use_peft yes please: must be true or false"),
+        ("ckpt.yaml", "stage: sft\ndisable_gradient_checkpointing: 1\n", "disable_gradient_checkpointing 1: must be"),
+        ("offload.yml", "base_model: x\nactivation_offloading: 1\n", "activation_offloading 1: must be true or false"),
+        ("batch.json", {"use_peft": True, "per_device_train_batch_size": True}, "per_device_train_batch_size true"),
+        ("lorafit.yaml", "method: lora\nmicro_batch: true\n", "micro_batch true: must be a whole number"),
+        # what transformers' torch_dtype cannot be
+        ("dtype.json", {"use_peft": True, "torch_dtype": "float8"}, "torch_dtype float8: use one of bfloat16"),
+        # a base in 4 and in 8 bits at once
+        (
+            "bits.yml",
+            "base_model: x\nadapter: lora\nload_in_4bit: true\nload_in_8bit: true\n",
+            "load_in_4bit and load_in_8bit both ask for a quantised base",
+        ),
+        ("qlora8.yml", "base_model: x\nadapter: qlora\nload_in_8bit: true\n", "adapter qlora and load_in_8bit"),
+        (
+            "bits.json",
+            {"use_peft": True, "load_in_4bit": True, "load_in_8bit": True},
+            "load_in_4bit and load_in_8bit both",
+        ),
+    ],
+)
+def test_a_value_lorafit_would_misread_is_refused_in_one_line(
+    tmp_path: Path, name: str, content: str | dict[str, Any], says: str
+) -> None:
+    path = write(tmp_path, name, content)
+    with pytest.raises(InvalidConfig) as refused:
+        configs.read(path)
+    assert says in str(refused.value) and str(path) in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_true_and_false_may_be_spelled_as_words(tmp_path: Path) -> None:
+    values = configs.read(write(tmp_path, "sft.json", {"use_peft": "true", "load_in_4bit": "True"})).values
+    assert (values["method"], values.get("quant", "nf4")) == ("qlora", "nf4")
+
+
+def test_a_lorafit_config_with_a_typo_is_read_as_lorafit_and_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lora_rank` is LLaMA-Factory's name, but beside lorafit's `method` it is a typo of lora_r: the file is not
+    read as LLaMA-Factory's (where method qlora would become lora without a word)."""
+    path = write(tmp_path, "run.yaml", "model: llama-2-7b\nmethod: qlora\nlora_rank: 8\n")
+    with pytest.raises(InvalidConfig, match="unknown key 'lora_rank'; did you mean lora_r"):
+        configs.read(path)
+    code, out, err = run_cli(["plan", "--gpu", "RTX 4090", "--from", str(path)], capsys)
+    assert code == 2 and out == "" and "did you mean lora_r" in err
+    without_method = write(tmp_path, "bare.yaml", "model: llama-2-7b\nlora_rank: 8\nseq_len: 512\n")
+    with pytest.raises(InvalidConfig, match="unknown key 'lora_rank'"):
+        configs.read(without_method)
+
+
+def test_a_file_with_lorafit_keys_and_more_of_another_tool_is_not_guessed(tmp_path: Path) -> None:
+    path = write(tmp_path, "mixed.yaml", "method: qlora\nlora_rank: 8\ncutoff_len: 512\n")
+    with pytest.raises(InvalidConfig) as refused:
+        configs.read(path)
+    assert "it has lorafit's keys and LLaMA-Factory's (cutoff_len, lora_rank)" in str(refused.value)
 
 
 def test_an_unknown_kind_names_the_kinds_understood(tmp_path: Path) -> None:

@@ -146,6 +146,41 @@ def test_batch_rules(values: dict[str, int | str], problem: str) -> None:
         options.validate("plan", values)
 
 
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        (["--attn", "flash", "--precision", "fp32"], "attn flash: flash attention has no fp32 kernel; use precision"),
+        (["--fused-optimizer", "--optimizer", "sgd"], "optimizer sgd has none"),
+    ],
+)
+def test_settings_no_kernel_runs_together_are_refused_everywhere(
+    flags: list[str], problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for command in (["estimate"], ["plan", "--gpu", "RTX 4090"]):
+        code, out, err = run_cli([*command, *flags], capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1 and problem in err, (command, err)
+    for command in (["estimate"], ["plan", "--gpu", "RTX 4090"]):  # each alone is fine
+        for alone in (flags[:-2], flags[-2:]):
+            code, _, err = run_cli([*command, *alone], capsys)
+            assert code == 0, (command, alone, err)
+
+
+def test_flash_attention_and_fp32_are_refused_in_a_train_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text("attn: flash\nprecision: fp32\n")
+    code, _, err = run_cli(["train", str(config)], capsys)
+    assert code == 2 and err.count("\n") == 1 and f"{config}: attn flash: flash attention has no fp32" in err, err
+
+
+def test_flash_attention_is_refused_on_the_cpu() -> None:
+    """Training on the CPU runs in fp32, which flash attention has no kernel for."""
+    with pytest.raises(InvalidConfig, match="attn flash: flash attention runs on CUDA GPUs only"):
+        options.check_against({"attn": "flash"}, on_cpu=True)
+    options.check_against({"attn": "flash"})
+
+
 def test_the_effective_batch_is_the_product_when_only_micro_batch_and_accumulation_are_set() -> None:
     config = TrainConfig(micro_batch=2, grad_accum=4)
     assert config.effective_batch_size == 8

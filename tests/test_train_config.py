@@ -97,6 +97,43 @@ def test_a_bad_config_exits_2_from_the_cli(tmp_path: Path, capsys: pytest.Captur
     assert code == 2 and "lorafit init" in err
 
 
+# files that ended in a RecursionError, a ValueError or exhausted memory; each is refused at the line it is at
+HOSTILE = {
+    "deep.yaml": ("seed: " + "[" * 20_000 + "]" * 20_000 + "\n", "line 1: not valid YAML (nested more than 100 deep)"),
+    "deep.json": ('{"seed": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested more than 100 deep"),
+    "alias.yaml": ("seed: 1\ndata_mapping: &m {a: *m}\n", "line 2: not valid YAML (the alias *m is inside its own"),
+    "long.yaml": ("seed: " + "9" * 5000 + "\n", "a number of 5000 digits"),
+    "laughs.yaml": (
+        'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n'
+        + "".join(f"{b}: &{b} [{', '.join(['*' + a] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi", strict=True)),
+        "values once aliases expand",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_a_hostile_config_is_one_line_from_train_dry_run(
+    tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text, message = HOSTILE[name]
+    path = tmp_path / name
+    path.write_text(text)
+    code, out, err = run_cli(["train", str(path), "--dry-run"], capsys)
+    assert (code, out, err.count("\n")) == (2, "", 1) and message in err and str(path) in err, err
+
+
+@pytest.mark.parametrize("name", ["deep.json", "long.yaml", "laughs.yaml"])
+def test_a_hostile_plan_file_is_one_line(tmp_path: Path, name: str) -> None:
+    from lorafit.schema import Plan
+
+    text, message = HOSTILE[name]
+    path = tmp_path / name
+    path.write_text(text.replace('"seed"', '"schema_version"').replace("seed:", "schema_version:"))
+    with pytest.raises(InvalidConfig) as refused:
+        Plan.load(path)
+    assert message in str(refused.value) and str(path) in str(refused.value) and "\n" not in str(refused.value)
+
+
 def test_a_plan_is_a_config_with_every_setting_pinned(tmp_path: Path) -> None:
     from lorafit import hardware
     from lorafit.models import catalog

@@ -168,6 +168,11 @@ def plan(
     flags = given
     given, source = with_config("plan", from_config, flags)
     asked = _validated("plan", given, flags, source)
+    if compare and (asked.gpu is not None or asked.vram is not None):
+        raise LorafitError(
+            f"--compare plans on every catalog GPU; drop {'--gpu' if asked.gpu is not None else '--vram'} to "
+            "compare them all, or drop --compare to plan for that one"
+        )
     spec = models.resolve(asked.model or DEFAULT_MODEL)
     pinned = {key: getattr(asked, key) for key in options.STEP_KEYS if key in given and key not in PLAN_REQUEST_KEYS}
     profile, truncated = None, None

@@ -9,7 +9,9 @@ is ignored. The kind of file is told from its keys, never from its name.
 and changes memory (LLaMA-Factory's LoRA rank 8, axolotl's sequence_len 512, ...), the tool's default is put in
 too, with the source it comes from. The code paths of each tool (what its step keeps alive) are its stack's, in
 catalog/stacks.toml, and are not repeated here; only the facets a file switches (autocast, fused AdamW) are.
-Nothing is validated beyond mapping: the caller checks the values with `options.validate`. Pure Python.
+A key this module reads must have the shape its tool gives it (a switch true or false, a section a mapping, a
+number not a boolean), else it is refused in one line naming it, never read as on, off or a default; the values
+mapped are checked by the caller with `options.validate`. The file is parsed with bounds (`safeload`). Pure Python.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from lorafit import options
+from lorafit import options, safeload
 from lorafit.errors import InvalidConfig
 
 # the kinds of file understood, as the error for an unknown one names them
@@ -60,6 +62,11 @@ def read(path: Path) -> Imported:
     path = Path(path)
     config = _load(path)
     kind = detect(config)
+    if kind is None and (mixed := _mixed_evidence(config)):
+        raise InvalidConfig(
+            f"{path}: cannot tell which trainer this config is for: it has lorafit's keys and {mixed}; "
+            "a lorafit config holds lorafit's keys only (see `lorafit init`)"
+        )
     if kind is None:
         understood = ", ".join(KIND_TITLES.values())
         raise InvalidConfig(
@@ -91,17 +98,23 @@ def _load(path: Path) -> dict[str, Any]:
         raise InvalidConfig(f"{path}: cannot be read ({error.strerror or error})") from None
     if text.lstrip().startswith(("{", "[")):
         try:
-            config = json.loads(text)
+            config = safeload.load_json(text)
         except json.JSONDecodeError as error:
             raise InvalidConfig(f"{path} is not valid JSON (line {error.lineno}: {error.msg})") from None
+        except ValueError as error:  # past a bound: too deep, a number too long
+            raise InvalidConfig(f"{path} cannot be read as settings ({error})") from None
     else:
         try:
-            config = yaml.safe_load(text)
+            config = safeload.load_yaml(text)
+        except safeload.Refused as error:
+            raise InvalidConfig(f"{path} cannot be read as settings ({error})") from None
         except yaml.YAMLError as error:
             raise InvalidConfig(_one_line(f"{path} is not valid YAML ({_yaml_problem(error)})")) from None
     if not isinstance(config, dict):
         found = "nothing" if config is None else f"a {type(config).__name__}"
         raise InvalidConfig(f"{path} must hold a mapping of settings at the top level, not {found}")
+    if names := [key for key in config if not isinstance(key, str)]:
+        raise InvalidConfig(f"{path}: the key {_shown(names[0])} is not a setting's name")
     return config
 
 
@@ -185,6 +198,11 @@ LITGPT_KEYS = frozenset(
 # lorafit's own names that the other tools do not use at the top level
 LORAFIT_KEYS = frozenset(
     {
+        "model",
+        "gpu",
+        "vram",
+        "eval_data",
+        "eval_split",
         "method",
         "quant",
         "double_quant",
@@ -236,22 +254,37 @@ TRL_KEYS = frozenset(
 )
 
 
+OWN_KEYS = {"llama-factory": LLAMA_FACTORY_KEYS, "axolotl": AXOLOTL_KEYS, "litgpt": LITGPT_KEYS}
+
+
 def detect(config: Mapping[str, Any]) -> str | None:
     """The kind of a config from its keys: a torchtune recipe names `_component_`s; axolotl, LLaMA-Factory and
-    litgpt have keys of their own (the most of them wins); then lorafit's names; then transformers' and TRL's."""
+    litgpt have keys of their own (the most of them wins); then lorafit's names; then transformers' and TRL's.
+    A file with lorafit's own keys is lorafit's when no other tool's keys outnumber them (`lora_rank` in a lorafit
+    file is a typo of lora_r, not a LLaMA-Factory config); with more of another's, the kind is not told (None)."""
     if any(isinstance(value, Mapping) and "_component_" in value for value in config.values()):
         return "torchtune"
     keys = set(config)
-    own_keys = {"llama-factory": LLAMA_FACTORY_KEYS, "axolotl": AXOLOTL_KEYS, "litgpt": LITGPT_KEYS}
-    counts = {kind: len(keys & marks) for kind, marks in own_keys.items()}
+    counts = {kind: len(keys & marks) for kind, marks in OWN_KEYS.items()}
     best = max(counts, key=lambda kind: counts[kind])
+    lorafit = len(keys & LORAFIT_KEYS)
+    if lorafit and lorafit >= counts[best]:
+        return "lorafit"
     if counts[best]:
-        return best
-    if keys & LORAFIT_KEYS or (keys and keys <= set(options.BY_NAME)):
+        return None if lorafit else best
+    if keys and keys <= set(options.BY_NAME):
         return "lorafit"
     if keys & TRL_KEYS:
         return "trl"
     return None
+
+
+def _mixed_evidence(config: Mapping[str, Any]) -> str:
+    """For a file with lorafit's keys and more of other tools': "LLaMA-Factory's (lora_rank, cutoff_len)"."""
+    if not set(config) & LORAFIT_KEYS:
+        return ""
+    found = [(KIND_TITLES[kind], sorted(set(config) & marks)) for kind, marks in OWN_KEYS.items()]
+    return " and ".join(f"{title}'s ({', '.join(keys)})" for title, keys in found if keys)
 
 
 # --- what every reader shares ----------------------------------------------------------------------------------
@@ -283,7 +316,26 @@ class _Reading:
         """Copy each key of `table` that the file sets onto its lorafit option."""
         for key, option in table.items():
             if (value := self.get(key)) is not None:
-                self.values[option] = value
+                self.values[option] = _number_checked(key, option, value)
+
+    def switch(self, key: str, default: bool = False) -> bool:
+        """A true/false key: YAML's booleans, or the words true and false; anything else ("maybe", 1, a list)
+        is refused rather than read as on or off."""
+        value = self.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise _Unmappable(f"{key} {_shown(value)}: must be true or false")
+
+    def section(self, key: str, example: str = "") -> Mapping[str, Any]:
+        """A key that holds a mapping (an empty one when not set); anything else is refused."""
+        value = self.get(key, {})
+        if not isinstance(value, Mapping):
+            raise _Unmappable(f"{key} {_shown(value)}: must be a mapping{' such as ' + example if example else ''}")
+        return value
 
     def note(self, key: str, value: Any, why: str) -> None:
         self.unmodelled.append(f"{key}: {_shown(value)} ({why})")
@@ -293,6 +345,19 @@ class _Reading:
         for key, why in table.items():
             if _is_on(value := self.get(key)):
                 self.note(key, value, why)
+
+
+def _number_checked(key: str, option: str, value: Any) -> Any:
+    """YAML's true is not a number, though Python counts it as 1: refuse it for a numeric setting."""
+    kind = options.BY_NAME[option].type if option in options.BY_NAME else None
+    if isinstance(value, bool) and kind in (int, float):
+        raise _Unmappable(f"{key} {_shown(value)}: must be a {'whole number' if kind is int else 'number'}")
+    return value
+
+
+def _one_of(value: Any, table: Mapping[Any, Any] | Iterable[Any]) -> bool:
+    """`value in table` for any value a file holds: a list is in no table, true is not 1."""
+    return isinstance(value, str | int | float) and not isinstance(value, bool) and value in table
 
 
 def _is_on(value: Any) -> bool:
@@ -317,6 +382,17 @@ def _as_names(value: Any) -> list[str]:
     if isinstance(value, Iterable) and not isinstance(value, Mapping):
         return [str(name) for name in value]
     return [str(value)]
+
+
+def _quant_of_switches(reading: _Reading, four_bit: str) -> str:
+    """nf4, int8 or none from what asks for a 4-bit base (`four_bit` names it; "" for nothing) and load_in_8bit:
+    both is a contradiction, not nf4."""
+    eight_bit = reading.switch("load_in_8bit")
+    if four_bit and eight_bit:
+        raise _Unmappable(
+            f"{four_bit} and load_in_8bit both ask for a quantised base: it loads in 4 or in 8 bits; keep one"
+        )
+    return "nf4" if four_bit else "int8" if eight_bit else "none"
 
 
 def _set_method(reading: _Reading, *, adapters: bool, quant: str) -> None:
@@ -436,11 +512,11 @@ def _set_hf_attention(reading: _Reading, key: str, name: Any) -> None:
     reading.values["attn"] = attn
 
 
-def _set_hf_mixed_precision(reading: _Reading, *, bf16: Any, fp16: Any) -> None:
+def _set_hf_mixed_precision(reading: _Reading, *, bf16: bool, fp16: bool) -> None:
     """The Trainer's bf16 / fp16 switches: autocast in that dtype; neither means no autocast at all."""
-    if bf16 is True:
+    if bf16:
         reading.values |= {"precision": "bf16", "autocast": True}
-    elif fp16 is True:
+    elif fp16:
         reading.values |= {"precision": "fp16", "autocast": True}
     else:
         reading.values["autocast"] = False
@@ -456,20 +532,31 @@ def _set_deepspeed(reading: _Reading, key: str) -> None:
     config = reading.get(key)
     if not _is_on(config):
         return
-    if not isinstance(config, Mapping):
+    if isinstance(config, str):
         reading.note(key, config, "a DeepSpeed config file is not read; give shard zero2 or zero3, and offload")
         return
-    zero = config.get("zero_optimization") or {}
+    if not isinstance(config, Mapping):
+        raise _Unmappable(f"{key} {_shown(config)}: a DeepSpeed config is the path to its file or a mapping")
+    zero = reading.section(f"{key}.zero_optimization", "{stage: 3, offload_param: {device: cpu}}")
     stage = zero.get("stage", 0)
-    if stage not in ZERO_STAGES:
-        raise _Unmappable(f"{key}.zero_optimization.stage {stage}: DeepSpeed ZeRO has stages 0 to 3")
+    if not _one_of(stage, ZERO_STAGES):
+        shown = repr(stage) if isinstance(stage, str) else _shown(stage)
+        raise _Unmappable(f"{key}.zero_optimization.stage {shown}: DeepSpeed ZeRO has stages 0 to 3")
     if stage == 1:
         reading.note(f"{key}.zero_optimization.stage", stage, "ZeRO-1 keeps whole gradients; estimated as zero2")
     reading.values["shard"] = ZERO_STAGES[stage]
-    if (zero.get("offload_param") or {}).get("device") in OFFLOAD_DEVICES:
+    if _offload_device(reading, f"{key}.zero_optimization.offload_param") in OFFLOAD_DEVICES:
         reading.values["offload"] = "params"
-    elif (zero.get("offload_optimizer") or {}).get("device") in OFFLOAD_DEVICES:
+    elif _offload_device(reading, f"{key}.zero_optimization.offload_optimizer") in OFFLOAD_DEVICES:
         reading.values["offload"] = "optimizer"
+
+
+def _offload_device(reading: _Reading, key: str) -> str:
+    """The `device` of a DeepSpeed offload section: none, cpu or nvme."""
+    device = reading.section(key, "{device: cpu}").get("device", "none")
+    if not _one_of(device, ("none", *OFFLOAD_DEVICES)):
+        raise _Unmappable(f"{key}.device {_shown(device)}: DeepSpeed offloads to none, cpu or nvme")
+    return str(device)
 
 
 def _set_fsdp(reading: _Reading, strategy: Any, fsdp_config: Any) -> None:
@@ -538,17 +625,15 @@ def _read_axolotl(reading: _Reading) -> None:
         raise _Unmappable("gptq: true: lorafit estimates bitsandbytes bases (load_in_4bit or load_in_8bit)")
     adapter = reading.get("adapter")
     if adapter in ("lora", "qlora"):
-        four_bit = adapter == "qlora" or reading.get("load_in_4bit") is True
-        _set_method(
-            reading, adapters=True, quant="nf4" if four_bit else "int8" if reading.get("load_in_8bit") else "none"
-        )
+        four_bit = "adapter qlora" if adapter == "qlora" else "load_in_4bit" if reading.switch("load_in_4bit") else ""
+        _set_method(reading, adapters=True, quant=_quant_of_switches(reading, four_bit))
         reading.copy(AXOLOTL_LORA_SAME)
         reading.values.setdefault("lora_dropout", 0.0)  # schemas/peft.py validate_lora_dropout: 0.0
         _axolotl_targets(reading)
         _axolotl_bnb_overrides(reading)
     elif adapter:
         raise _Unmappable(f"adapter {_shown(adapter)}: lorafit estimates the lora and qlora adapters (or none: full)")
-    elif reading.get("load_in_4bit") or reading.get("load_in_8bit"):
+    elif reading.switch("load_in_4bit") or reading.switch("load_in_8bit"):
         raise _Unmappable(
             "load_in_4bit / load_in_8bit without an adapter: axolotl trains a quantised base only with LoRA"
         )
@@ -556,7 +641,7 @@ def _read_axolotl(reading: _Reading) -> None:
         _set_method(reading, adapters=False, quant="none")
     _axolotl_precision(reading)
     for key, attn in AXOLOTL_ATTENTION.items():
-        if reading.get(key) is True:
+        if reading.switch(key):
             reading.values["attn"] = attn
     _axolotl_checkpointing(reading)
     _set_hf_optimizer(reading, "optimizer", reading.get("optimizer", "adamw_torch_fused"))  # schemas/training.py
@@ -573,7 +658,7 @@ def _read_axolotl(reading: _Reading) -> None:
 
 def _axolotl_targets(reading: _Reading) -> None:
     modules = reading.get("lora_target_modules")
-    if reading.get("lora_target_linear") is True:
+    if reading.switch("lora_target_linear"):
         reading.values["lora_targets"] = "all"
         if modules is not None:  # modules beyond the linear layers (lm_head, ...) are reported
             _projections_of(reading, "lora_target_modules", _as_names(modules))
@@ -585,8 +670,8 @@ def _axolotl_bnb_overrides(reading: _Reading) -> None:
     """bnb_config_kwargs overrides axolotl's 4-bit config (double quantisation on, nf4: src/axolotl/loaders)."""
     if reading.values.get("quant", options.default_quant(reading.values["method"])) != "nf4":
         return
-    if (double := reading.get("bnb_config_kwargs.bnb_4bit_use_double_quant")) is not None:
-        reading.values["double_quant"] = bool(double)
+    if reading.get("bnb_config_kwargs.bnb_4bit_use_double_quant") is not None:
+        reading.values["double_quant"] = reading.switch("bnb_config_kwargs.bnb_4bit_use_double_quant")
     if reading.get("bnb_config_kwargs.bnb_4bit_quant_type") == "fp4":
         reading.note("bnb_config_kwargs.bnb_4bit_quant_type", "fp4", "estimated as nf4: the same 4 bits a weight")
 
@@ -594,12 +679,14 @@ def _axolotl_bnb_overrides(reading: _Reading) -> None:
 def _axolotl_precision(reading: _Reading) -> None:
     """bf16/fp16 are the Trainer's autocast; bfloat16/float16 load the model in that dtype without it; with
     neither, axolotl loads and trains in fp32. `bf16: auto` (the default) is bf16 where the GPU has it."""
-    bf16, fp16 = reading.get("bf16", "auto"), reading.get("fp16")
-    if bf16 is True or fp16 is True:
+    bf16, fp16 = reading.get("bf16", "auto"), reading.switch("fp16")
+    if bf16 != "auto":
+        bf16 = reading.switch("bf16")
+    if bf16 is True or fp16:
         _set_hf_mixed_precision(reading, bf16=bf16, fp16=fp16)
-    elif reading.get("bfloat16") is True:
+    elif reading.switch("bfloat16"):
         reading.values |= {"precision": "bf16", "autocast": False}
-    elif reading.get("float16") is True:
+    elif reading.switch("float16"):
         reading.values |= {"precision": "fp16", "autocast": False}
     elif bf16 is False:
         reading.values |= {"precision": "fp32", "autocast": False}
@@ -607,12 +694,16 @@ def _axolotl_precision(reading: _Reading) -> None:
 
 def _axolotl_checkpointing(reading: _Reading) -> None:
     checkpointing = reading.get("gradient_checkpointing", False)  # schemas/config.py: False
+    if checkpointing not in ("offload", "offload_disk"):
+        checkpointing = reading.switch("gradient_checkpointing")
     reading.values["grad_ckpt"] = bool(checkpointing)
     if checkpointing == "offload":
         reading.values["offload_activations"] = True
     elif checkpointing == "offload_disk":
         reading.note("gradient_checkpointing", checkpointing, "checkpoints on disk are not modelled")
     offloading = reading.get("activation_offloading")
+    if offloading not in ("legacy", "disk"):
+        offloading = reading.switch("activation_offloading")
     if offloading in (True, "legacy"):
         reading.values["offload_activations"] = True
     elif offloading == "disk":
@@ -673,7 +764,7 @@ def _read_llama_factory(reading: _Reading) -> None:
         if targets:
             reading.values["lora_targets"] = targets
         if quant == "nf4":
-            reading.values["double_quant"] = bool(reading.get("double_quantization", True))  # model_args.py
+            reading.values["double_quant"] = reading.switch("double_quantization", True)  # model_args.py
     elif finetuning_type == "full":
         if quant != "none":
             raise _Unmappable(
@@ -682,16 +773,16 @@ def _read_llama_factory(reading: _Reading) -> None:
         _set_method(reading, adapters=False, quant="none")
     else:
         raise _Unmappable(f"finetuning_type {_shown(finetuning_type)}: lorafit estimates lora and full fine-tuning")
-    if reading.get("pure_bf16") is True:
+    if reading.switch("pure_bf16"):
         reading.values |= {"precision": "bf16", "autocast": False}  # bf16 weights, no autocast
     else:
-        _set_hf_mixed_precision(reading, bf16=reading.get("bf16"), fp16=reading.get("fp16"))
+        _set_hf_mixed_precision(reading, bf16=reading.switch("bf16"), fp16=reading.switch("fp16"))
     attention = reading.get("flash_attn", "auto")
-    if attention not in LLAMA_FACTORY_ATTENTION:
+    if not _one_of(attention, LLAMA_FACTORY_ATTENTION):
         raise _Unmappable(f"flash_attn {_shown(attention)}: use one of {', '.join(LLAMA_FACTORY_ATTENTION)}")
     if LLAMA_FACTORY_ATTENTION[attention]:
         reading.values["attn"] = LLAMA_FACTORY_ATTENTION[attention]
-    reading.values["grad_ckpt"] = not reading.get("disable_gradient_checkpointing", False)
+    reading.values["grad_ckpt"] = not reading.switch("disable_gradient_checkpointing")
     _set_hf_optimizer(reading, "optim", reading.get("optim", "adamw"))  # transformers' default: an AdamW
     _set_deepspeed(reading, "deepspeed")
     reading.note_switched_on(LLAMA_FACTORY_UNMODELLED)
@@ -702,7 +793,7 @@ def _llama_factory_quant(reading: _Reading) -> str:
     bits = reading.get("quantization_bit")
     if bits is None:
         return "none"
-    if bits not in LLAMA_FACTORY_QUANT_BITS:
+    if not _one_of(bits, LLAMA_FACTORY_QUANT_BITS):
         raise _Unmappable(f"quantization_bit {_shown(bits)}: lorafit estimates 4-bit (nf4) and 8-bit bases")
     method = reading.get("quantization_method", "bnb")
     if method != "bnb":
@@ -788,17 +879,17 @@ def _read_trl(reading: _Reading) -> None:
         reading.unmodelled.append(
             "method: not stated (a TrainingArguments file does not say whether the script adds LoRA; set method)"
         )
-    bf16 = reading.get("bf16")
-    if bf16 is None and is_trl and reading.get("fp16") is not True:
-        bf16 = True  # sft_config.py: bf16 defaults to True unless fp16 is set
-    _set_hf_mixed_precision(reading, bf16=bf16, fp16=reading.get("fp16"))
-    if reading.values["autocast"] is False and (dtype := _trl_model_dtype(reading)) in TORCH_DTYPES:
+    fp16 = reading.switch("fp16")
+    bf16 = reading.switch("bf16", default=is_trl and not fp16)  # sft_config.py: bf16 True unless fp16 is set
+    _set_hf_mixed_precision(reading, bf16=bf16, fp16=fp16)
+    dtype = _trl_model_dtype(reading)
+    if reading.values["autocast"] is False and dtype in TORCH_DTYPES:
         reading.values["precision"] = TORCH_DTYPES[dtype]  # no autocast: the step runs in the model's dtype
     if (attention := reading.get("attn_implementation")) is not None:
         _set_hf_attention(reading, "attn_implementation", attention)
     _set_hf_optimizer(reading, "optim", reading.get("optim", "adamw"))  # training_args.py: an AdamW
     if (loss := reading.get("loss_type")) is not None:
-        if loss not in TRL_LOSSES:
+        if not _one_of(loss, TRL_LOSSES):
             raise _Unmappable(f"loss_type {_shown(loss)}: lorafit estimates {', '.join(TRL_LOSSES)}")
         reading.values["loss"] = TRL_LOSSES[loss]
     _set_deepspeed(reading, "deepspeed")
@@ -819,31 +910,27 @@ def _trl_sequence_length(reading: _Reading, is_trl: bool) -> None:
 
 
 def _trl_method(reading: _Reading) -> None:
-    if not reading.get("use_peft", False):  # model_config.py: use_peft = False, a full fine-tune
+    if not reading.switch("use_peft"):  # model_config.py: use_peft = False, a full fine-tune
         _set_method(reading, adapters=False, quant="none")
         return
-    four_bit, eight_bit = reading.get("load_in_4bit") is True, reading.get("load_in_8bit") is True
-    _set_method(reading, adapters=True, quant="nf4" if four_bit else "int8" if eight_bit else "none")
+    four_bit = reading.switch("load_in_4bit")
+    _set_method(reading, adapters=True, quant=_quant_of_switches(reading, "load_in_4bit" if four_bit else ""))
     reading.copy(TRL_LORA_SAME)
     targets = _lora_targets(reading, "lora_target_modules", reading.get("lora_target_modules", ["q_proj", "v_proj"]))
     if targets:
         reading.values["lora_targets"] = targets
     if four_bit:
-        reading.values["double_quant"] = bool(reading.get("use_bnb_nested_quant", False))  # model_config.py
+        reading.values["double_quant"] = reading.switch("use_bnb_nested_quant")  # model_config.py
         if reading.get("bnb_4bit_quant_type") == "fp4":
             reading.note("bnb_4bit_quant_type", "fp4", "estimated as nf4: the same 4 bits a weight")
 
 
 def _trl_model_dtype(reading: _Reading) -> str | None:
-    init_kwargs = reading.get("model_init_kwargs")
-    init_kwargs = init_kwargs if isinstance(init_kwargs, Mapping) else {}
-    for dtype in (
-        reading.get("dtype"),
-        reading.get("torch_dtype"),
-        init_kwargs.get("dtype"),
-        init_kwargs.get("torch_dtype"),
-    ):
-        if dtype is not None:
+    """The dtype the model loads in (`auto`: the one its config.json names); another name is refused."""
+    for key in ("dtype", "torch_dtype", "model_init_kwargs.dtype", "model_init_kwargs.torch_dtype"):
+        if (dtype := reading.get(key)) is not None:
+            if not _one_of(dtype, (*TORCH_DTYPES, "auto")):
+                raise _Unmappable(f"{key} {_shown(dtype)}: use one of {', '.join(TORCH_DTYPES)} or auto")
             return str(dtype)
     return None
 
@@ -898,7 +985,7 @@ def _read_torchtune(reading: _Reading) -> None:
     reading.copy(TORCHTUNE_SAME)
     builder = str(reading.get("model._component_", "")).rsplit(".", 1)[-1]
     if builder.startswith(("qlora_", "lora_")):
-        quantized = builder.startswith("qlora_") or reading.get("model.quantize_base") is True
+        quantized = builder.startswith("qlora_") or reading.switch("model.quantize_base")
         _set_method(reading, adapters=True, quant="nf4" if quantized else "none")
         reading.copy(TORCHTUNE_LORA_SAME)
         reading.values.setdefault("lora_r", 8)  # _model_builders.py: lora_rank = 8
@@ -906,27 +993,27 @@ def _read_torchtune(reading: _Reading) -> None:
         _torchtune_targets(reading)
     else:
         _set_method(reading, adapters=False, quant="none")
-    reading.values["grad_ckpt"] = bool(reading.get("enable_activation_checkpointing", False))
+    reading.values["grad_ckpt"] = reading.switch("enable_activation_checkpointing")
     reading.values["autocast"] = False
     if (dtype := reading.get("dtype")) is not None:
-        if dtype not in TORCHTUNE_DTYPES:
+        if not _one_of(dtype, TORCHTUNE_DTYPES):
             raise _Unmappable(f"dtype {_shown(dtype)}: use one of {', '.join(TORCHTUNE_DTYPES)}")
         reading.values["precision"] = TORCHTUNE_DTYPES[dtype]
     _torchtune_optimizer(reading)
     if (loss := reading.get("loss._component_")) is not None:
-        if loss not in TORCHTUNE_LOSSES:
+        if not _one_of(loss, TORCHTUNE_LOSSES):
             raise _Unmappable(f"loss {_shown(loss)}: lorafit estimates {', '.join(TORCHTUNE_LOSSES)}")
         reading.values["loss"] = TORCHTUNE_LOSSES[loss]
     if any(reading.has(key) for key in TORCHTUNE_FSDP_KEYS):  # a config of a distributed recipe
         reading.values["shard"] = "fsdp"
-        if reading.get("fsdp_cpu_offload") is True:
+        if reading.switch("fsdp_cpu_offload"):
             reading.values["offload"] = "params"
     reading.note_switched_on(TORCHTUNE_UNMODELLED)
 
 
 def _torchtune_targets(reading: _Reading) -> None:
     modules = _as_names(reading.get("model.lora_attn_modules", []))
-    if reading.get("model.apply_lora_to_mlp") is True:
+    if reading.switch("model.apply_lora_to_mlp"):
         modules += ["w1", "w2", "w3"]
     if modules and (targets := _lora_targets(reading, "model.lora_attn_modules", modules)):
         reading.values["lora_targets"] = targets
@@ -936,12 +1023,12 @@ def _torchtune_optimizer(reading: _Reading) -> None:
     component = reading.get("optimizer._component_")
     if component is None:
         return
-    if component not in TORCHTUNE_OPTIMIZERS:
+    if not _one_of(component, TORCHTUNE_OPTIMIZERS):
         raise _Unmappable(f"optimizer {_shown(component)}: lorafit estimates {', '.join(TORCHTUNE_OPTIMIZERS)}")
     optimizer, fusable = TORCHTUNE_OPTIMIZERS[component]
     reading.values["optimizer"] = optimizer
     if fusable:
-        reading.values["fused_optimizer"] = bool(reading.get("optimizer.fused", False))  # torch's foreach step
+        reading.values["fused_optimizer"] = reading.switch("optimizer.fused")  # torch's foreach step
 
 
 # --- litgpt ----------------------------------------------------------------------------------------------------
@@ -1009,18 +1096,25 @@ def _read_litgpt(reading: _Reading) -> None:
             raise _Unmappable(f"precision {_shown(precision)}: use one of {', '.join(LITGPT_PRECISIONS)}")
         reading.values["precision"], reading.values["autocast"] = LITGPT_PRECISIONS[str(precision)]
     _litgpt_devices(reading)
-    if (global_batch := reading.get("train.global_batch_size")) is not None:
-        reading.values["batch_size"] = global_batch // (reading.values.get("nodes") or 1)  # lorafit's is per node
+    if (global_batch := _whole_number(reading, "train.global_batch_size")) is not None:
+        reading.values["batch_size"] = global_batch // (_whole_number(reading, "num_nodes") or 1)  # lorafit's: a node
     _litgpt_optimizer(reading, quantized=quant != "none")
-    if reading.get("lora_head") is True:
+    if reading.switch("lora_head"):
         reading.note("lora_head", True, "LoRA on the LM head is not modelled")
+
+
+def _whole_number(reading: _Reading, key: str) -> int | None:
+    value = reading.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise _Unmappable(f"{key} {_shown(value)}: must be a whole number")
+    return value
 
 
 def _litgpt_quant(reading: _Reading) -> tuple[str, bool | None]:
     quantize = reading.get("quantize")
     if quantize is None:
         return "none", None
-    if quantize not in LITGPT_QUANTIZE:
+    if not _one_of(quantize, LITGPT_QUANTIZE):
         raise _Unmappable(f"quantize {_shown(quantize)}: lorafit estimates {', '.join(LITGPT_QUANTIZE)}")
     if "fp4" in quantize:
         reading.note("quantize", quantize, "estimated as nf4: the same 4 bits a weight")
@@ -1031,7 +1125,7 @@ def _litgpt_targets(reading: _Reading) -> None:
     projections: set[str] = set()
     switched_on = []
     for key, (switch_projections, default) in LITGPT_LORA_SWITCHES.items():
-        if reading.get(key, default) is True:
+        if reading.switch(key, default):
             projections.update(switch_projections)
             switched_on.append(key)
     if targets := _targets_covering(reading, ", ".join(switched_on), projections, True):
@@ -1064,14 +1158,19 @@ def _litgpt_optimizer(reading: _Reading, *, quantized: bool) -> None:
         raise _Unmappable(f"optimizer {_shown(class_path)}: lorafit estimates {', '.join(LITGPT_OPTIMIZERS)}")
     reading.values["optimizer"] = LITGPT_OPTIMIZERS[name]
     if reading.values["optimizer"] == "adamw":
-        fused = optimizer.get("init_args", {}).get("fused") if isinstance(optimizer, Mapping) else None
-        reading.values["fused_optimizer"] = bool(fused)
+        reading.section("optimizer.init_args")
+        reading.values["fused_optimizer"] = reading.switch("optimizer.init_args.fused")
 
 
 # --- lorafit ---------------------------------------------------------------------------------------------------
 def _read_lorafit(reading: _Reading) -> None:
-    """lorafit's own train YAML: its keys are already lorafit's names (the caller validates them)."""
-    reading.values |= dict(reading.config)
+    """lorafit's own train YAML: its keys are already lorafit's names (the caller validates the values). A key
+    that is none of them is refused here, as `lorafit train` refuses it, rather than left out by the command."""
+    known = [option.name for option in options.OPTIONS if option.config]
+    for key, value in reading.config.items():
+        if key not in known:
+            raise _Unmappable(options.unknown_key(key, known))
+        reading.values[key] = _number_checked(key, key, value)
 
 
 READERS: dict[str, Callable[[_Reading], None]] = {

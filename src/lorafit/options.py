@@ -929,6 +929,13 @@ def broken_rule(values: Mapping[str, Any]) -> str | None:
             problem = rule.check(values)
             if problem:
                 return problem
+    if values.get("attn") == "flash" and values.get("precision") == "fp32":
+        return "attn flash: flash attention has no fp32 kernel; use precision bf16 or fp16, or attn sdpa"
+    if values.get("fused_optimizer") and values.get("optimizer") == "sgd":
+        return (
+            "fused_optimizer: the fused step is AdamW's (adamw_torch_fused) and optimizer sgd has none; use an adamw "
+            "optimizer, or turn fused_optimizer off"
+        )
     return None
 
 
@@ -982,6 +989,8 @@ def check_against(
         raise InvalidConfig(f"precision bf16: the {gpu.name} has no bf16; use precision fp16 (or fp32)")
     if precision == "fp16" and on_cpu:
         raise InvalidConfig("precision fp16 needs a CUDA GPU; on the CPU use precision fp32 (or bf16)")
+    if attn == "flash" and on_cpu:  # (and training on the CPU is fp32, which flash attention has no kernel for)
+        raise InvalidConfig("attn flash: flash attention runs on CUDA GPUs only; on the CPU use attn sdpa")
 
 
 def resolve_batching(batching: str, attn: str) -> str:

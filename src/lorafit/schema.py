@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, computed_field, create_model
 
-from lorafit import options
+from lorafit import options, safeload
 from lorafit.errors import InvalidConfig
 from lorafit.hardware import GpuSpec
 from lorafit.models import ModelSpec
@@ -226,7 +226,7 @@ class Plan(Frozen):
     def load(cls, path: Path) -> Plan:
         try:
             text = Path(path).read_text()
-            data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+            data = safeload.load_json(text) if str(path).endswith(".json") else safeload.load_yaml(text)
         except (OSError, ValueError, yaml.YAMLError) as error:
             raise InvalidConfig(f"cannot read plan {path}: {error}") from None
         if not isinstance(data, dict):

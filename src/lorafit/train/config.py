@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from lorafit import options
+from lorafit import options, safeload
 from lorafit.errors import InvalidConfig
 from lorafit.files import target_problem, write_atomic
 from lorafit.options import TrainConfig
@@ -43,7 +43,7 @@ def _read_mapping(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise InvalidConfig(f"no config file {path}; `lorafit init {path}` writes a starter config")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = safeload.load_yaml(path.read_text())
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
