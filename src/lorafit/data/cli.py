@@ -9,11 +9,15 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from lorafit.data.check import CheckReport, check
+from lorafit.data.convert import ConvertReport, convert
+from lorafit.data.outputs import output_path
+from lorafit.errors import DataError
+from lorafit.files import atomic_writer, write_atomic
+
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from lorafit.data.check import CheckReport
-    from lorafit.data.convert import ConvertReport
 
 PROBLEMS_SHOWN = 20
 BAR_WIDTH = 40
@@ -66,8 +70,6 @@ def check_command(
 
     Exit 0 clean, 1 warnings only with --strict, 2 errors.
     """
-    from lorafit.data.check import check
-    from lorafit.data.outputs import output_path
 
     if report_file is not None:
         report_file = output_path(
@@ -105,7 +107,6 @@ def convert_command(
 
     Exit 0 all rows written, 1 some were rejected, 2 bad input or no row passed (nothing written).
     """
-    from lorafit.data.convert import convert
 
     report = convert(source, output, to, format=format, mapping=mapping, overwrite=overwrite)
     if as_json:
@@ -233,8 +234,6 @@ def plot_histogram(report: CheckReport, path: Path) -> None:
     axes.set_xlabel("tokens per row")
     axes.set_ylabel("rows")
     figure.tight_layout()
-    from lorafit.errors import DataError
-    from lorafit.files import atomic_writer
 
     try:
         with atomic_writer(path, binary=True) as handle:
@@ -262,8 +261,6 @@ def render_convert(report: ConvertReport, console: Console) -> None:
 
 def write_atomically(path: Path, text: str) -> None:
     """Temp file next to the target, then rename: a reader never sees half a report."""
-    from lorafit.errors import DataError
-    from lorafit.files import write_atomic
 
     try:
         write_atomic(path, text)

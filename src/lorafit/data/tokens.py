@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from lorafit.data.formats import Format, Messages, plain_text
 from lorafit.errors import DataError
+from lorafit.models import catalog
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -157,8 +158,6 @@ def load_counter(spec: str | None) -> TokenCounter:
 
 
 def _preset_hub_id(spec: str) -> str:
-    from lorafit.models import catalog
-
     for name, model in catalog().items():
         if spec.lower() in (name, (model.hf_id or "").lower()) and model.hf_id:
             return model.hf_id

@@ -5,22 +5,22 @@ set-up (`lorafit.train.build`: quantisation, checkpointing, LoRA, the optimizer)
 a dispatch-level tracker that counts every live tensor storage, and module and autograd hooks name the phase
 each byte belongs to. See docs/exact.md.
 
-Nothing heavy is imported until a function is called, so importing `lorafit.trace` stays instant.
+Nothing heavy is imported until a function is called (torch inside them), so importing `lorafit.trace` stays
+instant; the names are reached through `__getattr__` so that the libraries are quietened first.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from lorafit.trace import api
+from lorafit.train.build import quiet_libraries
+
 __all__ = ["DepthTrace", "StepTrace", "exact_estimate", "real_step", "trace_depth", "trace_step"]
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from lorafit.train.build import quiet_libraries
-
         quiet_libraries()  # before torch and bitsandbytes load: the trace prints lorafit's figures only
-        from lorafit.trace import api
-
         return getattr(api, name)
     raise AttributeError(f"module 'lorafit.trace' has no attribute {name!r}")

@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from lorafit import memory
 from lorafit.errors import LorafitError
 from lorafit.options import DEFAULT_HEADROOM
+from lorafit.trace.allocator import CachingAllocator
+from lorafit.train import build, savers
 
 if TYPE_CHECKING:
     from lorafit.hardware import GpuSpec
-    from lorafit.memory import Runtime
     from lorafit.models import ModelSpec
     from lorafit.schema import Estimate, Settings
     from lorafit.trace.tracker import Phase, Snapshot
@@ -88,7 +90,6 @@ def trace_step(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lorafit.trace.model import at_depth, fake_model
-    from lorafit.train import build
 
     check_traceable(settings)
     depth_spec = at_depth(spec, num_layers or spec.num_hidden_layers)
@@ -129,11 +130,9 @@ def _run(
 ) -> StepTrace:
     import contextlib
 
-    from lorafit.trace.allocator import CachingAllocator
     from lorafit.trace.model import cuda_kernel_choices, eager_data_checks, parameter_tensors
     from lorafit.trace.step import run_training_steps, token_batch
     from lorafit.trace.tracker import PARAMETERS, LiveTensorTracker
-    from lorafit.train import build, savers
 
     tracker = LiveTensorTracker()
     for tensor in parameter_tensors(model):
@@ -185,8 +184,6 @@ def real_step(
     train` loads it (real bitsandbytes 4-bit, real peft), the optimizer built the same way, the same tracker.
     `before_steps` is called just before the first step (the benchmark samples the process's memory there)."""
     import torch
-
-    from lorafit.train import build
 
     check_traceable(settings)
     torch.manual_seed(seed)
@@ -297,8 +294,6 @@ def trace_depth(
         """The deeper trace's simulated reserve above its peak, grown with the peak at the rate the full-depth
         simulations of `make bench-allocator` show (memory.RESERVED_ALLOCATED_SHARE): the reserve is not a
         straight line through depths 2 and 3, whose few layers still fit in the holes the loss left."""
-        from lorafit import memory
-
         gap = getattr(large, field) - large.peak_bytes
         return round(total + gap + memory.RESERVED_ALLOCATED_SHARE * (total - large.peak_bytes))
 
@@ -317,7 +312,7 @@ def trace_depth(
     )
 
 
-def trace_runtime(spec: ModelSpec, settings: Settings, runtime: Runtime) -> DepthTrace:
+def trace_runtime(spec: ModelSpec, settings: Settings, runtime: memory.Runtime) -> DepthTrace:
     """`trace_depth` with the code-path facts of a `memory.Runtime` (the stack the estimate describes)."""
     return trace_depth(
         spec,
@@ -334,7 +329,7 @@ def exact_estimate(
     settings: Settings,
     gpu: GpuSpec | None = None,
     headroom: float = DEFAULT_HEADROOM,
-    runtime: Runtime | None = None,
+    runtime: memory.Runtime | None = None,
 ) -> Estimate:
     """`lorafit estimate --exact`: peak memory of a training step from a trace of the real code path.
 
@@ -342,8 +337,6 @@ def exact_estimate(
     the trace drove reserved at most (`trace.allocator`, plain or with expandable_segments as the settings say),
     extended to the full depth like the phases; the device figure adds the same CUDA context (and paged
     optimizer states) as the analytic estimate (`memory.device_side`)."""
-    from lorafit import memory
-
     runtime = runtime or memory.Runtime()
     depth = trace_runtime(spec, settings, runtime)
     return memory.assemble(

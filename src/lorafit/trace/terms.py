@@ -19,7 +19,7 @@ from typing import Any
 from lorafit import memory
 from lorafit.models import ModelSpec, resolve
 from lorafit.schema import Settings
-from lorafit.trace.api import StepTrace, trace_step
+from lorafit.trace.api import StepTrace, trace_runtime, trace_step
 from lorafit.trace.tracker import ACTIVATIONS, Phase
 from lorafit.units import BYTES_PER_GIB
 
@@ -188,7 +188,6 @@ def forgotten(spec: ModelSpec, tokens: int = 2048) -> dict[str, float]:
 
 def compare(spec: ModelSpec, settings: Settings, runtime: memory.Runtime = memory.Runtime()) -> str:
     """One line: the traced peak (phase, categories) next to memory.py's (phase, parts), in GiB."""
-    from lorafit.trace.api import trace_runtime
 
     gib = BYTES_PER_GIB
     depth = trace_runtime(spec, settings, runtime)
