@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lorafit import hardware, memory, models, timing
+from lorafit import hardware, memory, models, options, timing
 from lorafit import plan as planner
 from lorafit.cli import main
 from lorafit.errors import InvalidConfig, LorafitError
@@ -314,6 +314,40 @@ def test_pinned_settings_are_respected() -> None:
     stuck = planner.make_plan(ask(gpu="RTX 4090", pinned={"grad_ckpt": False, "micro_batch": 4}))
     assert not stuck.fits and stuck.grad_ckpt is False
     assert_verdict_follows_from_the_estimate(stuck)
+
+
+# One value for each setting the planner declares it searches (options.SEARCHED), none of them its default.
+PINS_OF_SEARCHED = {
+    "micro_batch": 2,
+    "grad_accum": 3,
+    "grad_ckpt": False,
+    "optimizer": "paged_adamw_8bit",
+    "loss": "chunked",
+    "offload_embeddings": True,
+    "offload_activations": False,
+    "expandable_segments": True,
+}
+
+
+def tried(request: PlanRequest, name: str) -> set:
+    """The values the search tried for one setting (7B QLoRA on an RTX 4090: every saver can apply)."""
+    gpu = hardware.resolve("RTX 4090")
+    return {getattr(candidate.settings, name) for candidate in planner.candidates(request, gpu, 2048)}
+
+
+def test_the_search_is_what_options_declare(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert set(options.SEARCHED) == set(PINS_OF_SEARCHED)
+    request = ask(gpu="RTX 4090")
+    assert all(len(tried(request, name)) > 1 for name in options.SEARCHED)  # each one searched
+    # a pinned searched setting takes its value alone
+    for name, value in PINS_OF_SEARCHED.items():
+        assert tried(ask(gpu="RTX 4090", pinned={name: value}), name) == {value}, name
+    # taken out of the declaration, a setting is no longer searched: it keeps its default
+    left_out = ("grad_ckpt", "optimizer", "loss", "expandable_segments")
+    monkeypatch.setattr(options, "SEARCHED", tuple(name for name in options.SEARCHED if name not in left_out))
+    for name in left_out:
+        assert tried(request, name) == {options.BY_NAME[name].default}, name
+    assert len(tried(request, "micro_batch")) > 1 and len(tried(request, "offload_activations")) > 1
 
 
 def test_sequence_length_defaults_to_the_longest_row_and_is_capped() -> None:

@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, partial
+from typing import Any
 
 from lorafit import hardware, memory, options, serving, stacks
 from lorafit.errors import LorafitError
@@ -71,23 +72,70 @@ def savers_on(settings: Settings) -> list[str]:
     return [name for name in SAVERS if getattr(settings, name) == SAVER_ON[name]]
 
 
-def saver_choices(fixed: dict, spec: ModelSpec, gpu: GpuSpec | None, on_cpu: bool) -> dict[str, list]:
-    """The values the search tries for each saver not set: off, and on where it can apply. Without a GPU the
-    savers stay off; the host-memory and allocator savers need a CUDA card (Apple's memory is the host's)."""
-    off = {name: options.BY_NAME[name].default for name in SAVERS}
-    cuda = gpu is not None and gpu.kind != "apple" and not on_cpu
-    has = stacks.resolve(fixed.get("stack") or options.BY_NAME["stack"].default).savers
+@dataclass(frozen=True)
+class Search:
+    """What the values tried for a searched setting depend on: the request, the GPU, and the settings fixed for
+    this search (the method, the length, the GPUs, the shard and the offload, what the user pinned and the
+    defaults that follow from them)."""
+
+    request: PlanRequest
+    gpu: GpuSpec | None
+    fixed: dict[str, Any]
+
+
+def micro_batch_values(search: Search, step: dict[str, Any]) -> list[int]:
+    """The micro-batches that divide each GPU's share of the effective batch, largest first."""
+    return _micro_batches(search.request.effective_batch, search.fixed["n_gpus"])
+
+
+def grad_accum_values(search: Search, step: dict[str, Any]) -> list[int]:
+    """One value, not a choice: the accumulation that makes up the effective batch with the step's micro-batch
+    on every GPU."""
+    micro_batch = step.get("micro_batch", options.BY_NAME["micro_batch"].default)
+    return [max(search.request.effective_batch // (micro_batch * search.fixed["n_gpus"]), 1)]
+
+
+def grad_ckpt_values(search: Search, step: dict[str, Any]) -> list[bool]:
+    """Without checkpointing first: it costs a recomputed forward, so it is on only where it is needed to fit."""
+    return [False, True]
+
+
+def optimizer_values(search: Search, step: dict[str, Any]) -> list[str]:
+    """The method's OPTIMIZERS; an offloaded optimizer steps on the CPU with 32-bit AdamW (options:
+    _offload_steps_adamw)."""
+    return OPTIMIZERS[search.fixed["method"]] if search.fixed["offload"] == "none" else ["adamw"]
+
+
+def saver_applies(name: str, search: Search) -> bool:
+    """Whether a memory saver can help this step: only the stack's own switches; without a GPU the savers stay
+    off; the host-memory and allocator savers need a CUDA card (Apple's memory is the host's); the embedding
+    can stay on the CPU only when it is frozen and not tied to the head."""
+    gpu, spec = search.gpu, search.request.model
+    cuda = gpu is not None and gpu.kind != "apple" and search.request.device != "cpu"
     applies = {
         "loss": gpu is not None,
-        "offload_embeddings": cuda and fixed["method"] != "full" and not spec.tie_word_embeddings,
+        "offload_embeddings": cuda and search.fixed["method"] != "full" and not spec.tie_word_embeddings,
         "offload_activations": cuda,
         "expandable_segments": cuda,
     }
-    applies = {name: can and name in has for name, can in applies.items()}  # only the stack's own switches
-    return {
-        name: [fixed.pop(name)] if name in fixed else [off[name], SAVER_ON[name]] if applies[name] else [off[name]]
-        for name in SAVERS
-    }
+    stack = stacks.resolve(search.fixed.get("stack") or options.BY_NAME["stack"].default)
+    return applies[name] and name in stack.savers
+
+
+def saver_values(name: str, search: Search, step: dict[str, Any]) -> list[Any]:
+    """Off, and on where the saver applies (saver_applies)."""
+    off = options.BY_NAME[name].default
+    return [off, SAVER_ON[name]] if saver_applies(name, search) else [off]
+
+
+# The values the search tries for each setting the planner chooses (options.SEARCHED) when the request does not
+# pin it, given the search and the values chosen so far for the settings before it in SEARCHED.
+SEARCH_SPACE: dict[str, Callable[[Search, dict[str, Any]], list[Any]]] = {
+    "micro_batch": micro_batch_values,
+    "grad_accum": grad_accum_values,
+    "grad_ckpt": grad_ckpt_values,
+    "optimizer": optimizer_values,
+} | {name: partial(saver_values, name) for name in SAVERS}
 
 
 def candidates(
@@ -99,9 +147,9 @@ def candidates(
     method: str | None = None,
     offload: str = "none",
 ) -> list[Candidate]:
-    """Every combination of the free settings, the memory savers among them, each with its estimate and speed.
-    A pinned shard or offload wins over the one asked for; an offload without a shard that has one runs
-    ZeRO-3 (ZeRO-Offload on one GPU)."""
+    """Every combination of the settings options.SEARCHED declares (a pinned one takes its value), the memory
+    savers among them tried fewest first, each with its estimate and speed. A pinned shard or offload wins
+    over the one asked for; an offload without a shard that has one runs ZeRO-3 (ZeRO-Offload on one GPU)."""
     method = method or request.method
     pinned = dict(request.pinned)
     pinned.pop("method", None)
@@ -114,45 +162,41 @@ def candidates(
     if n_gpus * pinned.get("nodes", 1) == 1 and offload == "none":
         shard = "none"  # one bigger card for a run pinned to several: nothing to split
     fixed = {"method": method, "seq_len": seq_len, "n_gpus": n_gpus, "shard": shard, "offload": offload} | pinned
-    on_cpu = request.device == "cpu"
-    fixed |= options.step_defaults(fixed, request.model, gpu, on_cpu=on_cpu)
-    free_ckpt = [fixed.pop("grad_ckpt")] if "grad_ckpt" in fixed else [False, True]
-    # an offloaded optimizer steps on the CPU with 32-bit AdamW (options: _offload_steps_adamw)
-    free_opt = (
-        [fixed.pop("optimizer")] if "optimizer" in fixed else OPTIMIZERS[method] if offload == "none" else ["adamw"]
+    fixed |= options.step_defaults(fixed, request.model, gpu, on_cpu=request.device == "cpu")
+    set_by_request = {name: fixed.pop(name) for name in options.SEARCHED if name in fixed}
+    search = Search(request, gpu, fixed)
+
+    def tried(name: str, step: dict[str, Any]) -> list[Any]:
+        return [set_by_request[name]] if name in set_by_request else SEARCH_SPACE[name](search, step)
+
+    steps: list[dict[str, Any]] = [{}]  # every combination of the settings that are not savers, in SEARCHED order
+    for name in (name for name in options.SEARCHED if name not in SAVER_ON):
+        steps = [step | {name: value} for step in steps for value in tried(name, step)]
+    savers = [name for name in options.SEARCHED if name in SAVER_ON]
+    saver_sets = sorted(
+        (dict(zip(savers, values, strict=True)) for values in itertools.product(*(tried(n, {}) for n in savers))),
+        key=lambda chosen: sum(chosen[name] == SAVER_ON[name] for name in savers),
     )
-    free_savers = saver_choices(fixed, request.model, gpu, on_cpu)
-    batch_size = request.effective_batch
-    batches = [fixed.pop("micro_batch")] if "micro_batch" in fixed else _micro_batches(batch_size, n_gpus)
-    pinned_accum = fixed.pop("grad_accum", None)
+    ckpt_default = options.BY_NAME["grad_ckpt"].default
     found = []
-    for micro_batch in batches:
-        accum = pinned_accum or max(batch_size // (micro_batch * n_gpus), 1)
-        for ckpt in free_ckpt:
-            for optimizer in free_opt:
-                step = {"micro_batch": micro_batch, "grad_accum": accum, "grad_ckpt": ckpt, "optimizer": optimizer}
-                fitting: list[set[str]] = []
-                for chosen in saver_sets(free_savers):
-                    on = {name for name in SAVERS if chosen[name] == SAVER_ON[name]}
-                    if chosen["offload_activations"] and not ckpt:
-                        continue  # nothing checkpointed to offload
-                    if any(subset <= on for subset in fitting):
-                        continue  # fewer savers fit already: more only cost time
-                    settings = Settings(**(fixed | chosen | step))
-                    if on - set(pinned) and memory.host_saver_problem(request.model, settings, request.host_ram_gib):
-                        continue  # the planner does not choose an offload the host RAM cannot hold
-                    peak = estimate(request.model, settings, gpu, request.headroom)
-                    speed = partial(tokens_per_second, request.model, settings, gpu) if gpu else float
-                    found.append(Candidate(settings, peak, speed))
-                    if peak.fits:
-                        fitting.append(on)
+    for step in steps:
+        fitting: list[set[str]] = []
+        for chosen in saver_sets:
+            values = fixed | chosen | step
+            on = {name for name in savers if chosen[name] == SAVER_ON[name]}
+            if values.get("offload_activations") and not values.get("grad_ckpt", ckpt_default):
+                continue  # nothing checkpointed to offload
+            if any(subset <= on for subset in fitting):
+                continue  # fewer savers fit already: more only cost time
+            settings = Settings(**values)
+            if on - set(pinned) and memory.host_saver_problem(request.model, settings, request.host_ram_gib):
+                continue  # the planner does not choose an offload the host RAM cannot hold
+            peak = estimate(request.model, settings, gpu, request.headroom)
+            speed = partial(tokens_per_second, request.model, settings, gpu) if gpu else float
+            found.append(Candidate(settings, peak, speed))
+            if peak.fits:
+                fitting.append(on)
     return found
-
-
-def saver_sets(free_savers: dict[str, list]) -> list[dict[str, object]]:
-    """Every combination of the savers' values, those with the fewest savers on first."""
-    sets = [dict(zip(SAVERS, values, strict=True)) for values in itertools.product(*free_savers.values())]
-    return sorted(sets, key=lambda chosen: sum(chosen[name] == SAVER_ON[name] for name in SAVERS))
 
 
 # Speeds closer than this are equal for the time model: 8-bit optimizer states stream less memory, but that
