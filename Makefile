@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-throughput bench-train bench-data bench-exact bench-export bench-savers bench-serve screenshots serve gpu-check gpu-wheels clean
+.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-throughput bench-train bench-data bench-exact bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -111,6 +111,11 @@ bench-savers: $(STAMP)
 # bench/results/serve.json
 bench-serve: $(STAMP)
 	$(BIN)/python bench/serve.py
+
+# How long `lorafit plan` takes in-process, imports included (target < 0.3 s), beside the bare `import lorafit`;
+# fails if planning imported torch or transformers
+bench-startup: $(STAMP)
+	$(BIN)/python bench/startup.py
 
 # The page as a browser shows it (the system's Chromium): the screenshots in docs/ that the README shows
 screenshots: $(STAMP)

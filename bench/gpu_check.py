@@ -8,7 +8,7 @@
    `build.build_optimizer` and runs transformers' Trainer under the arguments of `train/hf_args.py` for a warm-up
    step and three timed steps on random tokens. Measured: torch.cuda.max_memory_allocated, max_memory_reserved,
    the device figure (what nvidia-smi shows for the process) and tokens/s over the timed steps; printed beside
-   `lorafit.memory.estimate` and the plan's time model (`plan.tokens_per_second` for the detected GPU), with the
+   `lorafit.memory.estimate` and the plan's time model (`timing.tokens_per_second` for the detected GPU), with the
    relative error (predicted - measured) / measured of each.
 2. "Fits" really fits: `lorafit.plan.make_plan`'s choice for Llama-3.1-8B QLoRA at 2048 tokens on a 24, a 16 and
    an 8 GB card, run with the process capped at that card's memory (`torch.cuda.set_per_process_memory_fraction`):
@@ -64,8 +64,9 @@ from lorafit.errors import LorafitError  # noqa: E402
 from lorafit.files import write_atomic  # noqa: E402
 from lorafit.hardware import GpuSpec  # noqa: E402
 from lorafit.models import ModelSpec  # noqa: E402
-from lorafit.plan import make_plan, tokens_per_second  # noqa: E402
+from lorafit.plan import make_plan  # noqa: E402
 from lorafit.schema import PlanRequest, Settings, default_quant  # noqa: E402
+from lorafit.timing import tokens_per_second  # noqa: E402
 from lorafit.train import build, guard, hf_args  # noqa: E402
 from lorafit.train.config import TrainConfig  # noqa: E402
 from lorafit.units import BYTES_PER_GIB, gib  # noqa: E402

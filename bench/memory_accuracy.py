@@ -48,9 +48,10 @@ from typing import Any, Literal
 
 from lorafit import hardware, models
 from lorafit.errors import LorafitError
-from lorafit.memory import GIB, Runtime, estimate
+from lorafit.memory import GIB, Runtime
 from lorafit.models import ModelSpec
 from lorafit.schema import Settings
+from torchtune_step import StepRuntime, estimate
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -314,7 +315,8 @@ def resolve_model(name: str) -> ModelSpec | str:
 
 
 # --- what each row ran: framework defaults, then what the row and its notes say --------------------------------
-# Runtime of each framework, as its code at the cited commit runs the step (see Runtime in src/lorafit/memory.py).
+# Runtime of each framework, as its code at the cited commit runs the step (see Runtime in src/lorafit/memory.py;
+# torchtune's optimizer in backward, activation offloading and chunked loss: StepRuntime in bench/torchtune_step.py).
 # torchtune (recipes/lora_finetune_single_device.py, full_finetune_single_device.py): the whole model, adapters
 # included, is built in bf16 (`utils.set_default_dtype(self._dtype)`), no peft, no kbit preparation; the
 # TransformerDecoder upcasts all logits to fp32 (`self.output(h).float()`) for torch.nn.CrossEntropyLoss unless
@@ -605,7 +607,7 @@ class Unmappable(Exception):
 class Mapping:
     spec: ModelSpec
     settings: Settings
-    runtime: Runtime
+    runtime: Runtime  # a StepRuntime for the calibration rows (torchtune's code paths beside lorafit's)
     notes: list[str] = field(default_factory=list)
 
 
@@ -656,7 +658,7 @@ def map_row(row: Row, spec: ModelSpec) -> Mapping:
         settings = Settings(**fields)
     except ValueError as error:
         raise Unmappable(f"settings do not validate: {error}") from None
-    return Mapping(spec, settings, Runtime(**runtime), notes)
+    return Mapping(spec, settings, StepRuntime(**runtime), notes)
 
 
 # --- scoring --------------------------------------------------------------------------------------------------
@@ -890,10 +892,10 @@ EXACT_RUNTIME_FIELDS = {"fused_optimizer", "kbit_upcast", "autocast", "device"}
 
 def exact_reason(mapping: Mapping) -> str | None:
     """Why the trace cannot reproduce this row's step, or None."""
-    defaults = Runtime()
+    defaults = type(mapping.runtime)()
     other = [
         name
-        for name in Runtime.model_fields
+        for name in type(mapping.runtime).model_fields
         if name not in EXACT_RUNTIME_FIELDS
         and name not in ("cuda_context_gib", "nccl_gib")
         and getattr(mapping.runtime, name) != getattr(defaults, name)

@@ -2,7 +2,7 @@
 report a speed. Run: `make bench-throughput`.
 
 Each row's split comes from bench/calibration/measured_memory.csv (the same column as `make bench-memory`):
-"fit" rows set or were printed beside the constants of lorafit/plan.py (MAX_MFU from FMS-01..07, HALF_TOKENS from
+"fit" rows set or were printed beside the constants of lorafit/timing.py (MAX_MFU from FMS-01..07, HALF_TOKENS from
 Qwen's sweep, LORA_BACKWARD_PASSES from FMS-03, QLORA_SLOWDOWN from FMS-06/07; the torchtune and fms-acceleration
 reference rows were looked at beside them), so their error only shows the fit; "check" rows were not used, and
 their summary is the test: overall, per GPU class, per stack, one GPU vs several, eager vs torch.compile.
@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 from lorafit import hardware, memory, models
-from lorafit.plan import tokens_per_second
 from lorafit.schema import Settings
+from lorafit.timing import tokens_per_second
 
 CALIBRATION = Path(__file__).resolve().parent / "calibration" / "measured_memory.csv"
 

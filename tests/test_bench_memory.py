@@ -7,6 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
+
+from lorafit import memory, models
+from lorafit.schema import Settings
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 COLUMNS = [
@@ -245,3 +249,70 @@ def test_the_headline_counts_check_rows_only(bench, tmp_path: Path) -> None:
     # the calculators are compared on the check figures only
     for numbers in result["summary"]["competitors_check"].values():
         assert numbers["lorafit_same_rows"]["n"] <= 1
+
+
+# --- torchtune's step (bench/torchtune_step.py): the code paths only its measured rows ran -----------------------
+@pytest.fixture(scope="module")
+def torchtune(bench):
+    """bench/torchtune_step.py, imported as memory_accuracy imports it."""
+    return importlib.import_module("torchtune_step")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """test_memory.py's tiny Llama: 2 layers, h 64, I 160, V 256; 119,104 parameters, 16,384 in the embedding."""
+    return models.resolve("llama-2-7b").scaled(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+    )
+
+
+def step(**changes: object) -> Settings:
+    values = dict(method="full", quant="none", micro_batch=2, seq_len=32, grad_ckpt=False)
+    return Settings(**(values | changes))
+
+
+def test_the_product_runtime_has_no_torchtune_flags(torchtune) -> None:
+    for flags in ({"optimizer_in_backward": True}, {"activation_offload": True}, {"loss": "chunked"}):
+        with pytest.raises(ValidationError):
+            memory.Runtime(**flags)
+        assert torchtune.StepRuntime(**flags)
+
+
+def test_torchtune_terms_by_hand(torchtune, tiny) -> None:
+    in_backward = torchtune.StepRuntime(optimizer_in_backward=True)
+    # stepping each parameter during backward keeps about one layer's gradients, and never the head's or the
+    # embedding's for a later step
+    assert torchtune.gradient_bytes(tiny, step(), in_backward) == 119104 * 2 / 2
+    assert torchtune.head_grad_bytes(tiny, step(), in_backward) == 0
+    assert torchtune.embedding_grad_bytes(tiny, step(), in_backward) == 0
+    assert torchtune.embedding_grad_bytes(tiny, step(), torchtune.StepRuntime()) == 16384 * 2
+    # offloaded activations: no checkpointed layer input on the GPU
+    offloaded = torchtune.StepRuntime(activation_offload=True)
+    with torchtune.torchtune_terms():
+        assert memory.activation_bytes(tiny, step(method="lora", grad_ckpt=True), offloaded) == 0
+    # chunked: every chunk's fp32 log-softmax plus one 1024-token chunk's three fp32 temporaries
+    long = step(method="lora", micro_batch=1, seq_len=2048)
+    chunked = torchtune.logits_bytes(tiny, long, torchtune.StepRuntime(loss="chunked"))
+    assert chunked == 4 * 256 * 2048 + 12 * 256 * 1024
+    # lorafit's own chunked loss keeps no chunk's log-softmax
+    assert memory.logits_bytes(tiny, long.model_copy(update={"loss": "chunked"}), memory.Runtime()) < chunked
+
+
+def test_torchtune_terms_change_only_the_rows_that_set_them(torchtune) -> None:
+    spec, full_step = models.resolve("llama-2-7b"), step(micro_batch=1, seq_len=512, optimizer="adamw")
+    runtime = dict(fused_optimizer=False)
+    product = memory.estimate(spec, full_step, runtime=memory.Runtime(**runtime))
+    assert torchtune.estimate(spec, full_step, runtime=torchtune.StepRuntime(**runtime)) == product
+    in_backward = torchtune.StepRuntime(**runtime, optimizer_in_backward=True)
+    # no 13.5 GB of bf16 gradients waiting for the step, nor the foreach step's temporaries
+    assert torchtune.estimate(spec, full_step, runtime=in_backward).peak_allocated_gib < product.peak_allocated_gib - 10
+    # memory's own terms are back once the estimate is made
+    assert memory.gradient_bytes is torchtune._PRODUCT["gradient_bytes"]
+    assert memory.logits_bytes is torchtune._PRODUCT["logits_bytes"]
+    assert memory.estimate(spec, full_step, runtime=memory.Runtime(**runtime)) == product

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from conftest import run_cli
-from lorafit import hardware, memory, models, plan
+from lorafit import hardware, memory, models, timing
 from lorafit.memory import Runtime
 from lorafit.schema import Settings
 from lorafit.train.demo import tiny_spec
@@ -108,21 +108,21 @@ def test_each_gpu_has_the_link_its_board_gives_it() -> None:
     every = hardware.links()
     assert all(link.source and link.as_of for link in every.values())
     # over two machines the ring runs at the slower link: 25 GB/s of HDR, not NVLink's 300
-    rate = plan.collective_bytes_per_second(Settings(n_gpus=8, nodes=2, shard="zero3"), a100)
-    assert rate == pytest.approx(25e9 * plan.COLLECTIVE_EFFICIENCY)
+    rate = timing.collective_bytes_per_second(Settings(n_gpus=8, nodes=2, shard="zero3"), a100)
+    assert rate == pytest.approx(25e9 * timing.COLLECTIVE_EFFICIENCY)
     assert between.name == "ethernet-25"
 
 
 def test_communication_volume_follows_zero(spec: models.ModelSpec) -> None:
     lora_params = spec.lora_params(16, "all")
-    ddp = plan.communication_bytes(spec, qlora(n_gpus=4, shard="ddp"))
+    ddp = timing.communication_bytes(spec, qlora(n_gpus=4, shard="ddp"))
     assert ddp == (0.0, pytest.approx(2 * 3 / 4 * lora_params * 4))  # all-reduce of fp32 adapter gradients
-    zero3 = plan.communication_bytes(spec, qlora(n_gpus=4, shard="zero3"))
+    zero3 = timing.communication_bytes(spec, qlora(n_gpus=4, shard="zero3"))
     params = 0.5 * LINEAR + 2 * REST + lora_params * 4  # packed base, bf16 rest, fp32 adapters
     assert zero3 == (pytest.approx(3 / 4 * (2 * params + lora_params * 4)), 0.0)
     full = Settings(method="full", precision="bf16", n_gpus=2, shard="fsdp")
     psi = spec.num_params * 2
-    assert plan.communication_bytes(spec, full)[0] == pytest.approx(1 / 2 * 3 * psi)  # 3 Psi x (n-1)/n
+    assert timing.communication_bytes(spec, full)[0] == pytest.approx(1 / 2 * 3 * psi)  # 3 Psi x (n-1)/n
 
 
 def test_deepspeed_buckets_are_allocated_whole(spec: models.ModelSpec) -> None:
@@ -141,16 +141,16 @@ def test_deepspeed_buckets_are_allocated_whole(spec: models.ModelSpec) -> None:
 def test_one_gpu_keeps_the_time_it_had(spec: models.ModelSpec) -> None:
     gpu = hardware.resolve("RTX 4090")
     settings = qlora(grad_accum=4, micro_batch=2)
-    step, optimizer = plan.step_seconds(spec, settings, gpu), plan.optimizer_seconds(spec, settings, gpu)
+    step, optimizer = timing.step_seconds(spec, settings, gpu), timing.optimizer_seconds(spec, settings, gpu)
     expected = settings.tokens_per_micro_batch * 4 / (4 * step + optimizer)
-    assert plan.tokens_per_second(spec, settings, gpu) == pytest.approx(expected)
+    assert timing.tokens_per_second(spec, settings, gpu) == pytest.approx(expected)
 
 
 def test_a_slow_link_costs_what_it_cannot_hide() -> None:
     big = models.resolve("llama-2-7b")
     settings = Settings(method="full", precision="bf16", n_gpus=4, shard="zero3", micro_batch=1, grad_accum=4)
-    over_pcie = plan.step_time(big, settings, hardware.resolve("RTX 4090"))
-    over_nvlink = plan.step_time(big, settings, hardware.resolve("H100 SXM"))
+    over_pcie = timing.step_time(big, settings, hardware.resolve("RTX 4090"))
+    over_nvlink = timing.step_time(big, settings, hardware.resolve("H100 SXM"))
     assert over_pcie.communication > 0.5 * over_pcie.compute  # 3 x 13.5 GB a micro-batch at ~12 GB/s
     assert over_nvlink.communication == 0.0  # hidden behind compute at 340 GB/s
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lorafit import hardware, memory, models
+from lorafit import hardware, memory, models, options, timing
 from lorafit import plan as planner
 from lorafit.cli import main
 from lorafit.errors import InvalidConfig, LorafitError
@@ -224,9 +224,9 @@ def test_time_model_by_hand() -> None:
     tokens = 8 * 2048
     params, embedding = 6738415616, 32000 * 4096  # llama-2-7b; the untied LM head is a matmul, the embedding not
     forward = 2 * (params - embedding) + 2 * 2048 * 4096 * 32  # matmuls + causal attention over 32 layers
-    passes = 1 + 1 + planner.LORA_BACKWARD_PASSES + 1  # forward, input gradients, adapter path, recomputation
-    mfu = planner.MAX_MFU * tokens / (tokens + planner.HALF_TOKENS)
-    compute = forward * passes * tokens / (gpu.bf16_tflops * 1e12 * mfu) * planner.QLORA_SLOWDOWN
+    passes = 1 + 1 + timing.LORA_BACKWARD_PASSES + 1  # forward, input gradients, adapter path, recomputation
+    mfu = timing.MAX_MFU * tokens / (tokens + timing.HALF_TOKENS)
+    compute = forward * passes * tokens / (gpu.bf16_tflops * 1e12 * mfu) * timing.QLORA_SLOWDOWN
     lora_params = 32 * 16 * (4 * 8192 + 3 * (4096 + 11008))  # r=16 on q, k, v, o (4096 -> 4096) and the MLP
     optimizer = lora_params * 24 / (gpu.bandwidth_gbs * 1e9)  # param, grad, two fp32 moments, read + written
     expected = tokens / (compute + optimizer / 2)  # one optimizer step per 2 accumulated micro-batches
@@ -236,7 +236,7 @@ def test_time_model_by_hand() -> None:
 def test_speed_follows_the_work() -> None:
     spec, gpu = models.resolve("llama-2-7b"), hardware.resolve("A100 80GB")
     base = Settings(micro_batch=2, grad_accum=8)
-    speed = planner.tokens_per_second
+    speed = timing.tokens_per_second
     assert speed(spec, base.model_copy(update={"grad_ckpt": False}), gpu) > speed(spec, base, gpu)  # no recompute
     lora_ = Settings(method="lora", quant="none", micro_batch=2, grad_accum=8)
     assert speed(spec, lora_, gpu) > speed(spec, base, gpu)  # no 4-bit matmuls
@@ -314,6 +314,40 @@ def test_pinned_settings_are_respected() -> None:
     stuck = planner.make_plan(ask(gpu="RTX 4090", pinned={"grad_ckpt": False, "micro_batch": 4}))
     assert not stuck.fits and stuck.grad_ckpt is False
     assert_verdict_follows_from_the_estimate(stuck)
+
+
+# One value for each setting the planner declares it searches (options.SEARCHED), none of them its default.
+PINS_OF_SEARCHED = {
+    "micro_batch": 2,
+    "grad_accum": 3,
+    "grad_ckpt": False,
+    "optimizer": "paged_adamw_8bit",
+    "loss": "chunked",
+    "offload_embeddings": True,
+    "offload_activations": False,
+    "expandable_segments": True,
+}
+
+
+def tried(request: PlanRequest, name: str) -> set:
+    """The values the search tried for one setting (7B QLoRA on an RTX 4090: every saver can apply)."""
+    gpu = hardware.resolve("RTX 4090")
+    return {getattr(candidate.settings, name) for candidate in planner.candidates(request, gpu, 2048)}
+
+
+def test_the_search_is_what_options_declare(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert set(options.SEARCHED) == set(PINS_OF_SEARCHED)
+    request = ask(gpu="RTX 4090")
+    assert all(len(tried(request, name)) > 1 for name in options.SEARCHED)  # each one searched
+    # a pinned searched setting takes its value alone
+    for name, value in PINS_OF_SEARCHED.items():
+        assert tried(ask(gpu="RTX 4090", pinned={name: value}), name) == {value}, name
+    # taken out of the declaration, a setting is no longer searched: it keeps its default
+    left_out = ("grad_ckpt", "optimizer", "loss", "expandable_segments")
+    monkeypatch.setattr(options, "SEARCHED", tuple(name for name in options.SEARCHED if name not in left_out))
+    for name in left_out:
+        assert tried(request, name) == {options.BY_NAME[name].default}, name
+    assert len(tried(request, "micro_batch")) > 1 and len(tried(request, "offload_activations")) > 1
 
 
 def test_sequence_length_defaults_to_the_longest_row_and_is_capped() -> None:
@@ -404,7 +438,7 @@ def test_other_settings_are_estimated_again_with_the_same_tokens_to_train() -> N
     again = planner.with_settings(plan, smaller)
     assert again.settings == smaller
     assert again.estimate == memory.estimate(plan.model, smaller, plan.gpu, plan.estimate.headroom)
-    assert again.tokens_per_s == round(planner.tokens_per_second(plan.model, smaller, plan.gpu), 1)
+    assert again.tokens_per_s == round(timing.tokens_per_second(plan.model, smaller, plan.gpu), 1)
     assert again.tokens_per_s < plan.tokens_per_s  # checkpointing recomputes the forward pass
     # the same run: the tokens to train stay, so the hours grow as the speed falls
     assert again.hours * again.tokens_per_s == pytest.approx(plan.hours * plan.tokens_per_s, rel=1e-3)
@@ -506,18 +540,18 @@ def test_time_of_each_saver_by_hand() -> None:
     step = Settings(method="qlora", micro_batch=1, seq_len=2048, grad_ckpt=True)
     # the chunked loss runs the head's forward again: 2 x V x h FLOPs per token
     chunked = step.model_copy(update={"loss": "chunked"})
-    assert planner.flops_per_token(spec, chunked) - planner.flops_per_token(spec, step) == 2 * 32000 * 4096
+    assert timing.flops_per_token(spec, chunked) - timing.flops_per_token(spec, step) == 2 * 32000 * 4096
     # offloaded activations: 2 copies x 32 layers x 2048 tokens x 4096 x 2 bytes at 80% of the link, not hidden
     offloaded = step.model_copy(update={"offload_activations": True})
     copies = 2 * 32 * 2048 * 4096 * 2 / (15.75e9 * 0.8)
-    assert planner.step_seconds(spec, offloaded, gpu) - planner.step_seconds(spec, step, gpu) == pytest.approx(copies)
+    assert timing.step_seconds(spec, offloaded, gpu) - timing.step_seconds(spec, step, gpu) == pytest.approx(copies)
     # offloaded embeddings: the micro-batch's rows, once
     rows = step.model_copy(update={"offload_embeddings": True})
     once = 2048 * 4096 * 2 / (15.75e9 * 0.8)
-    assert planner.step_seconds(spec, rows, gpu) - planner.step_seconds(spec, step, gpu) == pytest.approx(once)
+    assert timing.step_seconds(spec, rows, gpu) - timing.step_seconds(spec, step, gpu) == pytest.approx(once)
     # the allocator setting costs no time in the model
     expandable = step.model_copy(update={"expandable_segments": True})
-    assert planner.step_seconds(spec, expandable, gpu) == planner.step_seconds(spec, step, gpu)
+    assert timing.step_seconds(spec, expandable, gpu) == timing.step_seconds(spec, step, gpu)
 
 
 def test_plan_output_and_json_name_the_savers(capsys: pytest.CaptureFixture[str]) -> None:

@@ -36,21 +36,20 @@ OFFLOAD_LAYERS_ON_GPU = 2
 
 
 class Runtime(BaseModel):
-    """How the framework runs the step. The defaults are lorafit's own trainer; the benchmark sets them to
-    describe other stacks (torchtune's chunked loss, peft's fp32 upcast, ...)."""
+    """How the framework runs the step. The defaults are lorafit's own trainer; catalog/stacks.toml sets them to
+    describe the other stacks `--stack` offers (TRL's fused LM head, peft's fp32 upcast, litgpt's loop, ...).
+    Code paths only published benchmark rows ran (torchtune's) are bench/torchtune_step.py's."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # hf: fp32 copy of all logits; chunked: per-chunk fp32 upcast (torchtune); chunked_compute: the head runs in
-    # chunks whose logits stay in the compute dtype through the loss (litgpt); fused_logprob: TRL's fused LM head
-    # (trl.trainer.utils.add_fused_lm_head), which folds 32768-wide vocabulary tiles of the logits into per-token
-    # log-probabilities and never holds the full logits (fused_head_bytes)
-    loss: Literal["hf", "chunked", "chunked_compute", "fused_logprob"] = "hf"
+    # hf: fp32 copy of all logits; chunked_compute: the head runs in chunks whose logits stay in the compute
+    # dtype through the loss (litgpt); fused_logprob: TRL's fused LM head (trl.trainer.utils.add_fused_lm_head),
+    # which folds 32768-wide vocabulary tiles of the logits into per-token log-probabilities and never holds the
+    # full logits (fused_head_bytes)
+    loss: Literal["hf", "chunked_compute", "fused_logprob"] = "hf"
     kbit_upcast: bool = False  # peft prepare_model_for_kbit_training: non-quantised params to fp32
     lora_dtype: Literal["fp32", "compute"] = "fp32"  # peft autocasts adapters to fp32 by default
     fused_optimizer: bool = True  # adamw_torch_fused: no param-sized temporaries in the step
-    optimizer_in_backward: bool = False  # torchtune: step each param in backward, gradients never pile up
-    activation_offload: bool = False  # checkpointed layer inputs live in host memory
     amp_master_fp32: bool = False  # fp32 master weights with a bf16/fp16 autocast copy
     device: Literal["cuda", "cpu"] = "cuda"  # CPU dropout keeps a float mask where CUDA keeps a bool one
     # the HF Trainer with bf16/fp16 runs the forward under torch.autocast: peft's fp32 adapter matmuls then
@@ -171,23 +170,19 @@ def adapter_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> floa
 
 
 def gradient_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
-    """One gradient per trainable parameter, in its dtype. Fusing the step into backward keeps only about one
-    layer's gradients alive at a time."""
-    grads = trainable_params(spec, settings) * trainable_dtype_bytes(settings, runtime)
-    if runtime.optimizer_in_backward:
-        return grads / spec.num_hidden_layers
-    return grads
+    """One gradient per trainable parameter, in its dtype, all alive until the optimizer step."""
+    return trainable_params(spec, settings) * trainable_dtype_bytes(settings, runtime)
 
 
 def head_grad_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     """Gradients of the LM head and final norm, the first ones full fine-tuning produces."""
-    if settings.method != "full" or runtime.optimizer_in_backward:
+    if settings.method != "full":
         return 0.0
     return (spec.lm_head_params + spec.hidden_size) * trainable_dtype_bytes(settings, runtime)
 
 
 def embedding_grad_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
-    if settings.method != "full" or runtime.optimizer_in_backward:
+    if settings.method != "full":
         return 0.0
     return spec.embedding_params * trainable_dtype_bytes(settings, runtime)
 
@@ -412,8 +407,6 @@ def stream_dtype_bytes(settings: Settings, runtime: Runtime) -> int:
 def checkpoint_bytes_per_layer(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     """Under checkpointing a layer keeps only its input hidden state (c x h per token, fp32 when fp32 norm
     weights promoted the residual stream) until backward."""
-    if runtime.activation_offload:
-        return 0.0
     return stream_dtype_bytes(settings, runtime) * spec.hidden_size * settings.tokens_per_micro_batch
 
 
@@ -516,13 +509,11 @@ def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float
     """Peak of the LM head and loss. transformers upcasts all logits to fp32 for the loss: in backward the
     saved log-softmax (4V), the gradient from nll_loss (4V) and the gradient it produces (4V) are alive
     together - 12 bytes x V per token, more than the whole model's activations for a 128k vocabulary.
-    A chunked loss (torchtune, litgpt) keeps only the fp32 log-softmax of every chunk (4V) and one chunk's
-    temporaries."""
+    litgpt's chunked loss and TRL's fused head never upcast all logits; lorafit's chunked loss upcasts one chunk
+    at a time (chunked_loss_bytes)."""
     n, vocab = settings.tokens_per_micro_batch, spec.vocab_size
     if settings.loss == "chunked" and runtime.loss == "hf":
         return chunked_loss_bytes(spec, settings)
-    if runtime.loss == "chunked":
-        return 4 * vocab * n + 3 * 4 * vocab * min(n, 1024)
     if runtime.loss == "chunked_compute":
         # litgpt: the logits list and every chunk's log-softmax (compute dtype, no upcast); in backward one
         # chunk's gradient, then the gradient of its log-softmax or the head's dequantised weight
@@ -590,7 +581,7 @@ def loss_chunk_tokens(settings: Settings) -> int:
 
 def chunked_loss_bytes(spec: ModelSpec, settings: Settings) -> float:
     """lorafit's chunked loss (settings.loss "chunked"): the head and the fp32 cross-entropy run one chunk of
-    LOSS_CHUNK_TOKENS tokens at a time and again in backward, so unlike torchtune's (Runtime.loss "chunked") no
+    LOSS_CHUNK_TOKENS tokens at a time and again in backward, so unlike torchtune's (bench/torchtune_step.py) no
     chunk's log-softmax is kept. In a chunk's backward its fp32 logits, the gradient from the loss and the
     gradient it produces are alive together (12 x V per token, as in the full loss but for one chunk), next to
     the gradient of the final hidden states that the chunks fill (N x h x c). Gemma-2's soft-capping keeps
@@ -650,8 +641,8 @@ def dequant_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtim
 
 def optimizer_step_temp_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     """Unfused (foreach) AdamW materialises sqrt(v) for every parameter it steps at once: the GPU's shard of
-    them under ZeRO/FSDP, one parameter at a time when the step runs inside backward."""
-    if runtime.fused_optimizer or runtime.optimizer_in_backward or settings.optimizer != "adamw":
+    them under ZeRO/FSDP."""
+    if runtime.fused_optimizer or settings.optimizer != "adamw":
         return 0.0
     if on_host(settings)[2]:
         return 0.0  # the step runs on the CPU

@@ -746,7 +746,7 @@ OPTIONS: tuple[Option, ...] = (
 )
 BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
 STEP_KEYS: tuple[str, ...] = tuple(option.name for option in OPTIONS if option.step)
-SEARCHED = ("micro_batch", "grad_accum", "grad_ckpt", "optimizer")  # what the planner chooses when not set
+SEARCHED = ("micro_batch", "grad_accum", "grad_ckpt", "optimizer", *SAVER_ON)  # what the planner chooses when not set
 DEFAULT_BATCH_SIZE = 16
 DEFAULT_HEADROOM: float = BY_NAME["headroom"].default
 DEFAULT_SEQ_LEN: int = BY_NAME["seq_len"].default

@@ -1,7 +1,8 @@
 """The planner: search the settings for the fastest step that fits, then time and cost the whole run.
 
-Every candidate is priced by `memory.estimate` (memory) and `step_seconds` (time); the plan explains each choice
-with the numbers that forced it. When nothing fits, it says so and finds the smallest changes that do.
+Every candidate is priced by `memory.estimate` (memory) and `timing.tokens_per_second` (time, lorafit.timing);
+the plan explains each choice with the numbers that forced it. When nothing fits, it says so and finds the
+smallest changes that do.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, partial
+from typing import Any
 
 from lorafit import hardware, memory, options, serving, stacks
 from lorafit.errors import LorafitError
@@ -17,226 +19,20 @@ from lorafit.hardware import GpuSpec
 from lorafit.memory import estimate
 from lorafit.models import ModelSpec
 from lorafit.schema import Estimate, Plan, PlanRequest, Settings, Suggestion
-from lorafit.units import DTYPE_BYTES, gib
+from lorafit.timing import (
+    DEFAULT_HOST_LINK_GBS,
+    collective_bytes_per_second,
+    communication_bytes,
+    step_seconds,
+    step_time,
+    time_and_cost,
+    tokens_per_second,
+)
+from lorafit.units import gib
 
 # A run when the user gives no data: Alpaca-sized (52k rows of ~300 tokens), three epochs.
 DEFAULT_TOKENS_PER_EPOCH = 15_000_000
 DEFAULT_SEQ_LEN = options.DEFAULT_SEQ_LEN
-
-# Utilisation of the GPU's dense tensor throughput by the Hugging Face stack, as a function of tokens per
-# micro-batch (small matmuls leave the GPU idle): MAX_MFU x N / (N + HALF_TOKENS). Calibrated on published HF
-# Trainer runs (shared/calibration rows FMS-01..07, Mistral-7B on an A100, 16-32k tokens per micro-batch: 60-62%)
-# and Qwen's seq-len sweep (QW-09..13: 256 tokens run at 55% of the 8k rate); `make bench-throughput` prints the
-# predicted and published tokens/s side by side.
-MAX_MFU = 0.62
-HALF_TOKENS = 200
-# LoRA skips the weight-gradient matmuls of the base, but its fp32 adapter path (input casts, dropout, small
-# matmuls) costs about as much again: FMS-03 (LoRA) runs only 9% faster than FMS-01 (full) at the same batch.
-LORA_BACKWARD_PASSES = 0.75
-# bitsandbytes' 4-bit matmul (dequantise, then a bf16 matmul, in forward and backward) slows a step by ~13%
-# (FMS-06/07 vs FMS-03/04, same batch): more than its memory traffic alone explains, so it is a measured factor.
-QLORA_SLOWDOWN = 1.13
-# offload_activations copies with torch.autograd.graph.save_on_cpu(pin_memory=True): both copies are queued on
-# the compute stream, so the GPU runs them between its kernels instead of beside them. None of the transfer is
-# hidden behind compute (OFFLOAD_OVERLAP 0): the cost is the whole transfer at the link's copy rate.
-OFFLOAD_OVERLAP = 0.0
-# Pinned copies reach about 80% of the link's rate (CUDA's bandwidthTest on PCIe 4.0 x16: ~25-26 GB/s of 31.5):
-# a typical figure for large copies, not one measured by this project.
-HOST_COPY_EFFICIENCY = 0.8
-# A GPU whose catalog entry gives no host link (a plan saved before the field existed): PCIe 3.0 x16, the
-# slowest link of the catalog's cards.
-DEFAULT_HOST_LINK_GBS = 15.75
-
-
-# --- time ---------------------------------------------------------------------------------------------------
-def flops_per_token(spec: ModelSpec, settings: Settings) -> float:
-    """Training FLOPs per token: 2 x active matmul parameters per forward pass, plus causal attention.
-
-    Backward costs one forward for the input gradients and, training the weights (full), one more for the weight
-    gradients (LoRA: see LORA_BACKWARD_PASSES); checkpointing recomputes the forward once."""
-    matmul_params = (
-        spec.active_params
-        - spec.embedding_params
-        + (spec.vocab_size * spec.hidden_size if spec.tie_word_embeddings else 0)
-    )
-    forward = 2 * matmul_params + 2 * settings.seq_len * spec.q_size * spec.num_hidden_layers
-    passes = 3.0 if settings.method == "full" else 2.0 + LORA_BACKWARD_PASSES
-    if settings.grad_ckpt:
-        passes += 1.0
-    return forward * passes + chunked_loss_flops_per_token(spec, settings)
-
-
-def chunked_loss_flops_per_token(spec: ModelSpec, settings: Settings) -> float:
-    """The chunked loss runs the LM head's forward again in backward: 2 x V x h more FLOPs per token."""
-    return 2 * spec.vocab_size * spec.hidden_size if settings.loss == "chunked" else 0.0
-
-
-def mfu(tokens_per_micro_batch: int) -> float:
-    return MAX_MFU * tokens_per_micro_batch / (tokens_per_micro_batch + HALF_TOKENS)
-
-
-def step_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
-    """One micro-batch on one GPU at the utilisation above; 4/8-bit bases pay the bitsandbytes factor, the
-    savers that copy over the host link pay their copies."""
-    tokens = settings.tokens_per_micro_batch
-    compute = flops_per_token(spec, settings) * tokens / (gpu.tflops(settings.precision) * 1e12 * mfu(tokens))
-    compute *= QLORA_SLOWDOWN if settings.quant != "none" else 1.0
-    return compute + host_copy_seconds(spec, settings, gpu, compute)
-
-
-def host_link_bytes_per_second(gpu: GpuSpec) -> float:
-    return (gpu.host_link_gbs or DEFAULT_HOST_LINK_GBS) * 1e9 * HOST_COPY_EFFICIENCY
-
-
-def host_copy_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec, compute_seconds: float) -> float:
-    """Time the host-memory savers add to one micro-batch.
-
-    offload_activations: every layer's checkpointed input (N x h x c) goes to host memory in forward and back in
-    backward, 2 x L x N x h x c bytes; what is not overlapped with the micro-batch's compute is added
-    (max(0, transfer - OFFLOAD_OVERLAP x compute)). offload_embeddings: the N rows gathered on the CPU come over
-    once (N x h x c), a copy too small to hide or to matter."""
-    c = DTYPE_BYTES[settings.precision]
-    row_bytes = c * spec.hidden_size * settings.tokens_per_micro_batch
-    rate = host_link_bytes_per_second(gpu)
-    seconds = 0.0
-    if settings.offload_activations and settings.grad_ckpt:
-        transfer = 2 * spec.num_hidden_layers * row_bytes / rate
-        seconds += max(0.0, transfer - OFFLOAD_OVERLAP * compute_seconds)
-    if memory.offloaded_embedding_bytes(spec, settings, memory.stack_runtime(settings)):
-        seconds += row_bytes / rate
-    return seconds
-
-
-# Bytes the optimizer step reads and writes per trainable parameter: parameter, gradient and two moments.
-OPTIMIZER_TRAFFIC_BYTES = {"adamw": 24, "paged_adamw_32bit": 24, "adamw_8bit": 12, "paged_adamw_8bit": 12, "sgd": 8}
-
-
-def optimizer_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
-    """The optimizer step is memory-bound: it streams every trainable parameter's state once."""
-    trainable = (
-        spec.num_params if settings.method == "full" else spec.lora_params(settings.lora_r, settings.lora_targets)
-    )
-    return trainable * OPTIMIZER_TRAFFIC_BYTES[settings.optimizer] / (gpu.bandwidth_gbs * 1e9)
-
-
-# --- several GPUs: communication and offload ----------------------------------------------------------------
-# NCCL's ring collectives reach about 75-80% of a link's rate as bus bandwidth for large messages (nccl-tests'
-# all_reduce_perf on 8 A100 SXM: ~230 of 300 GB/s per direction): a typical figure, not measured by this project.
-COLLECTIVE_EFFICIENCY = 0.75
-# The share of a micro-batch's compute the engine hides its communication behind. DDP and ZeRO-2 reduce gradient
-# buckets while backward goes on (backward and recomputation are about 3/4 of a LoRA step's compute), the last
-# bucket after it; ZeRO-3 and FSDP prefetch the next layer's gather during forward and backward. Chosen from how
-# the engines schedule their collectives, not fitted to a measurement.
-COMM_OVERLAP = {"none": 0.0, "ddp": 0.7, "zero2": 0.7, "zero3": 0.9, "fsdp": 0.9}
-# Host memory bandwidth the CPU optimizer step streams its states at, shared by a node's processes: about a
-# quarter of an 8-channel DDR5-4800 server socket's 307 GB/s peak (8 x 38.4 GB/s), as DeepSpeed's CPU Adam
-# (AVX512, one thread per core) reaches on large tensors. A typical figure, not measured by this project.
-HOST_MEMORY_GBS = 80.0
-
-
-def collective_bytes_per_second(settings: Settings, gpu: GpuSpec) -> float:
-    """Bus bandwidth of the run's collectives: a ring runs at the slowest link it crosses, inside a machine
-    (NVLink, PCIe peer-to-peer, or through host memory) and, over several machines, each machine's network
-    (catalog/interconnects.toml)."""
-    within, between = hardware.links_of(gpu)
-    rate = within.gbs_for(gpu) if settings.n_gpus > 1 else float("inf")
-    if settings.nodes > 1:
-        rate = min(rate, between.gbs_for(gpu))
-    return rate * 1e9 * COLLECTIVE_EFFICIENCY
-
-
-def communication_bytes(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
-    """(bytes per micro-batch, bytes per optimizer step) each GPU sends in the run's collectives.
-
-    A ring all-gather or reduce-scatter of S bytes moves (n-1)/n x S per GPU, an all-reduce twice that (ZeRO,
-    Rajbhandari et al. 2020, section 7). With Psi the bytes of the parameters:
-    DDP all-reduces the gradients once an optimizer step (no_sync during accumulation): 2 Psi_grad.
-    ZeRO-2 reduce-scatters the gradients every micro-batch and all-gathers the updated trainable parameters once
-    a step: 2 Psi for full fine-tuning.
-    ZeRO-3 / FSDP all-gather every layer in forward and again in backward (resharded after forward) and
-    reduce-scatter its gradients every micro-batch: 3 Psi. For LoRA and QLoRA the gathers move the whole frozen
-    base (packed 4-bit bytes for QLoRA) and the reductions only the adapters' gradients."""
-    n = memory.world_size(settings)
-    if n == 1:
-        return 0.0, 0.0
-    runtime = memory.stack_runtime(settings)
-    ring = (n - 1) / n
-    trainable = memory.trainable_params(spec, settings)
-    grads = trainable * memory.trainable_dtype_bytes(settings, runtime)
-    if settings.shard in ("none", "ddp"):
-        return 0.0, 2 * ring * grads
-    if settings.shard == "zero2":
-        return ring * grads, ring * trainable * DTYPE_BYTES[settings.precision]
-    params = memory.gathered_param_bytes(spec, settings, runtime)
-    return ring * (2 * params + grads), 0.0
-
-
-def offload_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> tuple[float, float]:
-    """(seconds per micro-batch, seconds per optimizer step) the offload adds to one GPU, before overlap.
-
-    offload params: each micro-batch copies the GPU's parameter shard in from host memory for the forward
-    gather and again for the backward one (2 x Psi / n over the card's PCIe link). Either offload: once a step
-    the gradient shard goes out and the updated trainable shard comes back over PCIe, and the CPU steps the
-    shard's fp32 states (16 bytes a parameter, read and written), at the host memory bandwidth every process
-    of the machine shares."""
-    offload = memory.offload_of(settings)
-    if offload == "none":
-        return 0.0, 0.0
-    runtime = memory.stack_runtime(settings)
-    n = memory.world_size(settings)
-    pcie = host_link_bytes_per_second(gpu)
-    per_micro = 0.0
-    if offload == "params":
-        per_micro = 2 * memory.gathered_param_bytes(spec, settings, runtime) / n / pcie
-    shard = memory.trainable_params(spec, settings) / n
-    copies = shard * (memory.trainable_dtype_bytes(settings, runtime) + DTYPE_BYTES[settings.precision]) / pcie
-    cpu_step = settings.n_gpus * shard * 2 * memory.HOST_OPTIMIZER_BYTES_PER_PARAM / (HOST_MEMORY_GBS * 1e9)
-    return per_micro, copies + cpu_step
-
-
-@dataclass(frozen=True)
-class StepTime:
-    """One optimizer step on one GPU, in seconds, and what it is made of."""
-
-    compute: float  # the micro-batches' compute, savers' host copies included
-    communication: float  # the collectives not hidden behind compute
-    offload: float  # the offload copies and the CPU step not hidden
-    optimizer: float  # the optimizer step on the GPU
-    micro_batches: float  # micro-batches each GPU runs a step
-
-    @property
-    def total(self) -> float:
-        return self.compute + self.communication + self.offload + self.optimizer
-
-
-def step_time(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> StepTime:
-    """Compute, plus what the engine cannot hide of its communication and offload copies (COMM_OVERLAP of each
-    micro-batch's compute hides the per-micro-batch part; the per-step part overlaps the last micro-batch's
-    backward), plus the optimizer step. Over several nodes each GPU runs grad_accum / nodes micro-batches."""
-    micro = step_seconds(spec, settings, gpu)
-    micro_batches = max(settings.grad_accum / settings.nodes, 1.0)
-    overlap = COMM_OVERLAP[settings.shard] * micro
-    rate = collective_bytes_per_second(settings, gpu)
-    comm_micro, comm_step = (volume / rate for volume in communication_bytes(spec, settings))
-    off_micro, off_step = offload_seconds(spec, settings, gpu)
-    exposed_micro = max(0.0, comm_micro + off_micro - overlap)
-    exposed_comm = micro_batches * exposed_micro * (comm_micro / (comm_micro + off_micro or 1.0))
-    exposed_offload = micro_batches * exposed_micro - exposed_comm
-    exposed_comm += max(0.0, comm_step - max(0.0, overlap - comm_micro - off_micro))
-    optimizer = 0.0 if memory.on_host(settings)[2] else optimizer_seconds(spec, settings, gpu)
-    return StepTime(
-        compute=micro_batches * micro,
-        communication=exposed_comm,
-        offload=exposed_offload + off_step,
-        optimizer=optimizer * memory.shard_factors(settings)[2],
-        micro_batches=micro_batches,
-    )
-
-
-def tokens_per_second(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
-    """Whole-job throughput: every GPU's micro-batches of an optimizer step over the step's time (step_time)."""
-    step = step_time(spec, settings, gpu)
-    return memory.world_size(settings) * step.micro_batches * settings.tokens_per_micro_batch / step.total
 
 
 # --- search -------------------------------------------------------------------------------------------------
@@ -276,23 +72,70 @@ def savers_on(settings: Settings) -> list[str]:
     return [name for name in SAVERS if getattr(settings, name) == SAVER_ON[name]]
 
 
-def saver_choices(fixed: dict, spec: ModelSpec, gpu: GpuSpec | None, on_cpu: bool) -> dict[str, list]:
-    """The values the search tries for each saver not set: off, and on where it can apply. Without a GPU the
-    savers stay off; the host-memory and allocator savers need a CUDA card (Apple's memory is the host's)."""
-    off = {name: options.BY_NAME[name].default for name in SAVERS}
-    cuda = gpu is not None and gpu.kind != "apple" and not on_cpu
-    has = stacks.resolve(fixed.get("stack") or options.BY_NAME["stack"].default).savers
+@dataclass(frozen=True)
+class Search:
+    """What the values tried for a searched setting depend on: the request, the GPU, and the settings fixed for
+    this search (the method, the length, the GPUs, the shard and the offload, what the user pinned and the
+    defaults that follow from them)."""
+
+    request: PlanRequest
+    gpu: GpuSpec | None
+    fixed: dict[str, Any]
+
+
+def micro_batch_values(search: Search, step: dict[str, Any]) -> list[int]:
+    """The micro-batches that divide each GPU's share of the effective batch, largest first."""
+    return _micro_batches(search.request.effective_batch, search.fixed["n_gpus"])
+
+
+def grad_accum_values(search: Search, step: dict[str, Any]) -> list[int]:
+    """One value, not a choice: the accumulation that makes up the effective batch with the step's micro-batch
+    on every GPU."""
+    micro_batch = step.get("micro_batch", options.BY_NAME["micro_batch"].default)
+    return [max(search.request.effective_batch // (micro_batch * search.fixed["n_gpus"]), 1)]
+
+
+def grad_ckpt_values(search: Search, step: dict[str, Any]) -> list[bool]:
+    """Without checkpointing first: it costs a recomputed forward, so it is on only where it is needed to fit."""
+    return [False, True]
+
+
+def optimizer_values(search: Search, step: dict[str, Any]) -> list[str]:
+    """The method's OPTIMIZERS; an offloaded optimizer steps on the CPU with 32-bit AdamW (options:
+    _offload_steps_adamw)."""
+    return OPTIMIZERS[search.fixed["method"]] if search.fixed["offload"] == "none" else ["adamw"]
+
+
+def saver_applies(name: str, search: Search) -> bool:
+    """Whether a memory saver can help this step: only the stack's own switches; without a GPU the savers stay
+    off; the host-memory and allocator savers need a CUDA card (Apple's memory is the host's); the embedding
+    can stay on the CPU only when it is frozen and not tied to the head."""
+    gpu, spec = search.gpu, search.request.model
+    cuda = gpu is not None and gpu.kind != "apple" and search.request.device != "cpu"
     applies = {
         "loss": gpu is not None,
-        "offload_embeddings": cuda and fixed["method"] != "full" and not spec.tie_word_embeddings,
+        "offload_embeddings": cuda and search.fixed["method"] != "full" and not spec.tie_word_embeddings,
         "offload_activations": cuda,
         "expandable_segments": cuda,
     }
-    applies = {name: can and name in has for name, can in applies.items()}  # only the stack's own switches
-    return {
-        name: [fixed.pop(name)] if name in fixed else [off[name], SAVER_ON[name]] if applies[name] else [off[name]]
-        for name in SAVERS
-    }
+    stack = stacks.resolve(search.fixed.get("stack") or options.BY_NAME["stack"].default)
+    return applies[name] and name in stack.savers
+
+
+def saver_values(name: str, search: Search, step: dict[str, Any]) -> list[Any]:
+    """Off, and on where the saver applies (saver_applies)."""
+    off = options.BY_NAME[name].default
+    return [off, SAVER_ON[name]] if saver_applies(name, search) else [off]
+
+
+# The values the search tries for each setting the planner chooses (options.SEARCHED) when the request does not
+# pin it, given the search and the values chosen so far for the settings before it in SEARCHED.
+SEARCH_SPACE: dict[str, Callable[[Search, dict[str, Any]], list[Any]]] = {
+    "micro_batch": micro_batch_values,
+    "grad_accum": grad_accum_values,
+    "grad_ckpt": grad_ckpt_values,
+    "optimizer": optimizer_values,
+} | {name: partial(saver_values, name) for name in SAVERS}
 
 
 def candidates(
@@ -304,9 +147,9 @@ def candidates(
     method: str | None = None,
     offload: str = "none",
 ) -> list[Candidate]:
-    """Every combination of the free settings, the memory savers among them, each with its estimate and speed.
-    A pinned shard or offload wins over the one asked for; an offload without a shard that has one runs
-    ZeRO-3 (ZeRO-Offload on one GPU)."""
+    """Every combination of the settings options.SEARCHED declares (a pinned one takes its value), the memory
+    savers among them tried fewest first, each with its estimate and speed. A pinned shard or offload wins
+    over the one asked for; an offload without a shard that has one runs ZeRO-3 (ZeRO-Offload on one GPU)."""
     method = method or request.method
     pinned = dict(request.pinned)
     pinned.pop("method", None)
@@ -319,45 +162,41 @@ def candidates(
     if n_gpus * pinned.get("nodes", 1) == 1 and offload == "none":
         shard = "none"  # one bigger card for a run pinned to several: nothing to split
     fixed = {"method": method, "seq_len": seq_len, "n_gpus": n_gpus, "shard": shard, "offload": offload} | pinned
-    on_cpu = request.device == "cpu"
-    fixed |= options.step_defaults(fixed, request.model, gpu, on_cpu=on_cpu)
-    free_ckpt = [fixed.pop("grad_ckpt")] if "grad_ckpt" in fixed else [False, True]
-    # an offloaded optimizer steps on the CPU with 32-bit AdamW (options: _offload_steps_adamw)
-    free_opt = (
-        [fixed.pop("optimizer")] if "optimizer" in fixed else OPTIMIZERS[method] if offload == "none" else ["adamw"]
+    fixed |= options.step_defaults(fixed, request.model, gpu, on_cpu=request.device == "cpu")
+    set_by_request = {name: fixed.pop(name) for name in options.SEARCHED if name in fixed}
+    search = Search(request, gpu, fixed)
+
+    def tried(name: str, step: dict[str, Any]) -> list[Any]:
+        return [set_by_request[name]] if name in set_by_request else SEARCH_SPACE[name](search, step)
+
+    steps: list[dict[str, Any]] = [{}]  # every combination of the settings that are not savers, in SEARCHED order
+    for name in (name for name in options.SEARCHED if name not in SAVER_ON):
+        steps = [step | {name: value} for step in steps for value in tried(name, step)]
+    savers = [name for name in options.SEARCHED if name in SAVER_ON]
+    saver_sets = sorted(
+        (dict(zip(savers, values, strict=True)) for values in itertools.product(*(tried(n, {}) for n in savers))),
+        key=lambda chosen: sum(chosen[name] == SAVER_ON[name] for name in savers),
     )
-    free_savers = saver_choices(fixed, request.model, gpu, on_cpu)
-    batch_size = request.effective_batch
-    batches = [fixed.pop("micro_batch")] if "micro_batch" in fixed else _micro_batches(batch_size, n_gpus)
-    pinned_accum = fixed.pop("grad_accum", None)
+    ckpt_default = options.BY_NAME["grad_ckpt"].default
     found = []
-    for micro_batch in batches:
-        accum = pinned_accum or max(batch_size // (micro_batch * n_gpus), 1)
-        for ckpt in free_ckpt:
-            for optimizer in free_opt:
-                step = {"micro_batch": micro_batch, "grad_accum": accum, "grad_ckpt": ckpt, "optimizer": optimizer}
-                fitting: list[set[str]] = []
-                for chosen in saver_sets(free_savers):
-                    on = {name for name in SAVERS if chosen[name] == SAVER_ON[name]}
-                    if chosen["offload_activations"] and not ckpt:
-                        continue  # nothing checkpointed to offload
-                    if any(subset <= on for subset in fitting):
-                        continue  # fewer savers fit already: more only cost time
-                    settings = Settings(**(fixed | chosen | step))
-                    if on - set(pinned) and memory.host_saver_problem(request.model, settings, request.host_ram_gib):
-                        continue  # the planner does not choose an offload the host RAM cannot hold
-                    peak = estimate(request.model, settings, gpu, request.headroom)
-                    speed = partial(tokens_per_second, request.model, settings, gpu) if gpu else float
-                    found.append(Candidate(settings, peak, speed))
-                    if peak.fits:
-                        fitting.append(on)
+    for step in steps:
+        fitting: list[set[str]] = []
+        for chosen in saver_sets:
+            values = fixed | chosen | step
+            on = {name for name in savers if chosen[name] == SAVER_ON[name]}
+            if values.get("offload_activations") and not values.get("grad_ckpt", ckpt_default):
+                continue  # nothing checkpointed to offload
+            if any(subset <= on for subset in fitting):
+                continue  # fewer savers fit already: more only cost time
+            settings = Settings(**values)
+            if on - set(pinned) and memory.host_saver_problem(request.model, settings, request.host_ram_gib):
+                continue  # the planner does not choose an offload the host RAM cannot hold
+            peak = estimate(request.model, settings, gpu, request.headroom)
+            speed = partial(tokens_per_second, request.model, settings, gpu) if gpu else float
+            found.append(Candidate(settings, peak, speed))
+            if peak.fits:
+                fitting.append(on)
     return found
-
-
-def saver_sets(free_savers: dict[str, list]) -> list[dict[str, object]]:
-    """Every combination of the savers' values, those with the fewest savers on first."""
-    sets = [dict(zip(SAVERS, values, strict=True)) for values in itertools.product(*free_savers.values())]
-    return sorted(sets, key=lambda chosen: sum(chosen[name] == SAVER_ON[name] for name in SAVERS))
 
 
 # Speeds closer than this are equal for the time model: 8-bit optimizer states stream less memory, but that
@@ -671,20 +510,6 @@ def tokens_per_epoch(request: PlanRequest) -> int:
     return DEFAULT_TOKENS_PER_EPOCH
 
 
-def costs(
-    gpu: GpuSpec | None, n_gpus: int, hours: float, kwh_price: float
-) -> tuple[float | None, float | None, float | None]:
-    """Renting vs owning: cloud price per hour, or board power x hours x electricity; break-even in runs."""
-    if gpu is None:
-        return None, None, None
-    cloud = hours * gpu.rent_usd_per_hour * n_gpus if gpu.rent_usd_per_hour is not None else None
-    local = hours * gpu.board_power_w / 1000 * kwh_price * n_gpus
-    break_even = None
-    if cloud is not None and gpu.price_usd and cloud > local:
-        break_even = gpu.price_usd * n_gpus / (cloud - local)
-    return cloud, local, break_even
-
-
 def automatic_choices(request: PlanRequest, settings: Settings) -> list[str]:
     """Plain words for the settings nobody set that follow from the model, the GPU or the device."""
     reasons = []
@@ -783,21 +608,6 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
         serving=serving.serving(request.model, serve_context(request), gpu, request.headroom),
         **timing,
     )
-
-
-def time_and_cost(
-    gpu: GpuSpec | None, n_gpus: int, speed: float, total_tokens: float, kwh_price: float
-) -> dict[str, float | None]:
-    """The Plan's speed, hours and costs for `total_tokens` at `speed` tokens/s, rounded as a Plan shows them."""
-    hours = total_tokens / speed / 3600 if speed else 0.0
-    cloud, local, break_even = costs(gpu, n_gpus, hours, kwh_price)
-    return {
-        "tokens_per_s": round(speed, 1),
-        "hours": round(hours, 3),
-        "cost_cloud_usd": None if cloud is None else round(cloud, 2),
-        "cost_local_usd": None if local is None else round(local, 2),
-        "break_even_runs": None if break_even is None else round(break_even, 1),
-    }
 
 
 def with_settings(plan: Plan, settings: Settings) -> Plan:
