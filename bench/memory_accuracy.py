@@ -764,6 +764,9 @@ def build_report(rows: list[Row]) -> tuple[Report, dict[str, Mapping]]:
         if row.id in EXCLUDED:
             report.excluded.append(entry | {"reason": EXCLUDED[row.id]})
             continue
+        if not row.raw["peak_gb"].strip() and not row.raw["memory_metric"].strip():
+            report.excluded.append(entry | {"reason": "no memory figure: a speed-only row (make bench-throughput)"})
+            continue
         if isinstance(spec, str):
             report.excluded.append(entry | {"reason": spec})
             continue

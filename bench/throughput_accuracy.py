@@ -38,6 +38,10 @@ TT_30B8 = dict(micro_batch=2, seq_len=2048, grad_accum=1, grad_ckpt=True)
 # torchtune README @1814feb 'Optimization flags': full_finetune_single_device, Llama 3.2 3B, batch 2 x 4096, bf16,
 # A100, grad accum 1; each row adds its technique to the previous one (LoRA/QLoRA without the optimizer ones).
 TT_1814 = dict(micro_batch=2, seq_len=4096, grad_accum=1)
+# peft method_comparison/MetaMathQA default_training_params.json (results @5d602fdb and @bda9665b)
+PM = dict(quant="none", micro_batch=4, seq_len=210, grad_accum=1, grad_ckpt=False, attn="sdpa", lora_targets="qv")
+# philschmid fine-tune-llms-in-2025 recipe llama-3-1-8b-qlora.yaml @391f19b (per-row batch, accumulation, kernels)
+PS = dict(method="qlora", seq_len=1024, grad_ckpt=True, attn="flash", lora_r=16, lora_targets="all", stack="trl")
 ROWS: dict[str, tuple[str, str, dict]] = {
     "FMS-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="full", quant="none", micro_batch=4)),
     "FMS-03": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="lora", quant="none", micro_batch=4)),
@@ -205,6 +209,22 @@ ROWS: dict[str, tuple[str, str, dict]] = {
             offload_activations=True,
         ),
     ),
+    # peft method_comparison/MetaMathQA on one L40S: a plain PyTorch loop, Llama-3.2-3B in bf16, batch 4 of
+    # MetaMathQA bucketed by length (no packing; mean 209.9 tokens a sample, so 210 here), no checkpointing, sdpa,
+    # torch AdamW; the published rate counts unpadded tokens only
+    "TP-PM-01": ("llama-3.2-3b", "L40S", dict(PM, method="lora", lora_r=32)),
+    "TP-PM-02": ("llama-3.2-3b", "L40S", dict(PM, method="lora", lora_r=64)),
+    "TP-PM-04": ("llama-3.2-3b", "L40S", dict(PM, method="full")),
+    "TP-PM-05": ("llama-3.2-3b", "L40S", dict(PM, method="lora", lora_r=32)),
+    # fine-tune-llms-in-2025 on L4s: TRL QLoRA r16 all-linear, 1024-token packed rows, checkpointing; the runs also
+    # train the embeddings and LM head in full (modules_to_save), which lorafit does not time. "Flash Attention ❌"
+    # rows: the kernel is not stated, transformers 4.46's default (sdpa) is assumed; Liger rows use its fused
+    # linear cross-entropy (chunked loss); 4 and 8 GPUs ran DeepSpeed ZeRO-3
+    "TP-PS-02": ("llama-3.1-8b", "L4", dict(PS, micro_batch=2, grad_accum=2, attn="sdpa")),
+    "TP-PS-03": ("llama-3.1-8b", "L4", dict(PS, micro_batch=2, grad_accum=4)),
+    "TP-PS-04": ("llama-3.1-8b", "L4", dict(PS, micro_batch=4, grad_accum=4, loss="chunked")),
+    "TP-PS-05": ("llama-3.1-8b", "L4", dict(PS, micro_batch=8, grad_accum=2, loss="chunked", n_gpus=4, shard="zero3")),
+    "TP-PS-06": ("llama-3.1-8b", "L4", dict(PS, micro_batch=8, grad_accum=2, loss="chunked", n_gpus=8, shard="zero3")),
 }
 
 # Rows run under torch.compile (their notes say so): lorafit times eager kernels, so they are summarised apart.
@@ -241,6 +261,9 @@ SKIPPED = {
     "QW-14": "LoRA (emb) also trains the embeddings and LM head (modules_to_save), which lorafit's LoRA does not "
     "time; and Qwen v1 is not in the catalog",
     "QW-15": "LoRA (emb), as QW-14",
+    "TP-PM-03": "LoRA on the MLP projections only (up, gate, down): lorafit's targets are all, attn or qv",
+    **{f"TP-FL-{n:02d}": "the L40 (48 GB) is not in lorafit's GPU catalog (`lorafit gpus`)" for n in range(1, 11)},
+    "TP-PS-01": "not packed: the tokens of a step are not stated (the row has a step time only)",
 }
 
 
