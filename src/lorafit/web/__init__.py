@@ -9,8 +9,10 @@ the package. Starlette is imported only here, so `lorafit plan` stays free of it
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
 import tempfile
 import time
@@ -23,6 +25,7 @@ from pydantic import ValidationError
 
 from lorafit import answers, hardware, models, options
 from lorafit.errors import LorafitError
+from lorafit.web.access import AccessGuard, Listening, check_can_listen, shown
 
 STATIC = Path(__file__).resolve().parent / "static"
 STRINGS = Path(__file__).resolve().parent / "strings"
@@ -191,6 +194,25 @@ class Uploads:
             raise BadRequest(f"{field} {value}: no such upload on this server (upload the file again)", field)
         return path
 
+    def discard(self, value: str) -> None:
+        """Delete a rejected upload (and its folder, once empty), so that refused files do not fill the cache."""
+        path = self.path(value, "upload")
+        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # another upload with the same bytes under another name is still there
+            path.parent.rmdir()
+
+    def hide(self, data: Any) -> Any:
+        """`data` with every path of an upload written as its `upload:` value: where the server keeps files is no
+        business of a page."""
+        root = str(self.root)
+        if isinstance(data, str):
+            return re.sub(re.escape(root) + r"/([0-9a-f]{16}/[A-Za-z0-9._-]+)", UPLOAD_PREFIX + r"\1", data)
+        if isinstance(data, dict):
+            return {key: self.hide(value) for key, value in data.items()}
+        if isinstance(data, list):
+            return [self.hide(value) for value in data]
+        return data
+
     def model(self, given: dict[str, Any]) -> dict[str, Any]:
         """`given` with an uploaded model's value turned into its file; a local path is refused."""
         if "tokenizer" in given:
@@ -206,7 +228,8 @@ class Uploads:
 
 
 # --- the app ------------------------------------------------------------------------------------------------
-def create_app(upload_dir: Path | None = None) -> Any:
+def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: int | None = None) -> Any:
+    """The page and its API, answering requests addressed to `host` (and `port`, where given) only."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import HTMLResponse, JSONResponse, Response
@@ -227,15 +250,16 @@ def create_app(upload_dir: Path | None = None) -> Any:
                 result = answers.plan(given, compare=on["compare"], data_path=lambda v: uploads.path(v, "data"))
             else:
                 result = answers.estimate(given, exact=on["exact"])
-            body = result.to_json()
+            body = uploads.hide(result.to_json())
             if run and command == "plan":
                 if result.kind != "one":
                     raise BadRequest("/api/run takes the settings of one plan: a model and a GPU, no compare")
-                body = {"command": answers.train_command(result.plans[0]), "yaml": answers.train_yaml(result.plans[0])}
+                plan = result.plans[0]
+                body = uploads.hide({"command": answers.train_command(plan), "yaml": answers.train_yaml(plan)})
         except BadRequest as error:
             return JSONResponse({"error": str(error), "field": error.field or field_of(str(error), given)}, 400)
         except LorafitError as error:
-            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            message = uploads.hide(str(error).splitlines()[0] if str(error) else type(error).__name__)
             return JSONResponse({"error": message, "field": field_of(message, given)}, 400)
         except ValidationError as error:
             message = options.one_line(error)
@@ -287,9 +311,13 @@ def create_app(upload_dir: Path | None = None) -> Any:
 
                 described["tokens"] = length_profile(path).profile.model_dump(mode="json")
         except LorafitError as error:  # the file as the user named it, not where the server keeps it
+            uploads.discard(value)
             message = str(error).splitlines()[0].replace(str(path), name or path.name)
             return JSONResponse({"error": message, "field": kind}, 400)
-        return JSONResponse(described)
+        except BaseException:
+            uploads.discard(value)
+            raise
+        return JSONResponse(uploads.hide(described))
 
     async def page(request: Request) -> Response:
         language = language_of(request.headers.get("accept-language"), request.query_params.get("lang"))
@@ -300,7 +328,7 @@ def create_app(upload_dir: Path | None = None) -> Any:
         line = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
         return JSONResponse({"error": f"internal error ({line}); please report it", "field": None}, 500)
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/", page),
             Route("/api/plan", plan),
@@ -313,12 +341,14 @@ def create_app(upload_dir: Path | None = None) -> Any:
         ],
         exception_handlers={Exception: server_error},
     )
+    return AccessGuard(app, Listening(host, port))
 
 
 def serve(host: str = "127.0.0.1", port: int = 8765, open_browser: bool = False) -> None:
     import uvicorn
 
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/"
+    check_can_listen(host, port)
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else shown(host)}:{port}/"
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"lorafit serve: listening on {host}, reachable from other machines")
     print(f"lorafit serve: {url}  (Ctrl-C stops it)")
@@ -327,13 +357,11 @@ def serve(host: str = "127.0.0.1", port: int = 8765, open_browser: bool = False)
         import webbrowser
 
         threading.Timer(1.0, webbrowser.open, args=(url,)).start()
-    uvicorn.run(create_app(upload_folder()), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(upload_folder(), host, port), host=host, port=port, log_level="warning")
 
 
 def upload_folder() -> Path:
     """Where `lorafit serve` keeps uploads: the user's cache, so that a link to a plan of an uploaded file still
     opens after a restart."""
-    import os
-
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "lorafit" / "uploads"
