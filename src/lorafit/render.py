@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
@@ -238,11 +239,11 @@ def show_compare(plans: list[Plan], cheapest: Plan | None, cheapest_under: Plan 
     named = [("cheapest rented GPU that fits", cheapest)]
     if cap is not None:
         named.append((f"cheapest at most ${cap:g}/GPU-hour", cheapest_under))
-    for label, plan in named:
-        if plan is not None and plan.gpu is not None:
+    for label, chosen in named:
+        if chosen is not None and chosen.gpu is not None:
             console.print(
-                f"{label}: {plan.gpu.name} at {_usd(plan.gpu.rent_usd_per_hour)}/hour, "
-                f"{_usd(plan.cost_cloud_usd)} for the whole run ({_hours(plan.hours)})"
+                f"{label}: {chosen.gpu.name} at {_usd(chosen.gpu.rent_usd_per_hour)}/hour, "
+                f"{_usd(chosen.cost_cloud_usd)} for the whole run ({_hours(chosen.hours)})"
             )
 
 
@@ -319,7 +320,7 @@ def show_models(specs: list[ModelSpec]) -> None:
 def fitted_table(
     title: str,
     headers: tuple[str, ...],
-    rows: list[tuple[str, ...]],
+    rows: Sequence[Sequence[str]],
     drop_order: tuple[str, ...],
     right: tuple[str, ...] = (),
 ) -> tuple[Table, list[str]]:
@@ -331,7 +332,7 @@ def fitted_table(
         kept = [index for index, header in enumerate(headers) if header not in dropped]
         table = Table(title=title, header_style="bold")
         for index in kept:
-            justify = "right" if headers[index] in right else "left"
+            justify: JustifyMethod = "right" if headers[index] in right else "left"
             table.add_column(headers[index], justify=justify, no_wrap=True, overflow="ellipsis")
         for row in rows:
             table.add_row(*(row[index] for index in kept))

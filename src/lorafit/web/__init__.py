@@ -118,22 +118,23 @@ def given_from_query(items: list[tuple[str, str]], command: options.Command, swi
             continue
         if not option.config and not option.is_bool:  # a file on the CLI's machine (--from): not for a page
             raise BadRequest(f"{key}: not a setting of /api/{command}", key)
+        parsed: str | bool = value
         if option.is_bool:
             text = value.strip().lower()
             if text not in TRUE + FALSE:
                 raise BadRequest(f"{key} {value!r}: must be true or false", key)
-            value = text in TRUE
+            parsed = text in TRUE
             if not option.config:
                 if key not in switches:
                     raise BadRequest(f"{key}: not a setting of /api/{command}", key)
-                on[key] = value
+                on[key] = text in TRUE
                 continue
         if option.many:
-            given.setdefault(key, []).append(value)
+            given.setdefault(key, []).append(parsed)
         elif key in given:
             raise BadRequest(f"{key} is given twice", key)
         else:
-            given[key] = value
+            given[key] = parsed
     return given, on
 
 
@@ -246,12 +247,13 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
         try:
             given, on = given_from_query(list(request.query_params.multi_items()), command, switches)
             given = uploads.model(given)
+            result: answers.PlanAnswer | answers.EstimateAnswer
             if command == "plan":
                 result = answers.plan(given, compare=on["compare"], data_path=lambda v: uploads.path(v, "data"))
             else:
                 result = answers.estimate(given, exact=on["exact"])
             body = uploads.hide(result.to_json())
-            if run and command == "plan":
+            if run and isinstance(result, answers.PlanAnswer):
                 if result.kind != "one":
                     raise BadRequest("/api/run takes the settings of one plan: a model and a GPU, no compare")
                 plan = result.plans[0]
@@ -326,7 +328,7 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
 
     async def server_error(request: Request, error: Exception) -> Response:
         line = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
-        return JSONResponse({"error": f"internal error ({line}); please report it", "field": None}, 500)
+        return JSONResponse({"error": f"internal error ({uploads.hide(line)}); please report it", "field": None}, 500)
 
     app = Starlette(
         routes=[
