@@ -197,7 +197,7 @@ class Uploads:
 
     def discard(self, value: str) -> None:
         """Delete a rejected upload (and its folder, once empty), so that refused files do not fill the cache."""
-        path = self.path(value, "upload")
+        path = self.root / value.removeprefix(UPLOAD_PREFIX)  # a value `save` made
         path.unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # another upload with the same bytes under another name is still there
             path.parent.rmdir()
