@@ -6,6 +6,7 @@ Most tests call `lorafit.cli.main` in-process; a few run the installed `lorafit`
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -332,6 +333,26 @@ def test_detect_without_a_gpu_is_an_empty_list(capsys: pytest.CaptureFixture[str
 # --- the installed command ------------------------------------------------------------------------------------------
 def lorafit(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(LORAFIT), *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.parametrize("command", ["models", "gpus"])
+def test_the_catalogs_fit_an_80_column_terminal(command: str) -> None:
+    """Each preset or card on one line, none wider than the terminal (hub ids used to wrap over four lines)."""
+    entries = len(models.catalog()) if command == "models" else len(hardware.gpus())
+    done = subprocess.run(
+        [str(LORAFIT), command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=os.environ | {"COLUMNS": "80"},
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert len([line for line in lines if line.startswith("│")]) == entries  # a wrapped row takes two
+    assert "…" not in done.stdout  # what is shown is shown whole
+    assert "left out to fit 80 columns" in done.stdout
 
 
 def test_installed_command_plans_and_fails_cleanly() -> None:

@@ -353,6 +353,91 @@ def test_a_binary_config_is_an_invalid_config(tmp_path: Path) -> None:
         resolve(str(tmp_path))
 
 
+DIMENSIONS = [
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "num_local_experts",
+    "num_experts_per_tok",
+]
+
+
+@pytest.mark.parametrize("value", [10**9, 10**18, 10**30])
+@pytest.mark.parametrize("key", DIMENSIONS)
+def test_a_dimension_no_real_model_has_is_refused_naming_key_value_and_limit(
+    key: str, value: int, tmp_path: Path
+) -> None:
+    """A billion layers took the planner minutes and gigabytes; every dimension is bounded before planning."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_5_0_5B_CONFIG | {key: value}))
+    with pytest.raises(InvalidConfig) as error:
+        from_config_json(tmp_path)
+    message = str(error.value)
+    shown = str(value) if value < 10**20 else "1000... (31 digits)"
+    assert f"{key} {shown} is past what any real model has (at most " in message and "\n" not in message
+
+
+@pytest.mark.parametrize("value", ["896", 896.0, True, [896]])
+def test_a_dimension_that_is_not_a_whole_number_is_refused(value: object, tmp_path: Path) -> None:
+    """Read as 896 by the planner, "896" crashed transformers at train time: both now refuse it."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_5_0_5B_CONFIG | {"hidden_size": value}))
+    with pytest.raises(InvalidConfig, match=r"hidden_size .* must be a whole number"):
+        from_config_json(tmp_path)
+
+
+def test_a_switch_that_is_not_true_or_false_is_refused(tmp_path: Path) -> None:
+    """transformers reads the text "false" as true: the planner must not read it as false."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_5_0_5B_CONFIG | {"tie_word_embeddings": "false"}))
+    with pytest.raises(InvalidConfig, match="tie_word_embeddings .* must be true or false"):
+        from_config_json(tmp_path)
+
+
+UNREADABLE_CONFIGS = {
+    "a billion layers": (json.dumps(QWEN2_5_0_5B_CONFIG | {"num_hidden_layers": 10**9}), "num_hidden_layers"),
+    "hidden_size as text": (json.dumps(QWEN2_5_0_5B_CONFIG | {"hidden_size": "128"}), "hidden_size"),
+    "100,000-deep JSON": ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    "a 5,000-digit integer": ('{"model_type": "qwen2", "hidden_size": ' + "7" * 5000 + "}", "digits"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNREADABLE_CONFIGS))
+def test_the_cli_refuses_an_unreadable_config_in_one_line(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    content, expected = UNREADABLE_CONFIGS[case]
+    (tmp_path / "config.json").write_text(content)
+    code, out, err = run_cli(["plan", "--model", str(tmp_path), "--gpu", "rtx-4090"], capsys)
+    assert code == 2 and not out and err.startswith("lorafit: error: ") and err.count("\n") == 1, err
+    assert expected in err
+
+
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs Linux's /proc")
+def test_a_config_that_cannot_be_read_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(["plan", "--model", "/proc/self/mem"], capsys)
+    assert code == 2 and not out and err.count("\n") == 1 and "cannot read /proc/self/mem" in err, err
+
+
+def test_the_largest_real_shapes_are_planned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Llama 3.1 405B's shapes with Gemma 3's vocabulary and a 10M-token context stay inside the bounds."""
+    largest = QWEN2_5_0_5B_CONFIG | {
+        "model_type": "llama",
+        "num_hidden_layers": 126,
+        "hidden_size": 16384,
+        "intermediate_size": 53248,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 8,
+        "vocab_size": 262208,
+        "max_position_embeddings": 10_485_760,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(largest))
+    code, _, err = run_cli(["plan", "--model", str(tmp_path), "--gpu", "h100-sxm", "--json"], capsys)
+    assert code == 0, err
+
+
 # --- hub ids people type: presets, variants, mirrors --------------------------------------------------------
 def preset_of(spec: ModelSpec) -> str:
     """The catalog entry a resolved spec stands for (a variant names the preset whose shapes it shares)."""

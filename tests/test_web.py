@@ -13,10 +13,16 @@ from starlette.testclient import TestClient
 from conftest import run_cli
 from lorafit import options, web
 
+SERVED_AT = "http://127.0.0.1:8765"  # as `lorafit serve` listens by default: requests must name that address
+
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> TestClient:
-    return TestClient(web.create_app(tmp_path_factory.mktemp("uploads")))
+    return TestClient(web.create_app(tmp_path_factory.mktemp("uploads")), base_url=SERVED_AT)
+
+
+def files_under(folder: Path) -> list[Path]:
+    return [path for path in folder.rglob("*") if path.is_file()]
 
 
 def cli_json(args: list[str], capsys: pytest.CaptureFixture[str]) -> object:
@@ -236,6 +242,126 @@ def test_bad_uploads_are_refused_in_one_line(case: str, client: TestClient) -> N
     assert "lorafit-serve" not in message and str(Path.cwd()) not in message  # no server-side paths
 
 
+DEEP_JSON = b"[" * 100_000 + b"]" * 100_000
+LONG_INTEGER = b'{"model_type": "llama", "hidden_size": ' + b"9" * 5000 + b"}"
+REJECTED_UPLOADS = {
+    "a billion layers": ("model", json.dumps(CONFIG | {"num_hidden_layers": 10**9}).encode(), "num_hidden_layers"),
+    "hidden_size 10^30": ("model", json.dumps(CONFIG | {"hidden_size": 10**30}).encode(), "hidden_size"),
+    "vocab_size 10^18": ("model", json.dumps(CONFIG | {"vocab_size": 10**18}).encode(), "vocab_size"),
+    "hidden_size as text": ("model", json.dumps(CONFIG | {"hidden_size": "2048"}).encode(), "hidden_size"),
+    "100,000-deep JSON": ("model", DEEP_JSON, "nested too deeply"),
+    "a 5,000-digit integer": ("model", LONG_INTEGER, "digits"),
+    "a dataset with errors": ("data", b'{"instruction": "a", "output": "b"}\n{"instruction": \n', "d.jsonl"),
+}
+
+
+@pytest.mark.parametrize("case", list(REJECTED_UPLOADS))
+def test_a_rejected_upload_is_a_400_and_leaves_nothing_in_the_cache(case: str, tmp_path: Path) -> None:
+    kind, body, expected = REJECTED_UPLOADS[case]
+    client = TestClient(web.create_app(tmp_path), base_url=SERVED_AT)
+    name = "config.json" if kind == "model" else "d.jsonl"
+    response = client.post(f"/api/upload?kind={kind}&name={name}", content=body)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]
+    assert expected in message and "\n" not in message and str(tmp_path) not in message
+    assert files_under(tmp_path) == []
+
+
+def test_an_upload_and_its_plan_name_the_upload_not_where_the_server_keeps_it(tmp_path: Path) -> None:
+    client = TestClient(web.create_app(tmp_path), base_url=SERVED_AT)
+    rows = "".join(json.dumps({"instruction": "word " * i, "output": "answer " * i}) + "\n" for i in range(1, 20))
+    data = client.post("/api/upload?kind=data&name=rows.jsonl", content=rows.encode())
+    model = client.post("/api/upload?kind=model&name=config.json", content=json.dumps(CONFIG).encode())
+    assert data.status_code == model.status_code == 200
+    query = {"model": model.json()["value"], "data": data.json()["value"], "gpu": "rtx-4090"}
+    answers = [data, model, client.get("/api/plan", params=query), client.get("/api/run", params=query)]
+    for response in answers:
+        assert response.status_code == 200, response.text
+        assert str(tmp_path) not in response.text
+    assert data.json()["tokens"]["source"] == data.json()["value"]
+
+
+# --- who may ask -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"origin": "https://evil.example"},
+        {"origin": "http://evil.example:8765"},
+        {"origin": "http://127.0.0.1:9999"},
+        {"origin": "null"},
+        {"sec-fetch-site": "cross-site"},
+        {"sec-fetch-site": "same-site"},
+    ],
+    ids=["another site", "another site, same port", "another port", "a sandboxed page", "cross-site", "same-site"],
+)
+def test_another_page_cannot_upload(headers: dict[str, str], tmp_path: Path) -> None:
+    """A page the user has open elsewhere may POST `text/plain` without a CORS preflight: the server refuses it."""
+    client = TestClient(web.create_app(tmp_path), base_url=SERVED_AT)
+    body = json.dumps(CONFIG).encode()
+    response = client.post(
+        "/api/upload?kind=model&name=config.json", content=body, headers={"content-type": "text/plain", **headers}
+    )
+    assert response.status_code == 403, response.text
+    assert "may not change this server" in response.json()["error"] and "\n" not in response.json()["error"]
+    assert files_under(tmp_path) == []
+    own_page = {"origin": SERVED_AT, "sec-fetch-site": "same-origin"}
+    assert client.post("/api/upload?kind=model&name=config.json", content=body, headers=own_page).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("listening", "host", "answered"),
+    [
+        (("127.0.0.1", 8765), "127.0.0.1:8765", True),
+        (("127.0.0.1", 8765), "localhost:8765", True),
+        (("127.0.0.1", 8765), "[::1]:8765", True),
+        (("127.0.0.1", 8765), "evil.example:8765", False),  # a name made to point at 127.0.0.1
+        (("127.0.0.1", 8765), "127.0.0.1:9999", False),
+        (("127.0.0.1", 8765), "", False),
+        (("192.0.2.7", 8765), "192.0.2.7:8765", True),
+        (("192.0.2.7", 8765), "localhost:8765", False),
+        (("0.0.0.0", 8765), "my-box.lan:8765", True),
+    ],
+)
+def test_a_request_addressed_to_another_name_is_refused(
+    listening: tuple[str, int], host: str, answered: bool, tmp_path: Path
+) -> None:
+    client = TestClient(web.create_app(tmp_path, *listening), base_url=SERVED_AT)
+    response = client.get("/api/options", headers={"host": host})
+    assert response.status_code == (200 if answered else 403), response.text
+    if not answered:
+        assert "not this server's address" in response.json()["error"] and "\n" not in response.json()["error"]
+
+
+def test_on_every_network_an_upload_must_come_from_the_page_of_the_name_it_was_sent_to(tmp_path: Path) -> None:
+    client = TestClient(web.create_app(tmp_path, "0.0.0.0", 8765), base_url="http://my-box.lan:8765")
+    body = json.dumps(CONFIG).encode()
+    sent = {"origin": "http://my-box.lan:8765"}
+    assert client.post("/api/upload?kind=model&name=config.json", content=body, headers=sent).status_code == 200
+    other = {"origin": "http://evil.example"}
+    assert client.post("/api/upload?kind=model&name=config.json", content=body, headers=other).status_code == 403
+
+
+@pytest.mark.parametrize("case", ["busy port", "address not on this machine"])
+def test_serve_where_it_cannot_listen_is_one_line(
+    case: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    import uvicorn
+
+    started: list = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: started.append(kwargs))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["--port", str(port)] if case == "busy port" else ["--host", "192.0.2.7"]  # TEST-NET-1: never local
+        code, out, err = run_cli(["serve", *args], capsys)
+    assert code == 2 and err.startswith("lorafit: error: ") and err.count("\n") == 1, err
+    assert ("--port" if case == "busy port" else "--host 192.0.2.7") in err
+    assert started == [] and out == ""
+
+
 # --- the page and its languages --------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("header", "query", "language"),
@@ -306,6 +432,7 @@ def test_serve_binds_to_loopback_by_default(
 
     seen: dict = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(web, "check_can_listen", lambda host, port: None)  # 8765 may be taken on this machine
     code, out, _ = run_cli(["serve"], capsys)
     assert code == 0 and seen["host"] == "127.0.0.1" and seen["port"] == 8765
     assert "http://127.0.0.1:8765/" in out

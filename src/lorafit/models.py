@@ -44,6 +44,25 @@ MODEL_TYPES: dict[str, Architecture] = {
 }
 HF_MODEL_TYPES: dict[Architecture, str] = {architecture: model_type for model_type, architecture in MODEL_TYPES.items()}
 
+# The largest value of each dimension that lorafit plans, several times what any released model has (Llama 3.1
+# 405B: 126 layers, hidden 16384, intermediate 53248, 128 heads; Gemma 3: vocabulary 262208, head_dim 256; Kimi K2:
+# 384 experts, 8 per token; Llama 4 Scout: a 10M-token context). A config.json past them is a mistake or an attack:
+# a billion layers would take the planner minutes and gigabytes before it said anything.
+DIMENSION_LIMITS: dict[str, int] = {
+    "num_hidden_layers": 1024,
+    "hidden_size": 1 << 16,
+    "intermediate_size": 1 << 18,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 4096,
+    "vocab_size": 1 << 21,
+    "max_position_embeddings": 1 << 26,
+    "num_local_experts": 4096,
+    "num_experts_per_tok": 4096,
+}
+# A config.json is a few kB; reading stops well past that, so a device or a huge file named by mistake is refused.
+CONFIG_JSON_MAX_BYTES = 16 << 20
+
 
 # The planner asks the same spec for its shapes thousands of times a plan; a spec is frozen (and hashable), so its
 # derived counts are memoised by value (not on the instance, which `model_copy` would carry over stale).
@@ -68,18 +87,18 @@ class ModelSpec(BaseModel):
     name: str
     architecture: Architecture
     hf_id: str | None = None
-    hidden_size: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)
-    num_hidden_layers: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    num_key_value_heads: int = Field(gt=0)
-    head_dim: int | None = Field(default=None, gt=0)
-    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0, le=DIMENSION_LIMITS["hidden_size"])
+    intermediate_size: int = Field(gt=0, le=DIMENSION_LIMITS["intermediate_size"])
+    num_hidden_layers: int = Field(gt=0, le=DIMENSION_LIMITS["num_hidden_layers"])
+    num_attention_heads: int = Field(gt=0, le=DIMENSION_LIMITS["num_attention_heads"])
+    num_key_value_heads: int = Field(gt=0, le=DIMENSION_LIMITS["num_key_value_heads"])
+    head_dim: int | None = Field(default=None, gt=0, le=DIMENSION_LIMITS["head_dim"])
+    vocab_size: int = Field(gt=0, le=DIMENSION_LIMITS["vocab_size"])
     tie_word_embeddings: bool = False
-    max_position_embeddings: int = Field(gt=0)
+    max_position_embeddings: int = Field(gt=0, le=DIMENSION_LIMITS["max_position_embeddings"])
     attention_bias: bool = False
-    num_local_experts: int = Field(default=0, ge=0)
-    num_experts_per_tok: int = Field(default=0, ge=0)
+    num_local_experts: int = Field(default=0, ge=0, le=DIMENSION_LIMITS["num_local_experts"])
+    num_experts_per_tok: int = Field(default=0, ge=0, le=DIMENSION_LIMITS["num_experts_per_tok"])
     published_params: int | None = None
     source: str | None = None
     variant_of: str | None = Field(default=None, description="the preset whose shapes this hub checkpoint shares")
@@ -395,12 +414,7 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise InvalidConfig(f"no config.json in {path}; pass a model directory or its config.json")
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise InvalidConfig(f"{file} is not valid JSON ({error})") from None
-    if not isinstance(config, dict):
-        raise InvalidConfig(f"{file} must hold a JSON object")
+    config = read_config_json(file)
     # an image-text model lorafit does not model is refused as a whole, before its text model is looked at
     for layer in (config, config.get("text_config")):
         if isinstance(layer, dict) and (family := unmodelled_model_type(layer.get("model_type"))):
@@ -417,6 +431,7 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
         if key in config and config[key] is not None and key not in ("name", "architecture", "variant_of")
     }
     fields.setdefault("num_key_value_heads", config.get("num_attention_heads"))
+    check_dimensions(file, fields)
     if architecture == "qwen2":
         fields["attention_bias"] = True  # Qwen2 always has q/k/v biases; its config has no key for it
     if architecture in ("gemma", "gemma2", "gemma3"):
@@ -427,6 +442,46 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
         problem = error.errors()[0]
         where = ".".join(str(part) for part in problem["loc"])
         raise InvalidConfig(f"{file}: {where}: {problem['msg']}") from None
+
+
+def read_config_json(file: Path) -> dict[str, Any]:
+    """The JSON object in `file`, or one line saying why it cannot be read as a config.json."""
+    try:
+        with file.open("rb") as handle:
+            raw = handle.read(CONFIG_JSON_MAX_BYTES + 1)
+    except OSError as error:
+        raise InvalidConfig(f"cannot read {file}: {error.strerror or error}") from None
+    if len(raw) > CONFIG_JSON_MAX_BYTES:
+        raise InvalidConfig(f"{file} is over {CONFIG_JSON_MAX_BYTES >> 20} MiB; a config.json is a few kB")
+    try:
+        config = json.loads(raw.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InvalidConfig(f"{file} is not valid JSON ({error})") from None
+    except ValueError:  # Python refuses to read an integer of more than 4300 digits
+        raise InvalidConfig(f"{file} is not a config.json: it holds a number thousands of digits long") from None
+    except RecursionError:
+        raise InvalidConfig(f"{file} is not a config.json: its JSON is nested too deeply") from None
+    if not isinstance(config, dict):
+        raise InvalidConfig(f"{file} must hold a JSON object")
+    return config
+
+
+def check_dimensions(file: Path, fields: dict[str, Any]) -> None:
+    """Refuse a dimension that is not a whole number (`"hidden_size": "128"`, which transformers cannot build) or
+    that is past what any real model has (`DIMENSION_LIMITS`), before anything is planned from it."""
+    for key in ("tie_word_embeddings", "attention_bias"):
+        if key in fields and type(fields[key]) is not bool:
+            raise InvalidConfig(f"{file}: {key} {json.dumps(fields[key])[:40]} must be true or false")
+    for key, limit in DIMENSION_LIMITS.items():
+        value = fields.get(key)
+        if value is None:
+            continue
+        if type(value) is not int:
+            raise InvalidConfig(f"{file}: {key} {json.dumps(value)[:40]} must be a whole number")
+        if value > limit:
+            digits = str(value)
+            shown = digits if len(digits) <= 20 else f"{digits[:4]}... ({len(digits)} digits)"
+            raise InvalidConfig(f"{file}: {key} {shown} is past what any real model has (at most {limit:,})")
 
 
 def resolve(model: str) -> ModelSpec:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
@@ -238,20 +239,20 @@ def show_compare(plans: list[Plan], cheapest: Plan | None, cheapest_under: Plan 
     named = [("cheapest rented GPU that fits", cheapest)]
     if cap is not None:
         named.append((f"cheapest at most ${cap:g}/GPU-hour", cheapest_under))
-    for label, plan in named:
-        if plan is not None and plan.gpu is not None:
+    for label, chosen in named:
+        if chosen is not None and chosen.gpu is not None:
             console.print(
-                f"{label}: {plan.gpu.name} at {_usd(plan.gpu.rent_usd_per_hour)}/hour, "
-                f"{_usd(plan.cost_cloud_usd)} for the whole run ({_hours(plan.hours)})"
+                f"{label}: {chosen.gpu.name} at {_usd(chosen.gpu.rent_usd_per_hour)}/hour, "
+                f"{_usd(chosen.cost_cloud_usd)} for the whole run ({_hours(chosen.hours)})"
             )
 
 
 def show_gpus(gpus: list[GpuSpec]) -> None:
-    table = Table(title="GPU catalog", header_style="bold")
-    for column in ("GPU", "kind", "sold as", "device", "bf16 TFLOP/s", "GB/s", "W", "price", "rent/h"):
-        table.add_column(column)
-    for gpu in gpus:
-        table.add_row(
+    """The catalog; on a narrow terminal the columns a choice needs least (kind, nvidia-smi's figure, power,
+    bandwidth, price) are left out, one at a time, so that each card stays on one line."""
+    headers = ("GPU", "kind", "sold as", "device", "bf16 TFLOP/s", "GB/s", "W", "price", "rent/h")
+    rows = [
+        (
             gpu.name,
             gpu.kind,
             f"{gpu.memory_gb:g} GB",
@@ -262,7 +263,12 @@ def show_gpus(gpus: list[GpuSpec]) -> None:
             _usd(gpu.price_usd),
             _usd(gpu.rent_usd_per_hour),
         )
+        for gpu in gpus
+    ]
+    table, dropped = fitted_table("GPU catalog", headers, rows, drop_order=("kind", "device", "W", "GB/s", "price"))
     console.print(table)
+    if dropped:
+        console.print(f"left out to fit {console.width} columns: {', '.join(dropped)} (all of them: --json)")
 
 
 def show_stacks(listed: list[StackSpec]) -> None:
@@ -282,29 +288,58 @@ def show_stacks(listed: list[StackSpec]) -> None:
 
 def show_models(specs: list[ModelSpec]) -> None:
     """One row per preset; its variants (instruct/chat checkpoints, distills with the same shapes) are counted,
-    not listed, so the table stays one screen."""
+    not listed, so the table stays one screen. On a narrow terminal the hub id (then the count) is left out, so
+    that each preset stays on one line."""
     from lorafit.models import variants
 
-    table = Table(title="model presets", header_style="bold")
-    for column in ("name", "hub id", "+variants", "parameters", "layers", "hidden", "vocab", "max seq"):
-        table.add_column(column, justify="right" if column == "+variants" else "left", overflow="fold")
-    for spec in specs:
-        size = f"{spec.num_params / 1e9:.2f}B" if spec.num_params >= 1e9 else f"{spec.num_params / 1e6:.0f}M"
-        table.add_row(
+    headers = ("name", "hub id", "+variants", "parameters", "layers", "hidden", "vocab", "max seq")
+    rows = [
+        (
             spec.name,
             spec.hf_id or "-",
             str(len(variants(spec.name))) if variants(spec.name) else "",
-            size,
+            f"{spec.num_params / 1e9:.2f}B" if spec.num_params >= 1e9 else f"{spec.num_params / 1e6:.0f}M",
             str(spec.num_hidden_layers),
             str(spec.hidden_size),
             f"{spec.vocab_size:,}",
             f"{spec.max_position_embeddings:,}",
         )
+        for spec in specs
+    ]
+    table, dropped = fitted_table("model presets", headers, rows, ("hub id", "+variants"), right=("+variants",))
     console.print(table)
-    console.print(
-        "+variants: hub ids with the preset's shapes (e.g. Qwen/Qwen2.5-7B-Instruct for qwen2.5-7b); pass one as "
-        "--model, with or without its owner."
-    )
+    if dropped:
+        console.print(f"left out to fit {console.width} columns: {', '.join(dropped)} (all of them: --json)")
+    if "+variants" not in dropped:
+        console.print(
+            "+variants: hub ids with the preset's shapes (e.g. Qwen/Qwen2.5-7B-Instruct for qwen2.5-7b); pass one as "
+            "--model, with or without its owner."
+        )
+
+
+def fitted_table(
+    title: str,
+    headers: tuple[str, ...],
+    rows: Sequence[Sequence[str]],
+    drop_order: tuple[str, ...],
+    right: tuple[str, ...] = (),
+) -> tuple[Table, list[str]]:
+    """A table as wide as the console allows: while it would wrap, the next column of `drop_order` is left out.
+    Returns the table and the headers left out. A cell never wraps: past the last column to drop, a long cell
+    ends in an ellipsis."""
+    dropped: list[str] = []
+    while True:
+        kept = [index for index, header in enumerate(headers) if header not in dropped]
+        table = Table(title=title, header_style="bold")
+        for index in kept:
+            justify: JustifyMethod = "right" if headers[index] in right else "left"
+            table.add_column(headers[index], justify=justify, no_wrap=True, overflow="ellipsis")
+        for row in rows:
+            table.add_row(*(row[index] for index in kept))
+        natural = console.measure(table, options=console.options.update_width(1 << 16)).maximum
+        if natural <= console.width or len(dropped) == len(drop_order):
+            return table, dropped
+        dropped.append(drop_order[len(dropped)])
 
 
 def show_machine(machine: LocalMachine) -> None:

@@ -9,8 +9,10 @@ the package. Starlette is imported only here, so `lorafit plan` stays free of it
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
 import tempfile
 import time
@@ -23,6 +25,7 @@ from pydantic import ValidationError
 
 from lorafit import answers, hardware, models, options
 from lorafit.errors import LorafitError
+from lorafit.web.access import AccessGuard, Listening, check_can_listen, shown
 
 STATIC = Path(__file__).resolve().parent / "static"
 STRINGS = Path(__file__).resolve().parent / "strings"
@@ -115,22 +118,23 @@ def given_from_query(items: list[tuple[str, str]], command: options.Command, swi
             continue
         if not option.config and not option.is_bool:  # a file on the CLI's machine (--from): not for a page
             raise BadRequest(f"{key}: not a setting of /api/{command}", key)
+        parsed: str | bool = value
         if option.is_bool:
             text = value.strip().lower()
             if text not in TRUE + FALSE:
                 raise BadRequest(f"{key} {value!r}: must be true or false", key)
-            value = text in TRUE
+            parsed = text in TRUE
             if not option.config:
                 if key not in switches:
                     raise BadRequest(f"{key}: not a setting of /api/{command}", key)
-                on[key] = value
+                on[key] = text in TRUE
                 continue
         if option.many:
-            given.setdefault(key, []).append(value)
+            given.setdefault(key, []).append(parsed)
         elif key in given:
             raise BadRequest(f"{key} is given twice", key)
         else:
-            given[key] = value
+            given[key] = parsed
     return given, on
 
 
@@ -191,6 +195,25 @@ class Uploads:
             raise BadRequest(f"{field} {value}: no such upload on this server (upload the file again)", field)
         return path
 
+    def discard(self, value: str) -> None:
+        """Delete a rejected upload (and its folder, once empty), so that refused files do not fill the cache."""
+        path = self.root / value.removeprefix(UPLOAD_PREFIX)  # a value `save` made
+        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # another upload with the same bytes under another name is still there
+            path.parent.rmdir()
+
+    def hide(self, data: Any) -> Any:
+        """`data` with every path of an upload written as its `upload:` value: where the server keeps files is no
+        business of a page."""
+        root = str(self.root)
+        if isinstance(data, str):
+            return re.sub(re.escape(root) + r"/([0-9a-f]{16}/[A-Za-z0-9._-]+)", UPLOAD_PREFIX + r"\1", data)
+        if isinstance(data, dict):
+            return {key: self.hide(value) for key, value in data.items()}
+        if isinstance(data, list):
+            return [self.hide(value) for value in data]
+        return data
+
     def model(self, given: dict[str, Any]) -> dict[str, Any]:
         """`given` with an uploaded model's value turned into its file; a local path is refused."""
         if "tokenizer" in given:
@@ -206,7 +229,8 @@ class Uploads:
 
 
 # --- the app ------------------------------------------------------------------------------------------------
-def create_app(upload_dir: Path | None = None) -> Any:
+def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: int | None = None) -> Any:
+    """The page and its API, answering requests addressed to `host` (and `port`, where given) only."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import HTMLResponse, JSONResponse, Response
@@ -223,19 +247,21 @@ def create_app(upload_dir: Path | None = None) -> Any:
         try:
             given, on = given_from_query(list(request.query_params.multi_items()), command, switches)
             given = uploads.model(given)
+            result: answers.PlanAnswer | answers.EstimateAnswer
             if command == "plan":
                 result = answers.plan(given, compare=on["compare"], data_path=lambda v: uploads.path(v, "data"))
             else:
                 result = answers.estimate(given, exact=on["exact"])
-            body = result.to_json()
-            if run and command == "plan":
+            body = uploads.hide(result.to_json())
+            if run and isinstance(result, answers.PlanAnswer):
                 if result.kind != "one":
                     raise BadRequest("/api/run takes the settings of one plan: a model and a GPU, no compare")
-                body = {"command": answers.train_command(result.plans[0]), "yaml": answers.train_yaml(result.plans[0])}
+                plan = result.plans[0]
+                body = uploads.hide({"command": answers.train_command(plan), "yaml": answers.train_yaml(plan)})
         except BadRequest as error:
             return JSONResponse({"error": str(error), "field": error.field or field_of(str(error), given)}, 400)
         except LorafitError as error:
-            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            message = uploads.hide(str(error).splitlines()[0] if str(error) else type(error).__name__)
             return JSONResponse({"error": message, "field": field_of(message, given)}, 400)
         except ValidationError as error:
             message = options.one_line(error)
@@ -287,9 +313,13 @@ def create_app(upload_dir: Path | None = None) -> Any:
 
                 described["tokens"] = length_profile(path).profile.model_dump(mode="json")
         except LorafitError as error:  # the file as the user named it, not where the server keeps it
+            uploads.discard(value)
             message = str(error).splitlines()[0].replace(str(path), name or path.name)
             return JSONResponse({"error": message, "field": kind}, 400)
-        return JSONResponse(described)
+        except BaseException:
+            uploads.discard(value)
+            raise
+        return JSONResponse(uploads.hide(described))
 
     async def page(request: Request) -> Response:
         language = language_of(request.headers.get("accept-language"), request.query_params.get("lang"))
@@ -298,9 +328,9 @@ def create_app(upload_dir: Path | None = None) -> Any:
 
     async def server_error(request: Request, error: Exception) -> Response:
         line = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
-        return JSONResponse({"error": f"internal error ({line}); please report it", "field": None}, 500)
+        return JSONResponse({"error": f"internal error ({uploads.hide(line)}); please report it", "field": None}, 500)
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/", page),
             Route("/api/plan", plan),
@@ -313,12 +343,14 @@ def create_app(upload_dir: Path | None = None) -> Any:
         ],
         exception_handlers={Exception: server_error},
     )
+    return AccessGuard(app, Listening(host, port))
 
 
 def serve(host: str = "127.0.0.1", port: int = 8765, open_browser: bool = False) -> None:
     import uvicorn
 
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/"
+    check_can_listen(host, port)
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else shown(host)}:{port}/"
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"lorafit serve: listening on {host}, reachable from other machines")
     print(f"lorafit serve: {url}  (Ctrl-C stops it)")
@@ -327,13 +359,11 @@ def serve(host: str = "127.0.0.1", port: int = 8765, open_browser: bool = False)
         import webbrowser
 
         threading.Timer(1.0, webbrowser.open, args=(url,)).start()
-    uvicorn.run(create_app(upload_folder()), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(upload_folder(), host, port), host=host, port=port, log_level="warning")
 
 
 def upload_folder() -> Path:
     """Where `lorafit serve` keeps uploads: the user's cache, so that a link to a plan of an uploaded file still
     opens after a restart."""
-    import os
-
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "lorafit" / "uploads"
