@@ -294,8 +294,8 @@ def activation_parts_per_token(
         attention = c * (q + kv_saved) + scores + v_saved
     else:
         attention = c * (q + kv_saved) + v_saved + c * q + 4 * heads
-    if spec.architecture == "phi3" and not runtime.fused_qkv:
-        # Phi-3's fused qkv_proj: v is a view of that output, so the saved v keeps all q + 2 kv columns alive
+    if spec.arch.fused_qkv and not runtime.fused_qkv:
+        # a fused qkv_proj (Phi-3's): v is a view of that output, so the saved v keeps all q + 2 kv columns alive
         attention += c * (q + kv)
     mlp = {name: dims for name, dims in spec.mlp_linears().items() if name != "down_proj"}
     down = {"down_proj": spec.mlp_linears()["down_proj"]}
@@ -315,10 +315,10 @@ def activation_parts_per_token(
         "gated_act": experts * gated,
         "down_input": experts * linear_inputs_grad(down, shared_input=False),
     }
-    if spec.architecture in ("gemma2", "gemma3"):
+    if spec.norms_per_layer > 2:
         # Gemma-2 and Gemma 3 normalise the attention and MLP outputs too, before adding them to the residual stream
-        parts["post_norms"] = 2 * (4 * h + 4 + (2 * h if full else 0))
-    if spec.architecture == "gemma3":
+        parts["post_norms"] = (spec.norms_per_layer - 2) * (4 * h + 4 + (2 * h if full else 0))
+    if spec.arch.qk_norm_saved:
         # Gemma 3 RMS-normalises each query and key head before RoPE: like the layer norms, each saves its fp32
         # input and one rsqrt per head (and, in full fine-tuning, its normalised input for the weight's gradient)
         kv_heads = spec.num_key_value_heads

@@ -3,7 +3,8 @@ variants, or a config.json.
 
 The fields carry the names of the Hugging Face `config.json` keys, so a catalog entry and a local config read
 the same way. Parameter counts are computed from the shapes of the real modules (tested against published
-counts). Families lorafit does not model are data too (catalog/models.toml, `[[unmodelled]]`), so asking for
+counts). The families lorafit models are data (catalog/architectures.toml): code asks a family's traits, not its
+name. Families lorafit does not model are data too (catalog/models.toml, `[[unmodelled]]`), so asking for
 one names the family and a stand-in instead of "not in the catalog".
 """
 
@@ -19,30 +20,74 @@ from dataclasses import dataclass
 from functools import cache, lru_cache, wraps
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
 
 from lorafit.errors import InvalidConfig, UnknownModel
 
+# The families of catalog/architectures.toml, for the type checker (tests/test_architectures.py: the two agree)
 Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral"]
 LoraTargets = Literal["all", "attn", "qv"]
+AttentionKernel = Literal["sdpa", "flash", "eager"]
 
-# config.json `model_type` -> the block layout lorafit models. All are pre-norm decoders with RMSNorm, RoPE,
-# grouped-query attention and a gated (SwiGLU / GeGLU) MLP; they differ in biases, extra norms and MoE. Gemma 3's
-# text model (gemma3_text: the 270M and 1B checkpoints) is modelled; its image-text wrapper (gemma3) is not.
-MODEL_TYPES: dict[str, Architecture] = {
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "gemma": "gemma",
-    "gemma2": "gemma2",
-    "gemma3_text": "gemma3",
-    "phi3": "phi3",
-    "mixtral": "mixtral",
-}
-HF_MODEL_TYPES: dict[Architecture, str] = {architecture: model_type for model_type, architecture in MODEL_TYPES.items()}
+
+class ArchitectureSpec(BaseModel):
+    """How one family's decoder block differs from Llama's (catalog/architectures.toml, whose header explains each
+    trait). Code asks these traits, never the family's name, so a family is added as one table."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    model_types: tuple[str, ...] = Field(min_length=1)
+    source: str
+    norms_per_layer: Literal[2, 4]
+    qk_norm: bool
+    qk_norm_saved: bool
+    logit_softcapping: bool
+    attention: tuple[AttentionKernel, ...] = Field(min_length=1)
+    fused_qkv: bool
+    fused_gate_up: bool
+    qkv_bias: bool
+    tie_word_embeddings: bool
+    attention_bias_key: bool
+    pad_token_id: int | None = None
+    llama_cpp_70b: bool
+
+    @model_validator(mode="after")
+    def _saved_norms_exist(self) -> ArchitectureSpec:
+        if self.qk_norm_saved and not self.qk_norm:
+            raise ValueError("qk_norm_saved needs qk_norm")
+        return self
+
+
+def load_architectures(text: str) -> dict[str, ArchitectureSpec]:
+    """The `[architecture.<name>]` tables of an architectures.toml text, by name."""
+    tables = tomllib.loads(text)["architecture"]
+    return {name: ArchitectureSpec.model_validate({"name": name, **traits}) for name, traits in tables.items()}
+
+
+@cache
+def architectures() -> dict[str, ArchitectureSpec]:
+    """The families lorafit models (catalog/architectures.toml)."""
+    return load_architectures(resources.files("lorafit").joinpath("catalog/architectures.toml").read_text())
+
+
+def model_types() -> dict[str, Architecture]:
+    """config.json `model_type` -> the family lorafit reads it as."""
+    families = {model_type: arch.name for arch in architectures().values() for model_type in arch.model_types}
+    return cast(dict[str, Architecture], families)
+
+
+def known_architecture(value: object) -> Architecture:
+    """A family of the table (validates `ModelSpec.architecture` against the table, not only the literal)."""
+    if not isinstance(value, str) or value not in architectures():
+        raise ValueError(f"unknown architecture {value!r}; known: {', '.join(architectures())}")
+    return cast(Architecture, value)
+
+
+# config.json `model_type` -> family, as the shipped table has it (the code itself asks `model_types()`)
+MODEL_TYPES: dict[str, Architecture] = model_types()
 
 # The largest value of each dimension that lorafit plans, several times what any released model has (Llama 3.1
 # 405B: 126 layers, hidden 16384, intermediate 53248, 128 heads; Gemma 3: vocabulary 262208, head_dim 256; Kimi K2:
@@ -85,7 +130,7 @@ class ModelSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
-    architecture: Architecture
+    architecture: Annotated[Architecture, PlainValidator(known_architecture)]
     hf_id: str | None = None
     hidden_size: int = Field(gt=0, le=DIMENSION_LIMITS["hidden_size"])
     intermediate_size: int = Field(gt=0, le=DIMENSION_LIMITS["intermediate_size"])
@@ -121,32 +166,37 @@ class ModelSpec(BaseModel):
         return self.num_local_experts > 0
 
     @property
+    def arch(self) -> ArchitectureSpec:
+        """The family's traits (catalog/architectures.toml)."""
+        return architectures()[self.architecture]
+
+    @property
     def norms_per_layer(self) -> int:
         """Gemma-2 and Gemma 3 add a norm after attention and after the MLP (Qwen3 and Gemma 3 also normalise q
         and k per head: `has_qk_norm`)."""
-        return 4 if self.architecture in ("gemma2", "gemma3") else 2
+        return self.arch.norms_per_layer
 
     @property
     def has_qk_norm(self) -> bool:
         """Qwen3 and Gemma 3 RMS-normalise every query and key head (a head_dim-sized weight for each)."""
-        return self.architecture in ("qwen3", "gemma3")
+        return self.arch.qk_norm
 
     @property
     def logit_softcapping(self) -> bool:
         """Gemma-2 soft-caps the attention scores and the final logits (attn_logit_softcapping 50,
         final_logit_softcapping 30 in every Gemma-2 config.json)."""
-        return self.architecture == "gemma2"
+        return self.arch.logit_softcapping
 
     @property
     def attention_implementations(self) -> tuple[str, ...]:
         """Attention kernels transformers offers for this architecture (5.x has no sdpa path for Gemma-2,
         whose logit soft-capping needs the eager or flash kernel)."""
-        return ("eager", "flash") if self.architecture == "gemma2" else ("sdpa", "flash", "eager")
+        return self.arch.attention
 
     def attention_linears(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each attention projection, by Hugging Face module name."""
         h = self.hidden_size
-        if self.architecture == "phi3":
+        if self.arch.fused_qkv:
             return {"qkv_proj": (h, self.q_size + 2 * self.kv_size), "o_proj": (self.q_size, h)}
         return {
             "q_proj": (h, self.q_size),
@@ -163,7 +213,7 @@ class ModelSpec(BaseModel):
         i), not as Linear modules.
         """
         h, i = self.hidden_size, self.intermediate_size
-        if self.architecture == "phi3" or self.is_moe:
+        if self.arch.fused_gate_up or self.is_moe:
             return {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
         return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
@@ -187,7 +237,7 @@ class ModelSpec(BaseModel):
             return attn if self.is_moe else attn + tuple(self.mlp_linears())
         if targets == "attn":
             return attn
-        return ("qkv_proj",) if self.architecture == "phi3" else ("q_proj", "v_proj")
+        return ("qkv_proj",) if self.arch.fused_qkv else ("q_proj", "v_proj")
 
     # --- parameter counts -----------------------------------------------------------------------------------
     @property
@@ -267,7 +317,7 @@ class ModelSpec(BaseModel):
     def to_hf_config(self) -> dict:
         """A config.json dict that transformers' AutoConfig builds the same architecture from."""
         config = {
-            "model_type": HF_MODEL_TYPES[self.architecture],
+            "model_type": self.arch.model_types[0],
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -278,10 +328,10 @@ class ModelSpec(BaseModel):
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
         }
-        if self.architecture in ("llama", "qwen3"):
+        if self.arch.attention_bias_key:
             config["attention_bias"] = self.attention_bias
-        if self.architecture == "phi3" and self.vocab_size <= 32000:
-            # Phi3Config's default pad id is 32000: a shrunken vocabulary has no such row for nn.Embedding
+        if self.arch.pad_token_id is not None and self.vocab_size <= self.arch.pad_token_id:
+            # the config class's default pad id (Phi3Config: 32000): a shrunken vocabulary has no such row
             config["pad_token_id"] = None
         if self.is_moe:
             config["num_local_experts"] = self.num_local_experts
@@ -421,10 +471,12 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
             raise InvalidConfig(f"{file}: {family.refusal(layer['model_type'])}")
     config = config.get("text_config", config) if "hidden_size" not in config else config
     model_type = config.get("model_type")
-    if model_type not in MODEL_TYPES:
-        known = ", ".join(sorted(MODEL_TYPES))
+    families = model_types()
+    if model_type not in families:
+        known = ", ".join(sorted(families))
         raise InvalidConfig(f"{file}: model_type {model_type!r} is not supported; supported: {known}")
-    architecture = MODEL_TYPES[model_type]
+    architecture = families[model_type]
+    arch = architectures()[architecture]
     fields = {
         key: config[key]
         for key in ModelSpec.model_fields
@@ -432,10 +484,9 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
     }
     fields.setdefault("num_key_value_heads", config.get("num_attention_heads"))
     check_dimensions(file, fields)
-    if architecture == "qwen2":
+    if arch.qkv_bias:
         fields["attention_bias"] = True  # Qwen2 always has q/k/v biases; its config has no key for it
-    if architecture in ("gemma", "gemma2", "gemma3"):
-        fields.setdefault("tie_word_embeddings", True)
+    fields.setdefault("tie_word_embeddings", arch.tie_word_embeddings)
     try:
         return ModelSpec(name=name or file.parent.name or file.stem, architecture=architecture, **fields)
     except ValidationError as error:

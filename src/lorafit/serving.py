@@ -84,7 +84,7 @@ def gguf_tensors(spec: ModelSpec) -> list[Tensor]:
         tensors += [Tensor(blk + name + ".weight", "norm", h, layer=n) for name in norms]
         if spec.has_qk_norm:
             tensors += [Tensor(blk + name + ".weight", "norm", spec.head_size, layer=n) for name in QK_NORMS]
-        if spec.architecture == "phi3":
+        if spec.arch.fused_qkv:
             tensors.append(Tensor(blk + "attn_qkv.weight", "attn_qkv", h, spec.q_size + 2 * spec.kv_size, n))
         else:
             tensors += [
@@ -106,7 +106,7 @@ def gguf_tensors(spec: ModelSpec) -> list[Tensor]:
                 Tensor(blk + "ffn_up_exps.weight", "ffn_up", h, i * e, n),
                 Tensor(blk + "ffn_down_exps.weight", "ffn_down", i, h * e, n),
             ]
-        elif spec.architecture == "phi3":
+        elif spec.arch.fused_gate_up:
             tensors += [
                 Tensor(blk + "ffn_up.weight", "ffn_up", h, 2 * i, n),
                 Tensor(blk + "ffn_down.weight", "ffn_down", i, h, n),
@@ -145,7 +145,7 @@ def is_70b(spec: ModelSpec) -> bool:
     """llama.cpp's LLM_TYPE_70B, which gets a wider attn_v: a Llama-family model of 80 layers with fewer KV heads
     than heads (Llama 2/3 70B; 80 layers with as many KV heads is the 65B)."""
     return (
-        spec.architecture in ("llama", "mistral", "qwen2")
+        spec.arch.llama_cpp_70b
         and spec.num_hidden_layers == 80
         and (spec.num_key_value_heads < spec.num_attention_heads)
     )

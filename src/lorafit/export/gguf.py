@@ -478,7 +478,8 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
     writer.add_rope_dimension_count(arch.head_dim)
     writer.add_rope_freq_base(arch.rope_theta)
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-6))
-    if arch.head_dim != int(config["hidden_size"]) // arch.heads or arch.model_type in ("qwen3", "gemma"):
+    key_length = _catalog()["architectures"][arch.model_type].get("key_length", False)
+    if arch.head_dim != int(config["hidden_size"]) // arch.heads or key_length:
         writer.add_key_length(arch.head_dim)
         writer.add_value_length(arch.head_dim)
     writer.add_vocab_size(len(vocabulary.tokens))
