@@ -80,7 +80,7 @@ def test_modelfile_names_the_gguf_and_its_end_tokens(exported: tuple[Path, dict]
     assert any("ollama create" in note for note in report["notes"])
     from transformers import AutoTokenizer
 
-    from lorafit.export.ollama import render_template
+    from go_template import render_template
 
     messages = [{"role": "user", "content": "¿Dónde vive el cangrejo?"}]
     tokenizer = AutoTokenizer.from_pretrained(demo_run)
