@@ -408,3 +408,17 @@ def test_chat_trust_remote_code_reaches_the_tokenizer(
     assert code == 2 and "tokenizer" in err, err
     code, _, err = run_cli([*args, "--trust-remote-code"], capsys)
     assert code == 0, err
+
+
+def test_output_names_up_to_the_file_system_limit_are_written_longer_ones_refused(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The hidden staging folder adds a prefix and suffix to the name: a legal 255-byte name still works."""
+    longest = tmp_path / ("m" * 255)
+    code, _, err = run_cli(["export", str(run_dir), "--to", "merged", "--output", str(longest)], capsys)
+    assert code == 0 and (longest / "model.safetensors").is_file(), err
+    code, _, err = run_cli(["export", str(run_dir), "--to", "merged", "--output", str(longest), "--overwrite"], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["export", str(run_dir), "--to", "merged", "--output", str(tmp_path / ("m" * 256))], capsys)
+    assert code == 2 and "256 bytes" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [longest.name]

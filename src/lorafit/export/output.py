@@ -10,6 +10,7 @@ process is gone.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -24,6 +25,7 @@ from lorafit.files import fsync_dir, write_atomic
 from lorafit.train import checkpoints
 
 MARKER = ".lorafit-export"  # {"kind": "merged" | "gguf"}: what --overwrite may replace
+NAME_MAX_BYTES = 255  # the longest file name Linux, macOS and Windows file systems take
 DISK_MARGIN_BYTES = 64 * 2**20  # kept free beyond the export's own size (metadata, the tokenizer, the file system)
 
 
@@ -64,6 +66,11 @@ def check_output(output: Path, *, kind: str, overwrite: bool, needed_bytes: int,
             raise ExportError(f"--output {output} would replace {what}; choose a new folder for the export")
     if resolved.name == "":
         raise ExportError(f"--output {output} names no folder; choose a new folder for the export")
+    if len(os.fsencode(resolved.name)) > NAME_MAX_BYTES:
+        raise ExportError(
+            f"--output's folder name is {len(os.fsencode(resolved.name))} bytes; file systems allow "
+            f"{NAME_MAX_BYTES}: choose a shorter name"
+        )
     existing = _first_existing(resolved.parent)
     if not existing.is_dir():
         raise ExportError(f"cannot write {output}: {existing} is a file, not a folder")
@@ -105,7 +112,7 @@ def remove_stale(output: Path) -> tuple[list[Path], list[Path]]:
     """Remove what killed exports to `output` left beside it: `.NAME.partial-PID` folders whose process is gone, and
     `.NAME.retired-PID` ones (an earlier output moved aside) once `output` is there again. The ones removed, and the
     retired ones kept because they may be the only copy of an earlier output."""
-    pattern = re.compile(rf"\.{re.escape(output.name)}\.(partial|retired)-(\d+)")
+    pattern = re.compile(rf"\.{re.escape(_stem(output))}\.(partial|retired)-(\d+)")
     removed, kept = [], []
     with contextlib.suppress(OSError):
         for path in sorted(output.parent.iterdir()):
@@ -120,8 +127,18 @@ def remove_stale(output: Path) -> tuple[list[Path], list[Path]]:
     return removed, kept
 
 
+def _stem(output: Path) -> str:
+    """The output's name in its hidden folders' names: itself, or for a name too long to take the prefix and
+    suffix, its start and a digest of the whole (still one name per output)."""
+    name = output.name
+    if len(os.fsencode(name)) <= NAME_MAX_BYTES - 32:
+        return name
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:12]
+    return os.fsencode(name)[: NAME_MAX_BYTES - 48].decode(errors="ignore") + "~" + digest
+
+
 def _hidden(output: Path, state: str) -> Path:
-    return output.with_name(f".{output.name}.{state}-{os.getpid()}")
+    return output.with_name(f".{_stem(output)}.{state}-{os.getpid()}")
 
 
 def publish(staging: Path, output: Path) -> None:
