@@ -206,6 +206,10 @@ def test_overwrite_replaces_only_an_earlier_export_of_the_same_kind(
         args = ["export", str(run_dir), "--to", "merged", "--output", str(output), "--overwrite"]
         code, _, err = run_cli(args, capsys)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (output, err)
+    for output in (mine, run_dir, base_dir):  # the same rules for --to gguf
+        args = ["export", str(run_dir), "--to", "gguf", "--no-verify", "--output", str(output), "--overwrite"]
+        code, _, err = run_cli(args, capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, (output, err)
     assert before == {path: sorted(p.name for p in path.iterdir()) for path in before}
     assert (mine / "thesis.tex").read_text() == "years of work"
     code, _, err = run_cli(["export", str(run_dir), "--to", "merged", "--output", str(tmp_path / "m")], capsys)
