@@ -59,42 +59,49 @@ def _first_existing(path: Path) -> Path:
 def check_output(output: Path, *, kind: str, overwrite: bool, needed_bytes: int, keep: Sequence[Path] = ()) -> None:
     """Refuse, before anything is written: the run or base (or a folder holding them, the current folder), a path
     under a file, an existing output without --overwrite or that no export of this kind wrote, too little disk."""
-    resolved = Path(os.path.abspath(output)).resolve()
+    absolute = Path(os.path.abspath(output))
+    resolved = absolute.resolve()
     for protected in (Path.cwd(), *keep):
         if _inside(Path(protected).resolve(), resolved):
             what = "the current folder" if protected == Path.cwd() else str(protected)
             raise ExportError(f"--output {output} would replace {what}; choose a new folder for the export")
-    if resolved.name == "":
+    if absolute.name == "":
         raise ExportError(f"--output {output} names no folder; choose a new folder for the export")
-    if len(os.fsencode(resolved.name)) > NAME_MAX_BYTES:
+    if len(os.fsencode(absolute.name)) > NAME_MAX_BYTES:
         raise ExportError(
-            f"--output's folder name is {len(os.fsencode(resolved.name))} bytes; file systems allow "
+            f"--output's folder name is {len(os.fsencode(absolute.name))} bytes; file systems allow "
             f"{NAME_MAX_BYTES}: choose a shorter name"
         )
-    existing = _first_existing(resolved.parent)
-    if not existing.is_dir():
-        raise ExportError(f"cannot write {output}: {existing} is a file, not a folder")
-    if output.exists() or output.is_symlink():
-        if not overwrite:
-            raise ExportError(f"{output} exists; pass --overwrite to replace it, or choose another --output")
-        if not output.is_dir():
-            raise ExportError(f"{output} is a file; --output names a folder")
-        if any(output.iterdir()) and export_kind(output) != kind:
-            raise ExportError(
-                f"{output} is not the output of an earlier `lorafit export --to {kind}` (it has no {MARKER}); "
-                "--overwrite replaces only those: choose another --output"
-            )
+    parent = absolute.parent.resolve()  # where the staging folder goes, beside the output
     try:
-        resolved.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryDirectory(dir=resolved.parent).cleanup()
+        existing = _first_existing(parent)
+        if not existing.is_dir():
+            raise ExportError(f"cannot write {output}: {existing} is a file, not a folder")
+        if output.exists() or output.is_symlink():
+            _check_replaceable(output, kind, overwrite)
+        parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryDirectory(dir=parent).cleanup()
     except OSError as error:
-        raise ExportError(f"cannot write in {resolved.parent}: {checkpoints.write_failure(error, existing)}") from None
-    free = checkpoints.free_bytes(resolved.parent)
+        raise ExportError(f"cannot write in {parent}: {checkpoints.write_failure(error, parent)}") from None
+    free = checkpoints.free_bytes(parent)
     if free is not None and free < needed_bytes + DISK_MARGIN_BYTES:
         raise ExportError(
-            f"not enough disk space in {resolved.parent}: the export needs {size_text(needed_bytes)} plus a "
+            f"not enough disk space in {parent}: the export needs {size_text(needed_bytes)} plus a "
             f"{size_text(DISK_MARGIN_BYTES)} margin, {size_text(free)} are free; free some space or choose another "
             "--output"
+        )
+
+
+def _check_replaceable(output: Path, kind: str, overwrite: bool) -> None:
+    """An existing output may be replaced with --overwrite, and only when an export of this kind wrote it."""
+    if not overwrite:
+        raise ExportError(f"{output} exists; pass --overwrite to replace it, or choose another --output")
+    if not output.is_dir():
+        raise ExportError(f"{output} is a file; --output names a folder")
+    if any(output.iterdir()) and export_kind(output) != kind:
+        raise ExportError(
+            f"{output} is not the output of an earlier `lorafit export --to {kind}` (it has no {MARKER} of that "
+            "kind); --overwrite replaces only those: choose another --output"
         )
 
 
