@@ -17,7 +17,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from lorafit.errors import ExportError
@@ -56,14 +56,15 @@ def _first_existing(path: Path) -> Path:
     return path
 
 
-def check_output(output: Path, *, kind: str, overwrite: bool, needed_bytes: int, keep: Sequence[Path] = ()) -> None:
+def check_output(
+    output: Path, *, kind: str, overwrite: bool, needed_bytes: int, keep: Mapping[Path, str] | None = None
+) -> None:
     """Refuse, before anything is written: the run or base (or a folder holding them, the current folder), a path
     under a file, an existing output without --overwrite or that no export of this kind wrote, too little disk."""
     absolute = Path(os.path.abspath(output))
     resolved = absolute.resolve()
-    for protected in (Path.cwd(), *keep):
+    for protected, what in {Path.cwd(): "the current folder", **(keep or {})}.items():
         if _inside(Path(protected).resolve(), resolved):
-            what = "the current folder" if protected == Path.cwd() else str(protected)
             raise ExportError(f"--output {output} would replace {what}; choose a new folder for the export")
     if absolute.name == "":
         raise ExportError(f"--output {output} names no folder; choose a new folder for the export")

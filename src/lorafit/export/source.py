@@ -42,9 +42,12 @@ class RunSource:
     quantized_base: bool  # the base is stored quantised: the merge dequantises it
 
     @property
-    def folders(self) -> tuple[Path, ...]:
-        """The folders an export reads from, which its output must never replace."""
-        return tuple(dict.fromkeys((self.run_dir, run_folder(self.run_dir), self.model_dir, self.tokenizer_dir)))
+    def folders(self) -> dict[Path, str]:
+        """The folders an export reads from, which its output must never replace, each said in words."""
+        named = {self.tokenizer_dir: f"the tokenizer it reads ({self.tokenizer_dir})"}
+        named[self.model_dir] = f"the base model ({self.model_dir})"
+        named[run_folder(self.run_dir)] = f"the run ({run_folder(self.run_dir)})"
+        return named | {self.run_dir: f"the run being exported ({self.run_dir})"}
 
 
 def safetensors_header(path: Path) -> dict[str, Any]:
