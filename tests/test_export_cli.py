@@ -51,7 +51,7 @@ def test_files_and_json_shape(exported: tuple[Path, dict]) -> None:
     assert set(report["files"]) == {"f16", "q8_0", "q4_k_m", "modelfile"}
     for key in ("f16", "q8_0", "q4_k_m"):
         assert Path(report["files"][key]) == output / f"demo-{key}.gguf" and Path(report["files"][key]).is_file()
-    expected = ["Modelfile", "demo-f16.gguf", "demo-q4_k_m.gguf", "demo-q8_0.gguf"]
+    expected = [".lorafit-export", "Modelfile", "demo-f16.gguf", "demo-q4_k_m.gguf", "demo-q8_0.gguf"]
     assert sorted(p.name for p in output.iterdir()) == expected
     assert not list(output.parent.glob(".*"))  # no staging folder or intermediate file left
 
@@ -75,12 +75,12 @@ def test_modelfile_names_the_gguf_and_its_end_tokens(exported: tuple[Path, dict]
 
     output, report = exported
     parsed = parse_modelfile((output / "Modelfile").read_text())
-    assert parsed["FROM"] == ["./demo-f16.gguf"]
+    assert parsed["FROM"] == ["./demo-q4_k_m.gguf"]  # the smallest of the three
     assert parsed["PARAMETER stop"] == ["<|end|>"]  # the demo's EOS, which also ends each turn
     assert any("ollama create" in note for note in report["notes"])
     from transformers import AutoTokenizer
 
-    from lorafit.export.ollama import render_template
+    from go_template import render_template
 
     messages = [{"role": "user", "content": "¿Dónde vive el cangrejo?"}]
     tokenizer = AutoTokenizer.from_pretrained(demo_run)

@@ -256,3 +256,95 @@ def test_quant_types_and_k_quant_blocks(tokenizer: Any, tmp_path: Path) -> None:
     k_types = set(types(tmp_path / "m-q4_k_m.gguf").values())
     assert {"Q4_K", "Q6_K"} <= k_types
     assert (tmp_path / "m-q4_k_m.gguf").stat().st_size < q8.path.stat().st_size < f16.path.stat().st_size
+
+
+def test_a_file_whose_logits_are_nan_fails_the_check_and_is_not_written(tokenizer: Any, tmp_path: Path) -> None:
+    """NaN compares false with every tolerance: a model whose logits are all NaN must still fail the check."""
+    from lorafit.export import job
+
+    folder = tmp_path / "model"
+    model = tiny_model(folder, tokenizer, "llama")
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    model.save_pretrained(folder)
+    output = tmp_path / "out"
+    with pytest.raises(ExportError, match="not finite"):
+        job.export_gguf(folder, output, ["f16"], overwrite=False, check=True, ollama=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # nothing written, no staging folder left
+
+
+def chatml_tokenizer() -> Any:
+    """The demo tokenizer with ChatML turns: each ends on <|im_end|>, a special token that is not EOS."""
+    from lorafit.train import demo
+
+    chatml = demo.build_tokenizer(demo.corpus(), vocab_size=1024)
+    chatml.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    chatml.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return chatml
+
+
+def chain_model(folder: Path, tokenizer: Any, start: int, chain: list[int], hidden: int = 64) -> None:
+    """A Llama whose attention and MLP add nothing, so each next token depends on the last one only: after
+    `start` it answers chain[0], chain[1], ... and then the last of `chain` (by construction, in both runtimes)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight.zero_()
+        model.model.layers[0].mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.mul_(0.01)
+        head = model.lm_head.weight
+        head.zero_()
+        for position, (token, following) in enumerate(zip([start, *chain[:-1]], chain, strict=True)):
+            model.model.embed_tokens.weight[token] = 0.0
+            model.model.embed_tokens.weight[token, position] = 1.0
+            head[following, position] = 10.0
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def test_stops_count_answers_that_end_on_the_end_of_turn_token(tmp_path: Path) -> None:
+    """An instruct model's answer ends on its end-of-turn token (<|im_end|>, not EOS) after more tokens than the
+    greedy comparison reads: the stop check counts it, as llama.cpp and `lorafit chat` stop there."""
+    from lorafit.export import gguf, verify
+
+    chatml = chatml_tokenizer()
+    start = verify.prompts(chatml, ["hi"])[0][-1]
+    end_of_turn = chatml.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn != chatml.eos_token_id
+    answer = [token for token in range(40, 100) if token != start][:40]
+    folder = tmp_path / "model"
+    chain_model(folder, chatml, start, [*answer, end_of_turn])
+    written = gguf.write_gguf(folder, tmp_path / "m-f16.gguf", "f16")
+    figures = verify.verify(folder, {"f16": written.path}, written.vocabulary)["f16"]
+    assert figures.prompts == 3 and figures.stops == 3
+    assert figures.greedy_match is True and verify.failures({"f16": figures}) == []
+
+
+def test_chat_with_a_prompt_longer_than_the_gguf_context_is_one_line(
+    tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from conftest import run_cli
+    from lorafit.export import gguf
+
+    folder = tmp_path / "model"
+    tiny_model(folder, tokenizer, "llama")
+    written = gguf.write_gguf(folder, tmp_path / "m-f16.gguf", "f16")
+    prompt = "the lighthouse keeper counts the boats " * 200
+    code, _, err = run_cli(["chat", str(written.path), "--prompt", prompt, "--max-new-tokens", "4"], capsys)
+    assert code == 2 and "shorten the prompt" in err and len(err.strip().splitlines()) == 1, err

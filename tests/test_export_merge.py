@@ -155,7 +155,7 @@ def test_output_is_refused_unless_overwrite_and_never_half_written(
 
     run = source.open_run(run_dir)
     output = tmp_path / "merged"
-    output.mkdir()
+    merge.merge(run, output, overwrite=False)
     (output / "keep.txt").write_text("mine")
     with pytest.raises(ExportError, match="exists; pass --overwrite"):
         merge.merge(run, output, overwrite=False)
@@ -165,13 +165,100 @@ def test_output_is_refused_unless_overwrite_and_never_half_written(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(merge, "write_streamed", broken)
-    with pytest.raises(OSError):
-        merge.merge(run, output, overwrite=True)
+    with pytest.raises(ExportError, match=r"could not write .*merged: no space left on device.*partial export was"):
+        merge.merge(run, output, overwrite=True)  # a disk that fills while writing: one line, no traceback
     assert (output / "keep.txt").read_text() == "mine"  # the old output stays until the new one is complete
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]  # no staging folder left behind
     monkeypatch.undo()
     merge.merge(run, output, overwrite=True)
     assert not (output / "keep.txt").exists() and (output / "model.safetensors").is_file()
+
+
+def test_overwrite_replaces_only_an_earlier_export_of_the_same_kind(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """--overwrite never deletes a folder of other files, the run, its base, a folder holding them, `.` or `..`;
+    a path under a file is one line too."""
+    from lorafit.export import job
+
+    base_dir = run_dir.parent / "base"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    (tmp_path / "notes.txt").write_text("a file")
+    work = tmp_path / "work" / "here"
+    work.mkdir(parents=True)
+    (work / "keep.txt").write_text("mine")
+    gguf = tmp_path / "gguf"
+    job.export_gguf(run_dir, gguf, ["f16"], overwrite=False, check=False, ollama=False)
+    before = {path: sorted(p.name for p in path.iterdir()) for path in (mine, run_dir, base_dir, work, gguf)}
+    monkeypatch.chdir(work)
+    for output, message in [
+        (mine, "not the output of an earlier `lorafit export --to merged`"),
+        (gguf, "not the output of an earlier `lorafit export --to merged`"),
+        (run_dir, "would replace"),
+        (base_dir, "would replace"),
+        (run_dir.parent, "would replace"),
+        (Path("."), "would replace the current folder"),
+        (Path(".."), "would replace the current folder"),
+        (tmp_path / "notes.txt" / "sub", "is a file, not a folder"),
+    ]:
+        args = ["export", str(run_dir), "--to", "merged", "--output", str(output), "--overwrite"]
+        code, _, err = run_cli(args, capsys)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (output, err)
+    for output in (mine, run_dir, base_dir):  # the same rules for --to gguf
+        args = ["export", str(run_dir), "--to", "gguf", "--no-verify", "--output", str(output), "--overwrite"]
+        code, _, err = run_cli(args, capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, (output, err)
+    assert before == {path: sorted(p.name for p in path.iterdir()) for path in before}
+    assert (mine / "thesis.tex").read_text() == "years of work"
+    code, _, err = run_cli(["export", str(run_dir), "--to", "merged", "--output", str(tmp_path / "m")], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["export", str(run_dir), "--to", "merged", "--output", "../../m", "--overwrite"], capsys)
+    assert code == 0, err  # an earlier merged export is replaced
+
+
+def test_killed_exports_leave_nothing_the_next_one_keeps(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kill leaves `.NAME.partial-PID`; the next export to NAME removes those whose process is gone (only
+    those: another name, a live process, a name that only looks alike stay)."""
+    import os
+    import subprocess
+    import sys
+
+    from lorafit.export import job
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    left = [tmp_path / f".merged.partial-{dead}", tmp_path / f".merged.partial-{dead + 1_000_000_000}"]
+    kept = [tmp_path / f".merged.partial-{os.getppid()}", tmp_path / f".other.partial-{dead}"]
+    kept += [tmp_path / f".merged.partial-{dead}x", tmp_path / f".merged.retired-{dead}"]
+    for folder in left + kept:
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"0" * 1000)
+    result = job.export_merged(run_dir, tmp_path / "merged", overwrite=False)
+    assert not any(folder.exists() for folder in left) and all(folder.exists() for folder in kept)
+    assert any("removed 2 folder(s) killed exports left" in note for note in result.notes)
+    # an earlier output moved aside when the kill came between the two renames: its only copy, kept and named
+    assert any(f"kept at {tmp_path / f'.merged.retired-{dead}'}" in note for note in result.notes)
+    job.export_merged(run_dir, tmp_path / "merged", overwrite=True)
+    assert not (tmp_path / f".merged.retired-{dead}").exists()  # the output is there again: removed
+
+
+def test_ctrl_c_says_what_was_left(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from lorafit.export import merge
+
+    def interrupted(*args: object, **kwargs: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(merge, "write_streamed", interrupted)
+    args = ["export", str(run_dir), "--to", "merged", "--output", str(tmp_path / "m")]
+    code, _, err = run_cli(args, capsys)
+    assert code == 130 and "export interrupted: its partial files were removed" in err, err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_not_enough_disk_is_refused_before_writing(
@@ -184,6 +271,18 @@ def test_not_enough_disk_is_refused_before_writing(
     with pytest.raises(ExportError, match="not enough disk space"):
         merge.merge(source.open_run(run_dir), tmp_path / "merged", overwrite=False)
     assert list(tmp_path.iterdir()) == []
+    # a few megabytes free: the message shows them and the margin it keeps, not "0.00 GB"
+    monkeypatch.setattr(checkpoints, "free_bytes", lambda path: 20_000_000)
+    with pytest.raises(ExportError, match=r"needs [\d.]+ MB plus a 67.1 MB margin, 20.0 MB are free"):
+        merge.merge(source.open_run(run_dir), tmp_path / "merged", overwrite=False)
+
+
+def test_a_folder_that_cannot_be_written_is_not_called_a_full_disk(run_dir: Path, tmp_path: Path) -> None:
+    from lorafit.export import merge, source
+
+    with pytest.raises(ExportError, match="cannot write in /proc") as error:
+        merge.merge(source.open_run(run_dir), Path("/proc/lorafit-merged"), overwrite=False)
+    assert "disk space" not in str(error.value)
 
 
 def test_cli_merged_json_and_one_line_errors(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -259,4 +358,71 @@ def test_gguf_without_llama_cpp_writes_unverified_f16_and_refuses_k_quants(
     result = job.export_gguf(run_dir, tmp_path / "g", ["f16", "q8_0"], overwrite=False, check=True, ollama=False)
     assert sorted(result.files) == ["f16", "q8_0"] and all(path.is_file() for path in result.files.values())
     assert result.verify == {} and any("not verified" in note for note in result.notes)
-    assert sorted(p.name for p in (tmp_path / "g").iterdir()) == ["run-f16.gguf", "run-q8_0.gguf"]
+    assert sorted(p.name for p in (tmp_path / "g").iterdir()) == [".lorafit-export", "run-f16.gguf", "run-q8_0.gguf"]
+
+
+def test_the_modelfile_points_at_the_smallest_file_and_says_so(run_dir: Path, tmp_path: Path) -> None:
+    """Several quants, one Modelfile: it runs the smallest file (the one a small card needs), and the note says
+    which."""
+    from lorafit.export import job
+    from lorafit.export.ollama import parse_modelfile
+
+    output = tmp_path / "g"
+    result = job.export_gguf(run_dir, output, ["f16", "q8_0"], overwrite=False, check=False, ollama=True)
+    assert (output / "run-q8_0.gguf").stat().st_size < (output / "run-f16.gguf").stat().st_size
+    assert parse_modelfile(result.files["modelfile"].read_text())["FROM"] == ["./run-q8_0.gguf"]
+    assert any(note.startswith("Modelfile for run-q8_0.gguf") for note in result.notes)
+
+
+def test_the_check_table_says_what_its_columns_count() -> None:
+    import io
+
+    from rich.console import Console
+
+    from lorafit.export import cli, job
+
+    figures = {"kld_mean": 0.001, "top1_agreement": 0.98, "ppl": 5.1, "ppl_reference": 5.0}
+    figures |= {"tokenizer_match": True, "greedy_match": True, "stops": 2, "prompts": 3}
+    console = Console(file=io.StringIO(), width=200)
+    cli.show(job.ExportResult(files={"f16": Path("run-f16.gguf")}, verify={"f16": figures}), console)
+    text = console.file.getvalue()
+    assert "2/3" in text and "stops: greedy answers that ended on an end-of-turn or EOS token within" in text
+
+
+def test_chat_trust_remote_code_reaches_the_tokenizer(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A model whose tokenizer is custom code in its folder loads with --trust-remote-code (and only with it)."""
+    from lorafit.export import job
+
+    model = tmp_path / "model"
+    job.export_merged(run_dir, model, overwrite=False)
+    (model / "tokenization_custom.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass CustomTokenizer(PreTrainedTokenizerFast):\n"
+        "    pass\n"
+    )
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config |= {
+        "tokenizer_class": "CustomTokenizer",
+        "auto_map": {"AutoTokenizer": [None, "tokenization_custom.CustomTokenizer"]},
+    }
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    args = ["chat", str(model), "--prompt", "hi", "--max-new-tokens", "2"]
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "tokenizer" in err, err
+    code, _, err = run_cli([*args, "--trust-remote-code"], capsys)
+    assert code == 0, err
+
+
+def test_output_names_up_to_the_file_system_limit_are_written_longer_ones_refused(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The hidden staging folder adds a prefix and suffix to the name: a legal 255-byte name still works."""
+    longest = tmp_path / ("m" * 255)
+    code, _, err = run_cli(["export", str(run_dir), "--to", "merged", "--output", str(longest)], capsys)
+    assert code == 0 and (longest / "model.safetensors").is_file(), err
+    code, _, err = run_cli(["export", str(run_dir), "--to", "merged", "--output", str(longest), "--overwrite"], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["export", str(run_dir), "--to", "merged", "--output", str(tmp_path / ("m" * 256))], capsys)
+    assert code == 2 and "256 bytes" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [longest.name]

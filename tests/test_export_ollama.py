@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from go_template import render_template
 from lorafit.errors import InvalidConfig, LorafitError
-from lorafit.export.ollama import Modelfile, modelfile, parse_modelfile, render_template, write_modelfile
+from lorafit.export.ollama import Modelfile, modelfile, parse_modelfile, write_modelfile
 from lorafit.train.demo import CHAT_TEMPLATE as DEMO_TEMPLATE
 
 DATA = Path(__file__).parent / "data"

@@ -7,6 +7,7 @@ modules import torch/transformers only inside their command functions, so `loraf
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -183,8 +184,17 @@ def fail(message: str) -> None:
 INTERRUPTED = 130  # the exit code of a process ended by SIGINT, as shells report it
 
 
+def _own_command(argv: list[str] | None) -> bool:
+    """The command is one of this module's (plan, gpus, ...): the data, train and export commands are not imported,
+    so `lorafit plan` starts without them."""
+    first = next((arg for arg in (sys.argv[1:] if argv is None else argv) if not arg.startswith("-")), None)
+    names = {info.name or info.callback.__name__.replace("_", "-") for info in app.registered_commands if info.callback}
+    return first in names
+
+
 def main(argv: list[str] | None = None) -> None:
-    _register_subcommands()
+    if not _own_command(argv):
+        _register_subcommands()
     try:
         code = app(args=argv, standalone_mode=False)
     except typer.Abort:

@@ -9,8 +9,11 @@ from typing import Any
 
 import typer
 
+from lorafit import options
 from lorafit.cli import derived_options, split
 from lorafit.errors import ExportError
+from lorafit.export import job
+from lorafit.export.verify import GREEDY_TOKENS, STOP_TOKENS
 
 
 def register(app: typer.Typer) -> None:
@@ -25,8 +28,6 @@ def export_command(
     **values: Any,
 ) -> None:
     """Write the fine-tuned model in a form people run; every file is checked before it takes its name."""
-    from lorafit import options
-
     given, switches = split(values)
     settings = options.validate("export", given, from_flags=given)
     if settings.to is None:
@@ -38,8 +39,6 @@ def export_command(
     from rich.console import Console
 
     console = Console(highlight=False, soft_wrap=True, stderr=switches["json"])
-    from lorafit.export import job
-
     if settings.to == "merged":
         result = job.export_merged(run_dir, Path(settings.output), overwrite=switches["overwrite"])
     else:
@@ -80,6 +79,10 @@ def show(result: Any, console: Any) -> None:
                 f"{f.get('stops', 0)}/{f.get('prompts', 0)}",
             )
         console.print(table)
+        console.print(
+            f"[dim]greedy: the first {GREEDY_TOKENS} greedy tokens equal the merged model's (16/32-bit files); "
+            f"stops: greedy answers that ended on an end-of-turn or EOS token within {STOP_TOKENS} tokens[/dim]"
+        )
     if "merged" in result.verify:
         check = result.verify["merged"]
         console.print(

@@ -4,7 +4,7 @@ then renamed into place. Nothing half-written ever sits under the output's name.
 `--to merged` writes a transformers folder. `--to gguf` merges into a hidden folder inside the staging area,
 writes the 16-bit or q8_0 files from it directly, makes the K-quants with llama.cpp's quantizer from a 16-bit one,
 loads each file in llama.cpp and compares it with the merged model (unless --no-verify), and writes an Ollama
-Modelfile beside the first file with --ollama.
+Modelfile beside the smallest file with --ollama.
 """
 
 from __future__ import annotations
@@ -15,11 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lorafit.errors import ExportError
+from lorafit.data import load_conversations
+from lorafit.errors import ExportError, LorafitError
 from lorafit.export import gguf as gguf_writer
 from lorafit.export import merge, verify
+from lorafit.export import ollama as ollama_files
+from lorafit.export.output import check_output, staged
 from lorafit.export.source import RunSource, open_run, weight_files
 from lorafit.options import GgufType
+from lorafit.train.chat import quiet_stderr, run_folder
 
 # Bytes per weight of each GGUF type, for the disk check before writing (K-quant mixes at their largest share).
 BYTES_PER_WEIGHT = {
@@ -49,8 +53,9 @@ class ExportResult:
 
 def export_merged(run_dir: Path, output: Path, *, overwrite: bool) -> ExportResult:
     source = open_run(run_dir)
-    merged = merge.merge(source, Path(output), overwrite=overwrite)
-    result = ExportResult(files={"merged": merged.folder})
+    result = ExportResult()
+    merged = merge.merge(source, Path(output), overwrite=overwrite, notes=result.notes)
+    result.files = {"merged": merged.folder}
     if source.quantized_base:
         result.notes.append(
             f"the base in {source.model_dir} is stored quantised: its weights were dequantised before "
@@ -95,10 +100,9 @@ def export_gguf(
     needed = int(sum(BYTES_PER_WEIGHT[t] for t in types) * parameters)
     needed += int(2 * parameters) if intermediate else 0
     needed += 0 if source.adapter is None else sum(path.stat().st_size for path in weight_files(source.model_dir))
-    merge.check_output(output, overwrite=overwrite, needed_bytes=needed)
-    staging = merge.staging_for(output)
+    check_output(output, kind="gguf", overwrite=overwrite, needed_bytes=needed, keep=source.folders)
     result = ExportResult()
-    try:
+    with staged(output, "gguf", result.notes) as staging:
         merged_dir = source.run_dir
         if source.adapter is not None or source.quantized_base:
             merged_dir = staging / ".merged"
@@ -117,7 +121,7 @@ def export_gguf(
         for file_type in k_quants:
             target = staging / f"{stem}-{file_type}.gguf"
             progress(f"quantizing to {target.name} (llama.cpp)")
-            with verify.quiet_stderr():
+            with quiet_stderr():
                 gguf_writer.quantize(sixteen, target, file_type)
             written[file_type] = target
         if intermediate:
@@ -133,17 +137,15 @@ def export_gguf(
         else:
             result.notes.append(unchecked)
         if ollama:
-            final = output / written[types[0]].name  # the Modelfile names it relatively; the command, where it ends up
+            # one Modelfile, for the smallest file: the one that runs on the smallest card
+            smallest = min(types, key=lambda t: written[t].stat().st_size)
+            final = output / written[smallest].name  # the Modelfile names it relatively; the command, where it ends
             result.notes.append(_write_modelfile(staging, final, vocabulary, stem))
         if merged_dir != source.run_dir:
             shutil.rmtree(merged_dir)
-        merge.publish(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     result.files = {t: output / written[t].name for t in types}
     if ollama:
-        result.files["modelfile"] = output / "Modelfile"
+        result.files["modelfile"] = output / ollama_files.MODELFILE_NAME
     return result
 
 
@@ -151,10 +153,6 @@ def heldout_rows(source: RunSource, rows: int = 24) -> list[list[dict[str, str]]
     """The first held-out conversations of the run (its eval data, else its data), read with the run's own
     format and mapping; none when the files moved or the run left no config."""
     import yaml
-
-    from lorafit.data import load_conversations
-    from lorafit.errors import LorafitError
-    from lorafit.train.chat import run_folder
 
     try:
         config = yaml.safe_load((run_folder(source.run_dir) / "config.yaml").read_text()) or {}
@@ -166,21 +164,17 @@ def heldout_rows(source: RunSource, rows: int = 24) -> list[list[dict[str, str]]
 
 
 def run_name(source: RunSource) -> str:
-    from lorafit.train.chat import run_folder
-
     return run_folder(source.run_dir).resolve().name or "model"
 
 
 def _write_modelfile(folder: Path, gguf_path: Path, vocabulary: gguf_writer.Vocabulary, name: str) -> str:
-    from lorafit.export import ollama
-
     bos = vocabulary.tokens[vocabulary.special["bos"]] if vocabulary.add_bos and "bos" in vocabulary.special else None
-    modelfile = ollama.modelfile(
+    modelfile = ollama_files.modelfile(
         gguf_path,
         chat_template=vocabulary.chat_template,
         stop_tokens=vocabulary.stop_tokens(),
         bos_token=bos,
         name=name,
     )
-    ollama.write_modelfile(folder, modelfile)
-    return f"{modelfile.note}; run: {modelfile.create_command}"
+    ollama_files.write_modelfile(folder, modelfile)
+    return f"Modelfile for {gguf_path.name}: {modelfile.note}; run: {modelfile.create_command}"

@@ -22,9 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafit.errors import ExportError
+from lorafit.export.output import check_output, staged
 from lorafit.export.source import RunSource, safetensors_header, weight_files
-from lorafit.files import default_mode, fsync_dir, write_atomic
-from lorafit.train import checkpoints
+from lorafit.files import default_mode, write_atomic
+from lorafit.models import from_config_json
+from lorafit.train.build import quiet_libraries
+from lorafit.train.chat import load_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -65,43 +68,6 @@ class Merged:
     bytes: int
     dequantised: bool
     check: LogitsCheck | None
-
-
-# --- the output folder: checked first, written under a hidden name, renamed at the end --------------------------
-def check_output(output: Path, *, overwrite: bool, needed_bytes: int) -> None:
-    """Refuse before anything is written: an existing output without --overwrite, too little disk."""
-    if output.exists() and not overwrite:
-        raise ExportError(f"{output} exists; pass --overwrite to replace it, or choose another --output")
-    if output.exists() and not output.is_dir():
-        raise ExportError(f"{output} is a file; --output names a folder")
-    parent = output.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(parent, os.W_OK):
-        raise ExportError(f"cannot write in {parent}: permission denied")
-    free = checkpoints.free_bytes(parent)
-    margin = 64 * 2**20
-    if free is not None and free < needed_bytes + margin:
-        raise ExportError(
-            f"not enough disk space in {parent}: the export needs {needed_bytes / 1e9:.2f} GB, "
-            f"{free / 1e9:.2f} GB are free; free some space or choose another --output"
-        )
-
-
-def staging_for(output: Path) -> Path:
-    staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    return staging
-
-
-def publish(staging: Path, output: Path) -> None:
-    """Rename the complete staging folder onto `output`; an old output is moved aside first and removed after."""
-    retired = output.with_name(f".{output.name}.retired-{os.getpid()}")
-    if output.exists():
-        output.replace(retired)
-    staging.replace(output)
-    fsync_dir(output.parent)
-    shutil.rmtree(retired, ignore_errors=True)
 
 
 # --- a safetensors writer that streams ---------------------------------------------------------------------------
@@ -202,12 +168,13 @@ def needed_bytes(source: RunSource) -> int:
     return sum(path.stat().st_size for path in weight_files(source.model_dir)) + 2**20
 
 
-def merge(source: RunSource, output: Path, *, overwrite: bool, check: bool = True) -> Merged:
+def merge(
+    source: RunSource, output: Path, *, overwrite: bool, check: bool = True, notes: list[str] | None = None
+) -> Merged:
     """Merge the run into `output` (a transformers model folder) and check its logits against base + adapter."""
     output = Path(output).expanduser()
-    check_output(output, overwrite=overwrite, needed_bytes=needed_bytes(source))
-    staging = staging_for(output)
-    try:
+    check_output(output, kind="merged", overwrite=overwrite, needed_bytes=needed_bytes(source), keep=source.folders)
+    with staged(output, "merged", notes) as staging:
         written = write_model(source, staging)
         logits = check_logits(source, staging) if check and source.adapter is not None else None
         if logits is not None and not logits.passed:
@@ -215,10 +182,6 @@ def merge(source: RunSource, output: Path, *, overwrite: bool, check: bool = Tru
                 f"the merged model's logits differ from base + adapter by {logits.max_abs_diff:.3g} (allowed "
                 f"{logits.tolerance:.3g}); nothing was written"
             )
-        publish(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return Merged(output, written, source.quantized_base, logits)
 
 
@@ -268,8 +231,6 @@ def _write_config(source: RunSource, folder: Path) -> None:
 
 
 def parameters_of(model_dir: Path) -> int:
-    from lorafit.models import from_config_json
-
     return from_config_json(model_dir / "config.json").num_params
 
 
@@ -280,8 +241,6 @@ def _write_dequantised(source: RunSource, folder: Path) -> int:
     from peft.utils.integrations import dequantize_bnb_weight
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
-
-    from lorafit.train.build import quiet_libraries
 
     quiet_libraries()
     dtype = getattr(torch, _stored_dtype(source.model_dir))
@@ -347,9 +306,6 @@ def check_logits(source: RunSource, merged_dir: Path, texts: tuple[str, ...] = C
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    from lorafit.train.build import quiet_libraries
-    from lorafit.train.chat import load_tokenizer
 
     quiet_libraries()
     stored = next(iter(safetensors_header(weight_files(merged_dir)[0]).values()))["dtype"]

@@ -16,6 +16,7 @@ from typing import Any
 
 from lorafit.errors import ExportError, LorafitError
 from lorafit.train import checkpoints
+from lorafit.train.chat import base_dir_of, check_folder, run_folder
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -39,6 +40,14 @@ class RunSource:
     adapter: Adapter | None
     tokenizer_dir: Path  # the run's tokenizer (with the chat template it trained with), else the base's
     quantized_base: bool  # the base is stored quantised: the merge dequantises it
+
+    @property
+    def folders(self) -> dict[Path, str]:
+        """The folders an export reads from, which its output must never replace, each said in words."""
+        named = {self.tokenizer_dir: f"the tokenizer it reads ({self.tokenizer_dir})"}
+        named[self.model_dir] = f"the base model ({self.model_dir})"
+        named[run_folder(self.run_dir)] = f"the run ({run_folder(self.run_dir)})"
+        return named | {self.run_dir: f"the run being exported ({self.run_dir})"}
 
 
 def safetensors_header(path: Path) -> dict[str, Any]:
@@ -144,8 +153,6 @@ def check_shapes(adapter: Adapter, base_shapes: dict[str, tuple[int, ...]], base
 def open_run(run_dir: Path) -> RunSource:
     """The run, its adapter and its base, checked: the folder is a run, the base is there and is the same model
     (the digest the run recorded, else the shapes), the weights are safetensors."""
-    from lorafit.train.chat import base_dir_of, check_folder, run_folder
-
     run_dir = Path(run_dir).expanduser()
     if not run_dir.exists():
         raise ExportError(f"no run folder {run_dir}")

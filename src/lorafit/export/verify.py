@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafit.errors import ExportError
+from lorafit.train.build import quiet_libraries
+from lorafit.train.chat import quiet_stderr
 
 if TYPE_CHECKING:
     import numpy as np
@@ -42,7 +44,8 @@ TOKENIZER_STRINGS = (
     "  two spaces, a tab\tand\nnew lines\n\n  indented",
     "日本語のテキストと emoji 🦙🚀 mixed in",
 )
-GREEDY_TOKENS = 24
+GREEDY_TOKENS = 24  # greedy tokens compared with the merged model's (16/32-bit files)
+STOP_TOKENS = 128  # an answer that ends on an end token within this many tokens counts as a stop
 # f16/bf16 weights round the merged weights once: the logits may move by this share of the largest logit.
 LOGIT_TOLERANCE = {"f32": 1e-3, "f16": 5e-3, "bf16": 2e-2}
 
@@ -58,7 +61,7 @@ class Figures:
     max_abs_logit_diff: float | None = None
     logit_tolerance: float | None = None
     greedy_match: bool | None = None
-    stops: int | None = None  # of the greedy prompts, how many ended on an end token within GREEDY_TOKENS
+    stops: int | None = None  # of the greedy prompts, how many ended on an end token within STOP_TOKENS
     prompts: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -71,23 +74,6 @@ def llama_cpp_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-@contextlib.contextmanager
-def quiet_stderr() -> Iterator[None]:
-    """llama.cpp prints its load log on the C stderr; keep the export's output readable."""
-    try:
-        saved = os.dup(2)
-    except OSError:
-        yield
-        return
-    with open(os.devnull, "w") as devnull:
-        os.dup2(devnull.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
 
 
 @contextlib.contextmanager
@@ -125,10 +111,16 @@ def compare_logits(reference: np.ndarray, other: np.ndarray, ids: list[int]) -> 
     return {
         "kld_mean": max(kld, 0.0),
         "top1_agreement": top1,
-        "ppl": float(math.exp(-oth[rows, targets].mean())),
-        "ppl_reference": float(math.exp(-ref[rows, targets].mean())),
+        "ppl": _perplexity(oth[rows, targets]),
+        "ppl_reference": _perplexity(ref[rows, targets]),
         "max_abs_logit_diff": float(np.abs(reference - other).max()),
     }
+
+
+def _perplexity(log_probs: np.ndarray) -> float:
+    """exp of the mean negative log-probability; infinite (not an OverflowError) for a broken model's logits."""
+    mean = -float(log_probs.mean())
+    return math.exp(mean) if mean < 700 else math.inf
 
 
 def _llama_logits(model: Any, ids: list[int]) -> np.ndarray:
@@ -232,8 +224,6 @@ def reference_model(merged_dir: Path) -> PreTrainedModel:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lorafit.train.build import quiet_libraries
-
     quiet_libraries()
     model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32, local_files_only=True)
     model.eval()
@@ -277,7 +267,7 @@ def verify(
     stop_ids = {vocabulary.special[key] for key in ("eos", "eot") if key in vocabulary.special}
     test_prompts = prompts(tokenizer, questions)
     hf_greedy = [_hf_greedy(model, prompt, stop_ids, GREEDY_TOKENS) for prompt in test_prompts]
-    n_ctx = max(len(ids), *(len(p) + GREEDY_TOKENS for p in test_prompts)) + 8
+    n_ctx = max(len(ids), *(len(p) + STOP_TOKENS for p in test_prompts)) + 8
     results: dict[str, Figures] = {}
     for quant, path in files.items():
         with llama(path, n_ctx) as runtime:
@@ -291,21 +281,28 @@ def verify(
                 template_match=template_matches(runtime, tokenizer, vocabulary),
                 prompts=len(test_prompts),
             )
-            greedy = [_llama_greedy(runtime, prompt, stop_ids, GREEDY_TOKENS) for prompt in test_prompts]
+            # greedy answers long enough for an instruct model to finish (the stop check); their first
+            # GREEDY_TOKENS are compared with the merged model's
+            greedy = [_llama_greedy(runtime, prompt, stop_ids, STOP_TOKENS) for prompt in test_prompts]
             result.stops = sum(1 for tokens in greedy if tokens and tokens[-1] in stop_ids)
             if quant in LOGIT_TOLERANCE:
                 result.max_abs_logit_diff = figures["max_abs_logit_diff"]
                 result.logit_tolerance = LOGIT_TOLERANCE[quant] * max(1.0, float(abs(reference).max()))
-                result.greedy_match = greedy == hf_greedy
+                result.greedy_match = all(
+                    tokens[: len(ours)] == ours for tokens, ours in zip(greedy, hf_greedy, strict=True)
+                )
         results[quant] = result
     return results
 
 
 def failures(results: dict[str, Figures]) -> list[str]:
-    """What makes the export fail: a 16-bit file whose logits or greedy output differ, any tokenizer or chat
-    template mismatch."""
+    """What makes the export fail: logits that are not finite (every comparison with NaN is false, so they are
+    refused by name), a 16-bit file whose logits or greedy output differ, any tokenizer or chat template mismatch."""
     problems = []
     for quant, figures in results.items():
+        measured = (figures.kld_mean, figures.top1_agreement, figures.ppl, figures.ppl_reference)
+        if not all(math.isfinite(value) for value in (*measured, figures.max_abs_logit_diff or 0.0)):
+            problems.append(f"{quant}: its logits give figures that are not finite (NaN or inf): the file is broken")
         if not figures.tokenizer_match:
             problems.append(f"{quant}: llama.cpp tokenizes the test strings differently from transformers")
         if figures.template_match is False:

@@ -10,24 +10,43 @@ cut: cutting the start of a prompt silently changes the question.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lorafit import options
 from lorafit.errors import InvalidConfig, TrainError
-from lorafit.train import checkpoints
+from lorafit.schema import Plan, Settings
+from lorafit.train import build, checkpoints
+from lorafit.train.build import quiet_libraries
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from lorafit.schema import Settings
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """llama.cpp prints its load log on the C stderr; keep lorafit's output readable."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def check_generation(max_new_tokens: int, temperature: float) -> None:
     """Refuse what generate() would fail on late or deep inside (0 or negative tokens, a NaN temperature), with
     the bounds and the message `lorafit chat`'s flags have (lorafit.options)."""
-    from lorafit import options
-
     given = {"max_new_tokens": max_new_tokens, "temperature": temperature}
     options.validate("chat", given, from_flags=given)
 
@@ -43,8 +62,6 @@ def run_folder(path: Path) -> Path:
 def run_settings(run_dir: Path) -> Settings:
     """The settings the run trained with (its plan.json, the run folder's for a checkpoint); a folder
     without one loads as 16-bit LoRA."""
-    from lorafit.schema import Plan, Settings
-
     for folder in dict.fromkeys((Path(run_dir), run_folder(run_dir))):
         path = folder / "plan.json"
         if path.is_file():
@@ -83,14 +100,14 @@ def base_dir_of(adapter: Path) -> Path:
     return base_dir
 
 
-def load_tokenizer(folders: list[Path]) -> PreTrainedTokenizerBase:
+def load_tokenizer(folders: list[Path], *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer the run saved (with its chat template); the base model's if the folder has none."""
     from transformers import AutoTokenizer
 
     for folder in dict.fromkeys(folders):
         if (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file():
             try:
-                return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+                return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
             except (OSError, ValueError, TypeError) as error:
                 raise TrainError(f"cannot load the tokenizer in {folder}: {_first_line(error)}") from None
     raise TrainError(f"no tokenizer in {folders[0]} nor in the base model; copy the run's tokenizer files there")
@@ -104,14 +121,10 @@ def load(
     run_dir: Path, *, allow_pickle: bool = False, trust_remote_code: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The trained model: base + adapter (loaded as it was trained, 4-bit for QLoRA), or the full model."""
-    from lorafit.train.build import quiet_libraries
-
     run_dir = Path(run_dir)
     adapter = check_folder(run_dir)
     quiet_libraries()
     import torch
-
-    from lorafit.train import build
 
     on_cuda = torch.cuda.is_available()
     if not on_cuda:
@@ -121,7 +134,7 @@ def load(
         settings = settings.model_copy(update={"precision": "fp32"})
     device_map = {"": torch.cuda.current_device()} if on_cuda else None
     base_dir = base_dir_of(adapter) if adapter is not None else run_dir
-    tokenizer = load_tokenizer([run_dir, run_folder(run_dir), base_dir])
+    tokenizer = load_tokenizer([run_dir, run_folder(run_dir), base_dir], trust_remote_code=trust_remote_code)
     try:
         if adapter is not None:
             from peft import PeftModel
@@ -193,8 +206,6 @@ def answer_gguf(path: Path, prompt: str, *, max_new_tokens: int = 64, temperatur
         raise TrainError(f"no GGUF file {path}")
     try:
         import llama_cpp
-
-        from lorafit.export.verify import quiet_stderr
     except ImportError:
         raise TrainError("chatting with a GGUF needs llama.cpp: pip install 'lorafit[gguf]'") from None
     with quiet_stderr():
@@ -211,6 +222,13 @@ def answer_gguf(path: Path, prompt: str, *, max_new_tokens: int = 64, temperatur
             top_k=0 if temperature > 0 else 1,
             seed=0,
         )
+    except ValueError as error:  # llama-cpp-python: "Requested tokens (N) exceed context window of M"
+        if "exceed context window" not in str(error):
+            raise
+        raise InvalidConfig(
+            f"the prompt does not fit the {positions} positions {path.name} runs with ({_first_line(error)}): "
+            "shorten the prompt"
+        ) from None
     finally:
         model.close()
     return str(reply["choices"][0]["message"]["content"] or "").strip()
