@@ -11,10 +11,11 @@ kv = kv_heads x head_dim, I intermediate, V vocabulary, r LoRA rank, c bytes of 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lorafit import stacks
 from lorafit.hardware import GpuSpec
 from lorafit.models import ModelSpec
 from lorafit.options import DEFAULT_HEADROOM
@@ -92,11 +93,20 @@ class Runtime(BaseModel):
     quantized_whole_on_gpu: tuple[str, ...] = ("zero3",)
 
 
-def stack_runtime(settings: Settings) -> Runtime:
-    """The Runtime of the trainer `settings.stack` names (lorafit.stacks, catalog/stacks.toml)."""
-    from lorafit import stacks
-
-    return stacks.runtime_of(settings)
+def stack_runtime(settings: Settings, **overrides: Any) -> Runtime:
+    """The Runtime of the trainer `settings.stack` names (lorafit.stacks, catalog/stacks.toml), with the facets
+    the settings switch (autocast, kbit_prep, fused_optimizer) and `overrides` (e.g. device) on top."""
+    quantized = settings.quant != "none"
+    fields = stacks.resolve(settings.stack).facts(quantized)
+    if settings.autocast is not None:
+        fields["autocast"] = settings.autocast
+    if settings.fused_optimizer is not None:
+        fields["fused_optimizer"] = settings.fused_optimizer
+    if settings.kbit_prep is not None and quantized:
+        # peft's preparation upcasts every non-quantised parameter, the norms' weights and the embeddings too, to
+        # fp32: the norms' outputs and with them the residual stream are fp32 (Runtime.fp32_norms, fp32_stream)
+        fields["kbit_upcast"] = fields["fp32_norms"] = fields["fp32_stream"] = settings.kbit_prep
+    return Runtime(**(fields | overrides))
 
 
 # --- weights ------------------------------------------------------------------------------------------------

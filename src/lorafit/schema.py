@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError, computed_field, create_model
+from pydantic import ConfigDict, Field, ValidationError, computed_field
 
 from lorafit import options
 from lorafit.errors import InvalidConfig
@@ -83,8 +83,10 @@ class Estimate(Frozen):
     )
 
 
-class _PlanRequestBase(Frozen):
-    """What the user asked `lorafit plan` (or `lorafit train`, for the settings it leaves out)."""
+class PlanRequest(Frozen):
+    """What the user asked `lorafit plan` (or `lorafit train`, for the settings it leaves out). The settings the
+    planner reads itself are fields, each taking its type, bounds and default from the declaration
+    (`lorafit.options`); the other step settings the user fixed ride in `pinned`."""
 
     model: ModelSpec
     gpu: GpuSpec | None = None
@@ -94,36 +96,27 @@ class _PlanRequestBase(Frozen):
     host_ram_gib: float | None = Field(
         default=None, description="host RAM free for the offloading savers (train); None: not checked"
     )
+    method: Method = options.declared("method")
+    seq_len: int | None = options.declared("seq_len")
+    n_gpus: int = options.declared("n_gpus")
+    batch_size: int | None = options.declared("batch_size")
+    tokens_per_epoch: int | None = options.declared("tokens_per_epoch")
+    epochs: float = options.declared("epochs")
+    headroom: float = options.declared("headroom")
+    kwh_price: float = options.declared("kwh_price")
+    rent_price: float | None = options.declared("rent_price")
+    batching: Batching = options.declared("batching")
+    serve_context: int = options.declared("serve_context")
 
     @property
     def effective_batch(self) -> int:
         return options.batch_size_of(self.pinned | {"batch_size": self.batch_size, "n_gpus": self.n_gpus})
 
 
-# The request's own settings come from the one declaration (lorafit.options); the others are `pinned`.
-PLAN_REQUEST_KEYS = (
-    "method",
-    "seq_len",
-    "n_gpus",
-    "batch_size",
-    "tokens_per_epoch",
-    "epochs",
-    "headroom",
-    "kwh_price",
-    "rent_price",
-    "batching",
-    "serve_context",
+# The settings a request holds as its own fields (its model and gpu are the resolved specs); the others are `pinned`.
+PLAN_REQUEST_KEYS = tuple(
+    name for name in PlanRequest.model_fields if name in options.BY_NAME.keys() - {"model", "gpu"}
 )
-PlanRequest = create_model(  # type: ignore[call-overload]
-    "PlanRequest",
-    __base__=_PlanRequestBase,
-    __doc__=_PlanRequestBase.__doc__,
-    **{
-        name: options.BY_NAME[name].field_info(optional=options.not_set_is_none(options.BY_NAME[name]))
-        for name in PLAN_REQUEST_KEYS
-    },
-)
-PlanRequest.__module__ = "lorafit.schema"
 
 
 class Suggestion(Frozen):

@@ -23,10 +23,10 @@ from typing import Literal
 from pydantic import Field
 
 from lorafit import hardware
+from lorafit.choices import Frozen
 from lorafit.errors import InvalidConfig
 from lorafit.hardware import GpuSpec
 from lorafit.models import ModelSpec
-from lorafit.options import Frozen
 from lorafit.units import gib
 
 Category = Literal[
