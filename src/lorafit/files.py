@@ -12,7 +12,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import IO, Any
 
 
 def default_mode() -> int:
@@ -41,7 +41,7 @@ def fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: Path, binary: bool = False) -> Iterator[TextIO | BinaryIO]:
+def atomic_writer(path: Path, binary: bool = False) -> Iterator[IO[Any]]:
     """A text (or, `binary`, a bytes) handle on a temporary file beside `path`, renamed onto it only when the
     block ends without error; on any error the temporary file is removed and `path` is left as it was."""
     path = Path(path)

@@ -167,7 +167,7 @@ def trainable_params(spec: ModelSpec, settings: Settings) -> int:
     return spec.lora_params(settings.lora_r, settings.lora_targets)
 
 
-def trainable_dtype_bytes(settings: Settings, runtime: Runtime) -> int:
+def trainable_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
     """Adapters are fp32 (peft's autocast_adapter_dtype); full fine-tuning trains the weights' own dtype."""
     if settings.method == "full":
         return 4 if runtime.amp_master_fp32 else DTYPE_BYTES[settings.precision]
@@ -401,7 +401,7 @@ def activation_bytes_per_layer(
     return sum(parts.values()) * settings.tokens_per_micro_batch
 
 
-def swiglu_dtype_bytes(settings: Settings, runtime: Runtime) -> int:
+def swiglu_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
     """The dtype SwiGLU's saved gate, silu(gate) and up are in: the compute dtype, or fp32 after peft's kbit
     preparation, whose fp32 residual stream reaches gate_proj and up_proj, and bitsandbytes' Linear4bit hands
     its output back in its input's dtype (`Linear4bit.forward`: `matmul_4bit(...).to(inp_dtype)`, bitsandbytes
@@ -413,7 +413,7 @@ def swiglu_dtype_bytes(settings: Settings, runtime: Runtime) -> int:
     return DTYPE_BYTES[settings.precision]
 
 
-def stream_dtype_bytes(settings: Settings, runtime: Runtime) -> int:
+def stream_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
     """Bytes per element of the residual stream between the layers: fp32 when fp32 norm weights (or peft's
     fp32 embeddings) promote it, else the compute dtype."""
     return 4 if runtime.fp32_norms or runtime.fp32_stream else DTYPE_BYTES[settings.precision]
@@ -482,7 +482,7 @@ def head_saved_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> f
     """The final RMSNorm saves its fp32 input (and, training the head, the normalised bf16 input); a quantised
     head under old bitsandbytes keeps that normalised input too."""
     c = DTYPE_BYTES[settings.precision]
-    per_token = 4 * spec.hidden_size + 4
+    per_token: float = 4 * spec.hidden_size + 4
     if settings.method == "full":
         per_token += 2 * c * spec.hidden_size
     elif runtime.quantized_head and keeps_bnb_inputs(settings, runtime):
@@ -840,11 +840,11 @@ def host_ram_parts(spec: ModelSpec, settings: Settings, runtime: Runtime) -> dic
     processes = processes_per_node(settings)
     offloaded = offloaded_state_bytes(spec, settings, runtime)
     savers = host_saver_bytes(spec, settings, runtime)
-    training = {"processes": processes * PROCESS_HOST_BYTES}
+    training: dict[str, float] = {"processes": processes * PROCESS_HOST_BYTES}
     training |= {name: processes * value for name, value in offloaded.items()}
     if savers:
         training["offloaded_savers"] = processes * savers
-    loading = {
+    loading: dict[str, float] = {
         "processes": processes * PROCESS_HOST_BYTES,
         "model_loading": processes * loading_bytes_per_process(spec, settings, runtime),
     }

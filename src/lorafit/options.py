@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, cast,
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
 from lorafit import stacks
 from lorafit.choices import (  # noqa: F401 (the choices are part of the declaration)
@@ -994,7 +995,7 @@ def check_against(
         raise InvalidConfig("precision fp16 needs a CUDA GPU; on the CPU use precision fp32 (or bf16)")
 
 
-def resolve_batching(batching: str, attn: str) -> str:
+def resolve_batching(batching: Batching, attn: str) -> Batching:
     """auto: padding-free batches with flash attention (its kernels take packed rows exactly), else rows of
     similar length together, so that padding to the longest in a batch wastes little compute."""
     if batching != "auto":
@@ -1018,7 +1019,7 @@ def with_settings_of(command: Command) -> Callable[[type[M]], type[M]]:
     """Give a model class a field for every setting of `command` (None where not set), from the declaration."""
 
     def build(base: type[M]) -> type[M]:
-        model = create_model(  # type: ignore[call-overload]
+        model = create_model(
             base.__name__, __base__=base, __module__=base.__module__, __doc__=base.__doc__, **_command_fields(command)
         )
         return cast(type[M], model)
@@ -1064,14 +1065,11 @@ def command_model(command: Command) -> type[BaseModel]:
     """The flat model of one command's settings, None where not set: what `validate` checks values with."""
     if command == "train":
         return TrainConfig
-    return cast(
-        type[BaseModel],
-        create_model(f"{command.title()}Options", __base__=_RuledModel, **_command_fields(command)),  # type: ignore[call-overload]
-    )
+    return create_model(f"{command.title()}Options", __base__=_RuledModel, **_command_fields(command))
 
 
 # --- validation with one-line messages ----------------------------------------------------------------------
-def _problem(error: dict[str, Any], option: Option | None) -> str:
+def _problem(error: ErrorDetails, option: Option | None) -> str:
     """A pydantic error in the words of the setting: what it must be."""
     kind, context = error["type"], error.get("ctx") or {}
     if kind == "literal_error" and option is not None:

@@ -10,6 +10,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, partial
+from typing import Any
 
 from lorafit import hardware, memory, options, serving, stacks
 from lorafit.errors import LorafitError
@@ -318,7 +319,8 @@ def candidates(
     shard = pinned.pop("shard", "zero3" if offload != "none" and shard not in options.SHARDED_SHARDS else shard)
     if n_gpus * pinned.get("nodes", 1) == 1 and offload == "none":
         shard = "none"  # one bigger card for a run pinned to several: nothing to split
-    fixed = {"method": method, "seq_len": seq_len, "n_gpus": n_gpus, "shard": shard, "offload": offload} | pinned
+    fixed: dict[str, Any] = {"method": method, "seq_len": seq_len, "n_gpus": n_gpus, "shard": shard, "offload": offload}
+    fixed |= pinned
     on_cpu = request.device == "cpu"
     fixed |= options.step_defaults(fixed, request.model, gpu, on_cpu=on_cpu)
     free_ckpt = [fixed.pop("grad_ckpt")] if "grad_ckpt" in fixed else [False, True]
@@ -437,8 +439,8 @@ def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: f
             and c.settings.micro_batch == s.micro_batch
             and c.settings.grad_ckpt == s.grad_ckpt
         ]
-        need = f" (32-bit AdamW would need {smallest(full).estimate.peak_device_gib:.1f} GiB)" if full else ""
-        reasons.append(f"optimizer {s.optimizer}: 8-bit states are a quarter of 32-bit ones{need}")
+        adamw = f" (32-bit AdamW would need {smallest(full).estimate.peak_device_gib:.1f} GiB)" if full else ""
+        reasons.append(f"optimizer {s.optimizer}: 8-bit states are a quarter of 32-bit ones{adamw}")
     reasons += explain_savers(chosen, found, gpu, spec)
     if s.method == "qlora":
         reasons.append(
@@ -628,7 +630,9 @@ def fewest_gpus(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Candid
     pinned_offload = request.pinned.get("offload")
     shard = several_gpus_shard(request)
     # an offloaded optimizer steps 32-bit AdamW on the CPU: not tried for a pinned optimizer without a CPU step
-    offloads = OFFLOADS if request.pinned.get("optimizer", "adamw") in options.OFFLOAD_OPTIMIZERS else ("none",)
+    offloads: tuple[str, ...] = (
+        OFFLOADS if request.pinned.get("optimizer", "adamw") in options.OFFLOAD_OPTIMIZERS else ("none",)
+    )
     if shard == "fsdp":
         offloads = tuple(offload for offload in offloads if offload != "optimizer")
     found: list[Candidate] = []
@@ -719,7 +723,7 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
     chosen = best(found) if gpu else None
     reasons: list[str] = []
     extra: list[Suggestion] = []
-    if chosen:
+    if chosen and gpu:
         reasons = explain(chosen, found, gpu, request.headroom, request.model)
         reasons += explain_gpus(chosen, gpu, request.model)
     elif gpu:
@@ -781,7 +785,7 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
         reasons=reasons,
         suggestions=extra,
         serving=serving.serving(request.model, serve_context(request), gpu, request.headroom),
-        **timing,
+        **timing,  # type: ignore[arg-type]  # hours and the costs, each typed in Plan
     )
 
 
@@ -846,4 +850,4 @@ def cheapest(plans: list[Plan], max_usd_per_hour: float | None = None) -> Plan |
         and p.gpu
         and (max_usd_per_hour is None or (p.gpu.rent_usd_per_hour or 0) <= max_usd_per_hour)
     ]
-    return min(rentable, key=lambda p: p.cost_cloud_usd) if rentable else None
+    return min(rentable, key=lambda p: p.cost_cloud_usd or 0.0) if rentable else None

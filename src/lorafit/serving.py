@@ -315,7 +315,7 @@ def served_formats(spec: ModelSpec) -> list[tuple[str, str, float]]:
         for name, entry in formats()["gguf"].items()
         if entry["shown"]
     ]
-    rows += [(name, "hf", packed_weight_bytes(spec, name)) for name in ("gptq", "awq")]  # type: ignore[arg-type]
+    rows += [(name, "hf", packed_weight_bytes(spec, name)) for name in ("gptq", "awq")]
     rows.append(("bf16", "hf", float(bf16_weight_bytes(spec))))
     return rows
 
