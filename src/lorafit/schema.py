@@ -162,42 +162,42 @@ class Plan(Frozen):
     serving: Serving | None = Field(default=None, description="memory to run the merged model in each format")
 
     # The flat view `lorafit plan --json` promises; derived from `settings`, ignored when read back.
-    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented pattern, unknown to mypy
+    @computed_field
     @property
     def fits(self) -> bool:
         return bool(self.estimate.fits) if self.estimate.fits is not None else True
 
-    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented pattern, unknown to mypy
+    @computed_field
     @property
     def method(self) -> Method:
         return self.settings.method
 
-    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented pattern, unknown to mypy
+    @computed_field
     @property
     def quant(self) -> Quant:
         return self.settings.quant or default_quant(self.settings.method)  # (always set once validated)
 
-    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented pattern, unknown to mypy
+    @computed_field
     @property
     def micro_batch(self) -> int:
         return self.settings.micro_batch
 
-    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented pattern, unknown to mypy
+    @computed_field
     @property
     def grad_accum(self) -> int:
         return self.settings.grad_accum
 
-    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented pattern, unknown to mypy
+    @computed_field
     @property
     def grad_ckpt(self) -> bool:
         return self.settings.grad_ckpt
 
-    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented pattern, unknown to mypy
+    @computed_field
     @property
     def seq_len(self) -> int:
         return self.settings.seq_len
 
-    @computed_field  # type: ignore[prop-decorator]  # pydantic's documented pattern, unknown to mypy
+    @computed_field
     @property
     def optimizer(self) -> Optimizer:
         return self.settings.optimizer
