@@ -75,8 +75,21 @@ def test_the_plan_request_holds_its_settings_as_typed_fields_from_the_declaratio
         assert f"    {name}: " in source, name
         assert schema.PlanRequest.model_fields[name].annotation == annotation, name
         assert schema.PlanRequest.model_fields[name].default == field.default, name
-    with pytest.raises(ValueError, match="less than or equal to 4096"):
-        schema.PlanRequest(model=models.resolve("llama-2-7b"), n_gpus=5000)  # the declared bound holds here too
+    with pytest.raises(ValueError, match="less than or equal to 10000"):
+        schema.PlanRequest(model=models.resolve("llama-2-7b"), epochs=20000)  # the declared bound holds here too
+
+
+def test_the_step_settings_a_request_fixes_are_one_typed_settings() -> None:
+    spec = models.resolve("llama-2-7b")
+    request = schema.PlanRequest(model=spec, fixed={"method": "lora", "micro_batch": 4, "n_gpus": 2})
+    assert set(schema.PlanRequest.model_fields) & set(options.STEP_KEYS) == set()  # no step setting beside `fixed`
+    assert isinstance(request.fixed, Settings) and request.fixed.model_fields_set == {"method", "micro_batch", "n_gpus"}
+    assert (request.method, request.n_gpus, request.seq_len) == ("lora", 2, None)  # seq_len: the planner's
+    assert schema.PlanRequest.model_validate_json(request.model_dump_json()) == request  # what was fixed survives
+    with pytest.raises(ValueError, match="greater than 0"):
+        schema.PlanRequest(model=spec, fixed={"micro_batch": 0})
+    with pytest.raises(ValueError, match="micro_btch is not a step setting"):
+        schema.PlanRequest(model=spec, fixed={"micro_btch": 4})
 
 
 class Extra:

@@ -162,7 +162,6 @@ def plan(
     given, source = with_config("plan", from_config, flags)
     asked = _validated("plan", given, flags, source)
     spec = models.resolve(asked.model or DEFAULT_MODEL)
-    pinned = {key: getattr(asked, key) for key in options.STEP_KEYS if key in given and key not in PLAN_REQUEST_KEYS}
     profile, truncated = None, None
     if asked.data is not None:
         from lorafit.data import length_profile  # the data package loads only for data: `plan` starts faster
@@ -174,7 +173,7 @@ def plan(
     request = PlanRequest(
         model=spec,
         tokens=profile,
-        pinned=pinned,
+        fixed=Settings.given({key: getattr(asked, key) for key in options.STEP_KEYS if key in given}),
         **{key: getattr(asked, key) for key in PLAN_REQUEST_KEYS if key in asked.model_fields_set},
     )
     if compare:

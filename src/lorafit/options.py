@@ -27,7 +27,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
@@ -416,6 +416,16 @@ class Settings(_RuledModel):
             return given | step_defaults(given)
         return data
 
+    @classmethod
+    def given(cls, values: Mapping[str, Any]) -> Settings:
+        """The step of which only `values` are fixed (its `model_fields_set`; None is not set), each value checked
+        against its declaration. The defaults that follow from other settings and the rules between them are left
+        to the plan that completes the step (a pinned offload, say, before the planner picks its shard)."""
+        checked = {
+            name: _field_check(name).validate_python(value) for name, value in values.items() if value is not None
+        }
+        return cls.model_construct(_fields_set=set(checked), **checked)
+
     @property
     def effective_batch(self) -> int:
         return self.micro_batch * self.grad_accum * self.n_gpus
@@ -423,6 +433,18 @@ class Settings(_RuledModel):
     @property
     def tokens_per_micro_batch(self) -> int:
         return self.micro_batch * self.seq_len
+
+
+@cache
+def _field_check(name: str) -> TypeAdapter[Any]:
+    """The check of one step setting alone: its type and bounds."""
+    if name not in Settings.model_fields:
+        raise ValueError(f"{name} is not a step setting; those are {', '.join(Settings.model_fields)}")
+    field = Settings.model_fields[name]
+    return TypeAdapter(
+        Annotated[(field.annotation, *field.metadata)],  # type: ignore[arg-type]  # built from the field's own parts
+        config=ConfigDict(allow_inf_nan=False, str_min_length=1),
+    )
 
 
 class RunOptions:

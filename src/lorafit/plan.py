@@ -837,8 +837,8 @@ def several_of(request: PlanRequest, plan: Plan, gpu: GpuSpec) -> Plan:
     if not several:
         return plan
     chosen = min(several, key=lambda s: ((s.hours or 0.0) * s.n_gpus * s.nodes, s.n_gpus))
-    pinned = request.pinned | {"shard": chosen.shard, "offload": chosen.offload, "nodes": chosen.nodes}
-    return make_plan(request.model_copy(update={"gpu": gpu, "n_gpus": chosen.n_gpus, "pinned": pinned}))
+    fixed = request.fixing(n_gpus=chosen.n_gpus, shard=chosen.shard, offload=chosen.offload, nodes=chosen.nodes)
+    return make_plan(fixed.model_copy(update={"gpu": gpu}))
 
 
 def cheapest(plans: list[Plan], max_usd_per_hour: float | None = None) -> Plan | None:
