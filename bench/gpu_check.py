@@ -133,7 +133,7 @@ def fits_rows(seq_len: int, precision: str) -> list[Row]:
     rows = []
     for card_name in FITS_CARDS:
         card = hardware.resolve(card_name)
-        plan = make_plan(PlanRequest(model=spec, gpu=card, method="qlora", seq_len=SEQ_LEN))
+        plan = make_plan(PlanRequest(model=spec, gpu=card, fixed={"method": "qlora", "seq_len": SEQ_LEN}))
         run = plan.settings.model_copy(
             update={
                 "seq_len": seq_len,

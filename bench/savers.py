@@ -107,7 +107,7 @@ def plan_row(spec: models.ModelSpec, pinned: dict) -> dict:
     from lorafit.plan import make_plan, savers_on
     from lorafit.schema import PlanRequest
 
-    request = PlanRequest(model=spec, gpu=hardware.custom(FASTER_CARD_GB), method="qlora", pinned=pinned)
+    request = PlanRequest(model=spec, gpu=hardware.custom(FASTER_CARD_GB), fixed=pinned | {"method": "qlora"})
     found = make_plan(request)
     s = found.settings
     return {

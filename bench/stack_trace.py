@@ -9,7 +9,7 @@
   `bf16=True` and gradient checkpointing (the recipe of the peft and transformers QLoRA guides);
 
 two optimizer steps of `Trainer.train()`, under lorafit's LiveTensorTracker, and prints the traced peak of live
-tensor bytes beside `memory.estimate(spec, settings, runtime=stacks.runtime_of(settings))`.
+tensor bytes beside `memory.estimate(spec, settings, runtime=memory.stack_runtime(settings))`.
 
 Two kinds of case. `fake`: the real model shapes (Llama-2-7B, Llama-3.1-8B) on fake tensors (FakeTensorMode: shapes,
 dtypes and storages, no data), every layer, the GPU's kernel choices stood in (dropout's bool mask, and for TRL's
@@ -41,7 +41,7 @@ from typing import Any, Literal
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from lorafit import memory, stacks  # noqa: E402
+from lorafit import memory  # noqa: E402
 from lorafit.memory import GIB  # noqa: E402
 from lorafit.models import ModelSpec, resolve  # noqa: E402
 from lorafit.schema import Settings  # noqa: E402
@@ -455,7 +455,7 @@ def trace(case: Case) -> Traced:
 def estimate_bytes(case: Case) -> tuple[float, str]:
     """lorafit's analytic allocated peak for the case under `--stack`, and its phase."""
     settings = case.settings.model_copy(update={"stack": case.stack})
-    runtime = stacks.runtime_of(settings, device=case.device)
+    runtime = memory.stack_runtime(settings, device=case.device)
     parts, phase = memory.breakdown(case.spec, settings, runtime)
     return sum(parts.values()), phase
 
@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             top = sorted(traced.phase_peaks.items(), key=lambda item: -item[1])[:8]
             print("   phases:", "; ".join(f"{p.split(': ', 1)[1]} {v / scale:.3f}" for p, v in top))
             settings = case.settings.model_copy(update={"stack": case.stack})
-            parts, _ = memory.breakdown(case.spec, settings, stacks.runtime_of(settings, device=case.device))
+            parts, _ = memory.breakdown(case.spec, settings, memory.stack_runtime(settings, device=case.device))
             print("   lorafit:", {k: round(v / scale, 3) for k, v in parts.items() if v})
         results.append(
             result_row(

@@ -6,7 +6,7 @@ torch / transformers / peft / bitsandbytes / trl cover what the step imports; `m
 it) and put on sys.path here only. Each case saves a small random-init Llama model (and a word-level tokenizer)
 to a temporary folder and runs two optimizer steps of the stack's own entry point on this machine's CPU, real
 tensors and real bitsandbytes 4-bit, under lorafit's LiveTensorTracker, and prints the traced peak of live
-tensor bytes beside `memory.estimate(spec, settings, runtime=stacks.runtime_of(settings, device="cpu"))`:
+tensor bytes beside `memory.estimate(spec, settings, runtime=memory.stack_runtime(settings, device="cpu"))`:
 
 - llama-factory 0.9.5: `llamafactory.train.tuner.run_exp` with `stage=sft, finetuning_type=lora` (its loader,
   `prepare_model_for_training`, `init_adapter`, `CustomSeq2SeqTrainer`), its defaults for everything lorafit's
@@ -447,7 +447,7 @@ def estimate(case: Case) -> tuple[float, str, dict[str, float]]:
     """lorafit's analytic allocated peak for the case under `--stack`, its phase and parts."""
     stack = stacks.catalog()[case.stack]
     if stack.offered:
-        runtime = stacks.runtime_of(case.settings, device="cpu")
+        runtime = memory.stack_runtime(case.settings, device="cpu")
     else:  # --stack refuses it; its facts as traced, to show how far they are
         runtime = memory.Runtime(**stack.facts(case.settings.quant != "none"), device="cpu")
     parts, phase = memory.breakdown(case.spec, case.settings, runtime)

@@ -72,7 +72,7 @@ def test_smoke_run_writes_every_row_with_its_figures(gpu_check, tmp_path: Path, 
     spec = models.resolve("llama-3.1-8b")
     for card_name in ("RTX 4090", "RTX 4060 Ti 16GB", "RTX 4060"):
         card = hardware.resolve(card_name)
-        plan = make_plan(PlanRequest(model=spec, gpu=card, method="qlora", seq_len=2048))
+        plan = make_plan(PlanRequest(model=spec, gpu=card, fixed={"method": "qlora", "seq_len": 2048}))
         of_card = [r for r in fits.values() if r["fits"]["card"] == card.name]
         assert of_card[0]["fits"]["plan_fits"] is plan.fits
         assert of_card[0]["settings"]["micro_batch"] == plan.settings.micro_batch

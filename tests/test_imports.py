@@ -69,7 +69,9 @@ def imports(tree: ast.AST, *, in_function: bool = False) -> Iterator[tuple[ast.I
     """Every import statement with whether it runs inside a function; TYPE_CHECKING blocks skipped."""
     for child in ast.iter_child_nodes(tree):
         if isinstance(child, ast.If) and is_type_checking(child):
-            yield from (item for node in child.orelse for item in imports(ast.Module([node], []), in_function=in_function))
+            yield from (
+                item for node in child.orelse for item in imports(ast.Module([node], []), in_function=in_function)
+            )
             continue
         if isinstance(child, ast.Import | ast.ImportFrom):
             yield child, in_function

@@ -3,17 +3,20 @@ accepted or refused the same way, with the same one-line message, from flags and
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
+from typing import Annotated, get_type_hints
 
 import pytest
 import typer
 import yaml
+from pydantic import Field
 
 from conftest import run_cli
-from lorafit import hardware, models, options
+from lorafit import hardware, models, options, schema
 from lorafit.errors import InvalidConfig
-from lorafit.options import OPTIONS, Settings, TrainConfig
+from lorafit.options import OPTIONS, About, Settings, TrainConfig
 
 
 def click_commands() -> dict[str, object]:
@@ -52,6 +55,81 @@ def test_every_step_option_is_a_field_of_settings_with_its_default() -> None:
     for option in step:
         if option.default is not None:
             assert getattr(defaults, option.name) == option.default, option.name
+
+
+def test_the_step_settings_are_a_class_written_out_field_by_field() -> None:
+    """Settings is a class in the source, each setting a typed field that a reader and a type checker see."""
+    source = inspect.getsource(Settings)
+    hints = get_type_hints(Settings)
+    for option in (o for o in OPTIONS if o.step):
+        assert f"    {option.name}: Annotated[" in source, option.name
+        assert hints[option.name] in (option.type, option.type | None), option.name
+    assert "create_model" not in source
+
+
+def test_the_plan_request_holds_its_settings_as_typed_fields_from_the_declaration() -> None:
+    source = inspect.getsource(schema.PlanRequest)
+    for name in schema.PLAN_REQUEST_KEYS:
+        option = options.BY_NAME[name]
+        annotation, field = option.field_info(optional=options.not_set_is_none(option))
+        assert f"    {name}: " in source, name
+        assert schema.PlanRequest.model_fields[name].annotation == annotation, name
+        assert schema.PlanRequest.model_fields[name].default == field.default, name
+    with pytest.raises(ValueError, match="less than or equal to 10000"):
+        schema.PlanRequest(model=models.resolve("llama-2-7b"), epochs=20000)  # the declared bound holds here too
+
+
+def test_the_step_settings_a_request_fixes_are_one_typed_settings() -> None:
+    spec = models.resolve("llama-2-7b")
+    request = schema.PlanRequest(model=spec, fixed={"method": "lora", "micro_batch": 4, "n_gpus": 2})
+    assert set(schema.PlanRequest.model_fields) & set(options.STEP_KEYS) == set()  # no step setting beside `fixed`
+    assert isinstance(request.fixed, Settings) and request.fixed.model_fields_set == {"method", "micro_batch", "n_gpus"}
+    assert (request.method, request.n_gpus, request.seq_len) == ("lora", 2, None)  # seq_len: the planner's
+    assert schema.PlanRequest.model_validate_json(request.model_dump_json()) == request  # what was fixed survives
+    with pytest.raises(ValueError, match="greater than 0"):
+        schema.PlanRequest(model=spec, fixed={"micro_batch": 0})
+    with pytest.raises(ValueError, match="micro_btch is not a step setting"):
+        schema.PlanRequest(model=spec, fixed={"micro_btch": 4})
+
+
+class Extra:
+    """A setting declared the way the table's are, for the tests below."""
+
+    warmup_steps: Annotated[
+        int | None, Field(gt=0, le=1000), About("steps spent warming up", ("plan",), "schedule", unit="steps")
+    ] = None
+
+
+def test_a_declared_field_is_a_table_row_with_its_bounds_and_help() -> None:
+    (row,) = options.option_rows(Extra)
+    assert (row.name, row.type, row.default, row.gt, row.le) == ("warmup_steps", int, None, 0, 1000)
+    assert (
+        row.flag == "--warmup-steps"
+        and row.commands == ("plan",)
+        and row.help_text() == "steps spent warming up, in steps"
+    )
+
+
+def test_a_field_added_to_the_declaration_is_a_flag_a_form_row_and_validated(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = OPTIONS + options.option_rows(Extra)
+    monkeypatch.setattr(options, "OPTIONS", rows)
+    monkeypatch.setattr(options, "BY_NAME", {row.name: row for row in rows})
+    options.command_model.cache_clear()
+    try:
+        assert "warmup_steps" in {row["name"] for row in options.as_dicts()}
+        assert options.validate("plan", {"warmup_steps": 10}).warmup_steps == 10
+        with pytest.raises(InvalidConfig, match="warmup_steps 0: must be greater than 0"):
+            options.validate("plan", {"warmup_steps": 0})
+        from lorafit import cli
+
+        @cli.derived_options("plan")
+        def command(**values: object) -> None: ...
+
+        assert "warmup_steps" in inspect.signature(command).parameters
+    finally:
+        options.command_model.cache_clear()
 
 
 def test_the_declaration_is_plain_data_for_a_form() -> None:
@@ -179,6 +257,23 @@ def test_flash_attention_is_refused_on_the_cpu() -> None:
     with pytest.raises(InvalidConfig, match="attn flash: flash attention runs on CUDA GPUs only"):
         options.check_against({"attn": "flash"}, on_cpu=True)
     options.check_against({"attn": "flash"})
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (
+            ["plan", "--gpu", "RTX 4090", "--tokens", str(10**20)],
+            f"--tokens-per-epoch {10**20}: must be at most 10000000000000",
+        ),
+        (["train", "--max-steps", "99999999999"], "--max-steps 99999999999: must be at most 1000000000"),
+    ],
+)
+def test_a_job_beyond_any_real_one_is_refused_in_one_line(
+    args: list[str], problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(args, capsys)
+    assert code == 2 and out == "" and err == f"lorafit: error: {problem}\n"
 
 
 def test_the_effective_batch_is_the_product_when_only_micro_batch_and_accumulation_are_set() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -22,9 +23,12 @@ from lorafit.schema import Plan, PlanRequest, Settings
 DEFAULT_RUN_TOKENS = 15_000_000 * 3  # the Alpaca-sized default: 15M tokens per epoch, three epochs
 
 
-def ask(model: str = "llama-2-7b", gpu: str | GpuSpec | None = None, **fields: object) -> PlanRequest:
+def ask(
+    model: str = "llama-2-7b", gpu: str | GpuSpec | None = None, pinned: dict[str, Any] | None = None, **fields: Any
+) -> PlanRequest:
     card = hardware.resolve(gpu) if isinstance(gpu, str) else gpu
-    return PlanRequest(model=models.resolve(model), gpu=card, **fields)
+    step = {name: fields.pop(name) for name in list(fields) if name in Settings.model_fields}
+    return PlanRequest(model=models.resolve(model), gpu=card, fixed=(pinned or {}) | step, **fields)
 
 
 def usable_gib(gpu: GpuSpec, headroom: float = 0.1) -> float:

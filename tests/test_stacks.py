@@ -48,7 +48,7 @@ def allocated(spec_name: str, stack: str, **settings: object) -> tuple[float, st
     """The allocated peak (bytes) and its phase, as `lorafit estimate --stack` sums it."""
     spec = resolve(spec_name)
     chosen = Settings(**settings).model_copy(update={"stack": stack})
-    parts, phase = memory.breakdown(spec, chosen, stacks.runtime_of(chosen))
+    parts, phase = memory.breakdown(spec, chosen, memory.stack_runtime(chosen))
     return sum(parts.values()), phase
 
 

@@ -12,7 +12,6 @@ from conftest import run_cli
 from lorafit.cli import main
 from lorafit.train.demo import BASE_COMPLETE, REQUIRED_DROP, demo_file
 
-
 GENERATOR = Path(__file__).resolve().parents[1] / "tools" / "make_demo_data.py"
 
 

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from lorafit import hardware, memory, models, options
+import yaml
+
+from lorafit import configs, hardware, memory, models, options, stacks, trace
+from lorafit import plan as planner
 from lorafit.errors import LorafitError
 from lorafit.hardware import GpuSpec
 from lorafit.models import ModelSpec
@@ -55,8 +58,6 @@ def with_config(
     Keys the command has no use for (an epoch count for `estimate`) are left out quietly."""
     if path is None:
         return dict(given), None
-    from lorafit import configs, stacks
-
     imported = configs.read(Path(path))
     stack, stack_warning = stacks.for_config_of(imported.values["stack"])
     known = options.config_keys(command)
@@ -105,8 +106,6 @@ def estimate(given: Mapping[str, Any], *, exact: bool = False, from_config: str 
                 f"--exact traces lorafit's own training step; stack {settings.stack} is estimated from its traced "
                 "facts (`lorafit stacks`): drop --exact, or use --stack lorafit"
             )
-        from lorafit import trace
-
         result = trace.exact_estimate(spec, settings, target, request.headroom)
     else:
         result = memory.estimate(spec, settings, target, request.headroom)
@@ -126,15 +125,11 @@ class PlanAnswer:
 
     @property
     def cheapest(self) -> Plan | None:
-        from lorafit.plan import cheapest
-
-        return cheapest(self.plans)
+        return planner.cheapest(self.plans)
 
     @property
     def cheapest_under_price(self) -> Plan | None:
-        from lorafit.plan import cheapest
-
-        return cheapest(self.plans, self.max_price_hour)
+        return planner.cheapest(self.plans, self.max_price_hour)
 
     def to_json(self) -> Any:
         source = {"from": self.source.to_json()} if self.source else {}
@@ -163,8 +158,6 @@ def plan(
     """`lorafit plan` for the settings that were set (over those of the config file `from_config`: the run it
     describes, its step settings pinned). `data_path` turns the `data` setting into the file to profile (the
     web server maps it into its upload folder)."""
-    from lorafit import plan as planner
-
     flags = given
     given, source = with_config("plan", from_config, flags)
     asked = _validated("plan", given, flags, source)
@@ -174,10 +167,9 @@ def plan(
             "compare them all, or drop --compare to plan for that one"
         )
     spec = models.resolve(asked.model or DEFAULT_MODEL)
-    pinned = {key: getattr(asked, key) for key in options.STEP_KEYS if key in given and key not in PLAN_REQUEST_KEYS}
     profile, truncated = None, None
     if asked.data is not None:
-        from lorafit.data import length_profile
+        from lorafit.data import length_profile  # the data package loads only for data: `plan` starts faster
 
         options.check_against({"seq_len": asked.seq_len}, spec)
         lengths = length_profile(data_path(asked.data), tokenizer=asked.tokenizer)
@@ -186,7 +178,7 @@ def plan(
     request = PlanRequest(
         model=spec,
         tokens=profile,
-        pinned=pinned,
+        fixed=Settings.given({key: getattr(asked, key) for key in options.STEP_KEYS if key in given}),
         **{key: getattr(asked, key) for key in PLAN_REQUEST_KEYS if key in asked.model_fields_set},
     )
     if compare:
@@ -235,6 +227,4 @@ def train_command(plan: Plan, model_dir: str = "MODEL_DIR", data: str = "DATA.js
 
 def train_yaml(plan: Plan, model_dir: str = "MODEL_DIR", data: str = "DATA.jsonl") -> str:
     """The same run as a `lorafit train` config file."""
-    import yaml
-
     return yaml.safe_dump({"model": model_dir, "data": data} | train_settings(plan), sort_keys=False)

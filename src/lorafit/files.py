@@ -23,7 +23,7 @@ import tempfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import IO, Any
 
 from lorafit.errors import LorafitError
 
@@ -136,7 +136,7 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_writer(path: Path, binary: bool = False) -> Iterator[TextIO | BinaryIO]:
+def atomic_writer(path: Path, binary: bool = False) -> Iterator[IO[Any]]:
     """A text (or, `binary`, a bytes) handle on a temporary file beside `path`, renamed onto it only when the
     block ends without error; on any error the temporary file is removed and `path` is left as it was."""
     path = Path(path)

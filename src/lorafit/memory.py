@@ -11,10 +11,11 @@ kv = kv_heads x head_dim, I intermediate, V vocabulary, r LoRA rank, c bytes of 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lorafit import stacks
 from lorafit.hardware import GpuSpec
 from lorafit.models import ModelSpec
 from lorafit.options import DEFAULT_HEADROOM
@@ -91,11 +92,20 @@ class Runtime(BaseModel):
     quantized_whole_on_gpu: tuple[str, ...] = ("zero3",)
 
 
-def stack_runtime(settings: Settings) -> Runtime:
-    """The Runtime of the trainer `settings.stack` names (lorafit.stacks, catalog/stacks.toml)."""
-    from lorafit import stacks
-
-    return stacks.runtime_of(settings)
+def stack_runtime(settings: Settings, **overrides: Any) -> Runtime:
+    """The Runtime of the trainer `settings.stack` names (lorafit.stacks, catalog/stacks.toml), with the facets
+    the settings switch (autocast, kbit_prep, fused_optimizer) and `overrides` (e.g. device) on top."""
+    quantized = settings.quant != "none"
+    fields = stacks.resolve(settings.stack).facts(quantized)
+    if settings.autocast is not None:
+        fields["autocast"] = settings.autocast
+    if settings.fused_optimizer is not None:
+        fields["fused_optimizer"] = settings.fused_optimizer
+    if settings.kbit_prep is not None and quantized:
+        # peft's preparation upcasts every non-quantised parameter, the norms' weights and the embeddings too, to
+        # fp32: the norms' outputs and with them the residual stream are fp32 (Runtime.fp32_norms, fp32_stream)
+        fields["kbit_upcast"] = fields["fp32_norms"] = fields["fp32_stream"] = settings.kbit_prep
+    return Runtime(**(fields | overrides))
 
 
 # --- weights ------------------------------------------------------------------------------------------------
@@ -156,7 +166,7 @@ def trainable_params(spec: ModelSpec, settings: Settings) -> int:
     return spec.lora_params(settings.lora_r, settings.lora_targets)
 
 
-def trainable_dtype_bytes(settings: Settings, runtime: Runtime) -> int:
+def trainable_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
     """Adapters are fp32 (peft's autocast_adapter_dtype); full fine-tuning trains the weights' own dtype."""
     if settings.method == "full":
         return 4 if runtime.amp_master_fp32 else DTYPE_BYTES[settings.precision]
@@ -386,7 +396,7 @@ def activation_bytes_per_layer(
     return sum(parts.values()) * settings.tokens_per_micro_batch
 
 
-def swiglu_dtype_bytes(settings: Settings, runtime: Runtime) -> int:
+def swiglu_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
     """The dtype SwiGLU's saved gate, silu(gate) and up are in: the compute dtype, or fp32 after peft's kbit
     preparation, whose fp32 residual stream reaches gate_proj and up_proj, and bitsandbytes' Linear4bit hands
     its output back in its input's dtype (`Linear4bit.forward`: `matmul_4bit(...).to(inp_dtype)`, bitsandbytes
@@ -398,7 +408,7 @@ def swiglu_dtype_bytes(settings: Settings, runtime: Runtime) -> int:
     return DTYPE_BYTES[settings.precision]
 
 
-def stream_dtype_bytes(settings: Settings, runtime: Runtime) -> int:
+def stream_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
     """Bytes per element of the residual stream between the layers: fp32 when fp32 norm weights (or peft's
     fp32 embeddings) promote it, else the compute dtype."""
     return 4 if runtime.fp32_norms or runtime.fp32_stream else DTYPE_BYTES[settings.precision]
@@ -465,7 +475,7 @@ def head_saved_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> f
     """The final RMSNorm saves its fp32 input (and, training the head, the normalised bf16 input); a quantised
     head under old bitsandbytes keeps that normalised input too."""
     c = DTYPE_BYTES[settings.precision]
-    per_token = 4 * spec.hidden_size + 4
+    per_token: float = 4 * spec.hidden_size + 4
     if settings.method == "full":
         per_token += 2 * c * spec.hidden_size
     elif runtime.quantized_head and keeps_bnb_inputs(settings, runtime):
@@ -821,11 +831,11 @@ def host_ram_parts(spec: ModelSpec, settings: Settings, runtime: Runtime) -> dic
     processes = processes_per_node(settings)
     offloaded = offloaded_state_bytes(spec, settings, runtime)
     savers = host_saver_bytes(spec, settings, runtime)
-    training = {"processes": processes * PROCESS_HOST_BYTES}
+    training: dict[str, float] = {"processes": processes * PROCESS_HOST_BYTES}
     training |= {name: processes * value for name, value in offloaded.items()}
     if savers:
         training["offloaded_savers"] = processes * savers
-    loading = {
+    loading: dict[str, float] = {
         "processes": processes * PROCESS_HOST_BYTES,
         "model_loading": processes * loading_bytes_per_process(spec, settings, runtime),
     }

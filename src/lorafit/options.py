@@ -1,11 +1,14 @@
 """Every setting of lorafit, declared once: its type, choices, default, unit, help and the rules that tie it to
 the others.
 
-Everything a user can set is derived from the table `OPTIONS` below: the `estimate`, `plan`, `train` and `chat`
-command-line options (`lorafit.cli.derived_options`), the `Settings` of one training step, the `train` config
-file and its commented starter (`TrainConfig`, `starter_yaml`), and the validation of all of them
-(`validate`), so that a combination is accepted or refused the same way, with the same one-line message, from
-flags, from a YAML file and from any later form. Pure Python: no torch here.
+The settings are the typed fields of three classes below: `Inputs` (what to fine-tune, on what), `Settings` (the
+knobs of one training step) and `RunOptions` (the rest: the whole job, data, schedule, chat, export, serve and the
+command switches). Each field is declared once, with its bounds (`Field`) and what people are told about it
+(`About`). Everything else is derived from those fields: the table `OPTIONS` (one `Option` row per field), the
+`estimate`, `plan`, `train` and `chat` command-line options (`lorafit.cli.derived_options`), the `train` config
+file and its commented starter (`TrainConfig`, `starter_yaml`), the web form (`as_dicts`), and the validation of
+all of them (`validate`), so that a combination is accepted or refused the same way, with the same one-line
+message, from flags, from a YAML file and from the page. Pure Python: no torch here.
 
 `None` as a value means "not set": the command then uses the default, or, where `auto` says so, decides (the
 planner searches micro-batch, accumulation, checkpointing and the optimizer; some defaults follow from the model,
@@ -16,51 +19,71 @@ from __future__ import annotations
 
 import difflib
 import math
+import textwrap
+import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
+from lorafit import stacks
+from lorafit.choices import (  # noqa: F401 (the choices are part of the declaration)
+    SAVER_ON,
+    Attention,
+    Batching,
+    Command,
+    DataFormat,
+    ExportTarget,
+    Frozen,
+    GgufType,
+    Loss,
+    Method,
+    Offload,
+    Optimizer,
+    Precision,
+    Quant,
+    Scheduler,
+    Shard,
+    Stack,
+    default_quant,
+)
 from lorafit.errors import InvalidConfig
-from lorafit.hardware import MAX_VRAM_GB
-from lorafit.models import LoraTargets
-
-if TYPE_CHECKING:
-    from lorafit.hardware import GpuSpec
-    from lorafit.models import ModelSpec
-
-Command = Literal["estimate", "plan", "train", "chat", "export", "gpus", "models", "stacks", "detect", "serve"]
-Method = Literal["qlora", "lora", "full"]
-Precision = Literal["bf16", "fp16", "fp32"]
-Quant = Literal["none", "int8", "nf4"]
-Optimizer = Literal["adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "sgd"]
-Attention = Literal["sdpa", "flash", "eager"]
-Shard = Literal["none", "ddp", "zero2", "zero3", "fsdp"]
-Offload = Literal["none", "optimizer", "params"]
-# the trainers whose training step lorafit estimates (src/lorafit/catalog/stacks.toml: versions, sources, facts)
-Stack = Literal["lorafit", "trl", "peft-kbit", "axolotl", "llama-factory", "litgpt", "torchtune"]
-DataFormat = Literal["alpaca", "sharegpt", "messages", "prompt_completion", "text"]
-Scheduler = Literal["cosine", "linear", "constant", "constant_with_warmup"]
-Batching = Literal["auto", "length_grouped", "padding_free", "random"]
-Loss = Literal["full", "chunked"]
-ExportTarget = Literal["merged", "gguf"]
-GgufType = Literal["f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q3_k_m"]
+from lorafit.hardware import MAX_VRAM_GB, GpuSpec
+from lorafit.models import LoraTargets, ModelSpec
 
 ESTIMATE_PLAN_TRAIN: tuple[Command, ...] = ("estimate", "plan", "train")
-# the memory savers and the value that turns each on (the planner searches them; a stack may lack some)
-SAVER_ON: dict[str, Any] = {
-    "loss": "chunked",
-    "offload_embeddings": True,
-    "offload_activations": True,
-    "expandable_segments": True,
-}
+# The most tokens one epoch can hold: about 30 times the largest published pre-training runs (Llama 3: 15T in
+# all), and 10^13 tokens a GPU-century at any throughput lorafit knows
+MAX_TOKENS_PER_EPOCH = 10**13
+# The most optimizer steps of one run: a second per step runs for 30 years
+MAX_STEPS = 10**9
+
+
+@dataclass(frozen=True)
+class About:
+    """What people are told about a setting, beside its type, default and bounds: its help, the commands that take
+    it and the group it is shown in. It rides in the setting's `Annotated[...]` declaration."""
+
+    help: str
+    commands: tuple[Command, ...]
+    group: str
+    auto: str = ""  # what "not set" means where it is not simply the default
+    unit: str = ""
+    flags: tuple[str, ...] = ()  # more spellings, e.g. "-m", "--lr"
+    off_flag: str = ""  # a bool's "false" flag; default --no-NAME
+    config: bool = True  # False: a command switch (--json, --exact), not a setting a file can hold
+    flag_name: str = ""  # the flag where it is not --name-with-dashes
 
 
 @dataclass(frozen=True)
 class Option:
-    """One setting. `name` is the config key and the Python name; the flag is `--name-with-dashes`."""
+    """One setting, as the table row derived from its declaration. `name` is the config key and the Python name;
+    the flag is `--name-with-dashes`."""
 
     name: str
     type: Any  # int, float, bool, str, dict, or a Literal of the choices
@@ -87,7 +110,7 @@ class Option:
 
     @property
     def choices(self) -> tuple[str, ...]:
-        return get_args(self.type) if getattr(self.type, "__origin__", None) is Literal else ()
+        return get_args(self.type) if get_origin(self.type) is Literal else ()
 
     @property
     def is_bool(self) -> bool:
@@ -110,7 +133,9 @@ class Option:
 
     def field_info(self, *, optional: bool) -> tuple[Any, Any]:
         """(annotation, pydantic Field) of this option in a model; `optional`: None means not set."""
-        bounds = {key: getattr(self, key) for key in ("gt", "ge", "lt", "le") if getattr(self, key) is not None}
+        bounds: dict[str, Any] = {
+            key: getattr(self, key) for key in ("gt", "ge", "lt", "le") if getattr(self, key) is not None
+        }
         if self.type is float:
             bounds["allow_inf_nan"] = False
         if self.type is str:
@@ -118,7 +143,7 @@ class Option:
         # a step setting whose default is "the stack's" is None in Settings until the stack fills it
         annotation = self.type | None if optional or (self.step and self.default is None) else self.type
         if self.many:
-            annotation = list[self.type] | None if optional else list[self.type]
+            annotation = list[self.type] | None if optional else list[self.type]  # type: ignore[name-defined]
         default = None if optional else self.default
         if self.type is dict:
             annotation = dict[str, str] | None if optional else dict[str, str]
@@ -126,626 +151,620 @@ class Option:
         return annotation, Field(default=default, description=self.help_text(), **bounds)
 
 
-# --- the table ----------------------------------------------------------------------------------------------
-OPTIONS: tuple[Option, ...] = (
-    # what to fine-tune, on what
-    Option(
-        "model",
-        str,
-        "catalog preset or hub id (see `lorafit models`), or a local model directory or config.json;"
-        " `train` needs a local directory (config.json + safetensors)",
-        ESTIMATE_PLAN_TRAIN,
-        "model",
-        auto="llama-2-7b for estimate and plan; train needs one",
-        flags=("-m",),
-    ),
-    Option(
-        "gpu",
-        str,
-        "catalog GPU (see `lorafit gpus`)",
-        ("estimate", "plan"),
-        "model",
-        auto="the detected GPU",
-        flags=("-g",),
-    ),
-    Option(
-        "vram",
-        float,
-        "a GPU known only by its memory, as sold: a '24 GB' card has 24 GiB (nvidia-smi shows about that)",
-        ("estimate", "plan"),
-        "model",
-        unit="GB as sold",
-        gt=0,
-        le=MAX_VRAM_GB,
-    ),
-    Option(
-        "tokenizer",
-        str,
-        "local tokenizer directory to count the tokens of --data",
-        ("plan",),
-        "model",
-        auto="a character estimate",
-    ),
-    Option(
-        "data",
-        str,
-        "dataset file or directory (JSONL, JSON, CSV, Parquet, text): plan counts its tokens, train trains on it",
-        ("plan", "train"),
-        "model",
-    ),
-    Option(
-        "headroom", float, "share of the GPU's memory kept free", ESTIMATE_PLAN_TRAIN, "model", default=0.1, ge=0, lt=1
-    ),
-    # one training step (the fields of Settings)
-    Option(
-        "method",
+# --- the declaration --------------------------------------------------------------------------------------------
+class _Declared(Frozen):
+    """A model whose fields are declared settings: floats finite, text not empty."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, str_min_length=1)
+
+
+class _RuledModel(_Declared):
+    @model_validator(mode="after")
+    def _rules(self) -> _RuledModel:
+        values = dict(self.__dict__)
+        if "batch_size" in type(self).model_fields:
+            values["batch_size"] = batch_size_of(values)  # the rules check the batch the run will have
+        problem = broken_rule(values)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+class Inputs:
+    """What to fine-tune, on what: the first settings of the table."""
+
+    model: Annotated[
+        str | None,
+        About(
+            "catalog preset or hub id (see `lorafit models`), or a local model directory or config.json; `train` "
+            "needs a local directory (config.json + safetensors)",
+            ESTIMATE_PLAN_TRAIN,
+            "model",
+            auto="llama-2-7b for estimate and plan; train needs one",
+            flags=("-m",),
+        ),
+    ] = None
+    gpu: Annotated[
+        str | None,
+        About(
+            "catalog GPU (see `lorafit gpus`)", ("estimate", "plan"), "model", auto="the detected GPU", flags=("-g",)
+        ),
+    ] = None
+    vram: Annotated[
+        float | None,
+        Field(gt=0, le=MAX_VRAM_GB),
+        About(
+            "a GPU known only by its memory, as sold: a '24 GB' card has 24 GiB (nvidia-smi shows about that)",
+            ("estimate", "plan"),
+            "model",
+            unit="GB as sold",
+        ),
+    ] = None
+    tokenizer: Annotated[
+        str | None,
+        About(
+            "local tokenizer directory to count the tokens of --data", ("plan",), "model", auto="a character estimate"
+        ),
+    ] = None
+    data: Annotated[
+        str | None,
+        About(
+            "dataset file or directory (JSONL, JSON, CSV, Parquet, text): plan counts its tokens, train trains on it",
+            ("plan", "train"),
+            "model",
+        ),
+    ] = None
+    headroom: Annotated[
+        float, Field(ge=0, lt=1), About("share of the GPU's memory kept free", ESTIMATE_PLAN_TRAIN, "model")
+    ] = 0.1
+
+
+class Settings(_RuledModel):
+    """Every knob of one training step. memory.estimate() and the trainer read the same object. Each field is
+    the declaration of its setting; quant and lora_alpha follow from method and rank when not set."""
+
+    method: Annotated[
         Method,
-        "qlora: 4-bit base + LoRA; lora: 16-bit base + LoRA; full: every weight",
-        ESTIMATE_PLAN_TRAIN,
-        "step",
-        default="qlora",
-        step=True,
-    ),
-    Option(
-        "precision",
+        About("qlora: 4-bit base + LoRA; lora: 16-bit base + LoRA; full: every weight", ESTIMATE_PLAN_TRAIN, "step"),
+    ] = "qlora"
+    precision: Annotated[
         Precision,
-        "compute dtype",
-        ESTIMATE_PLAN_TRAIN,
-        "step",
-        default="bf16",
-        step=True,
-        auto="bf16; fp16 on a GPU without bf16; fp32 when training on the CPU",
-    ),
-    Option(
-        "quant",
-        Quant,
-        "base-weight quantisation: qlora needs nf4 or int8, lora and full none",
-        ESTIMATE_PLAN_TRAIN,
-        "step",
-        step=True,
-        auto="nf4 for qlora, else none",
-    ),
-    Option(
-        "double_quant",
-        bool,
-        "quantise the 4-bit scales too (saves ~0.4 bit per weight)",
-        ESTIMATE_PLAN_TRAIN,
-        "step",
-        default=True,
-        step=True,
-    ),
-    Option("lora_r", int, "LoRA adapter rank", ESTIMATE_PLAN_TRAIN, "step", default=16, gt=0, le=4096, step=True),
-    Option(
-        "lora_alpha",
-        int,
-        "LoRA scale: alpha / r multiplies the update",
-        ESTIMATE_PLAN_TRAIN,
-        "step",
-        gt=0,
-        step=True,
-        auto="2 x lora_r",
-    ),
-    Option(
-        "lora_dropout",
-        float,
-        "dropout on the adapter input",
-        ESTIMATE_PLAN_TRAIN,
-        "step",
-        default=0.05,
-        ge=0,
-        lt=1,
-        step=True,
-    ),
-    Option(
-        "lora_targets",
-        LoraTargets,
-        "which linear layers get adapters",
-        ESTIMATE_PLAN_TRAIN,
-        "step",
-        default="all",
-        step=True,
-    ),
-    Option(
-        "optimizer",
+        About(
+            "compute dtype",
+            ESTIMATE_PLAN_TRAIN,
+            "step",
+            auto="bf16; fp16 on a GPU without bf16; fp32 when training on the CPU",
+        ),
+    ] = "bf16"
+    quant: Annotated[
+        Quant | None,
+        About(
+            "base-weight quantisation: qlora needs nf4 or int8, lora and full none",
+            ESTIMATE_PLAN_TRAIN,
+            "step",
+            auto="nf4 for qlora, else none",
+        ),
+    ] = None
+    double_quant: Annotated[
+        bool, About("quantise the 4-bit scales too (saves ~0.4 bit per weight)", ESTIMATE_PLAN_TRAIN, "step")
+    ] = True
+    lora_r: Annotated[int, Field(gt=0, le=4096), About("LoRA adapter rank", ESTIMATE_PLAN_TRAIN, "step")] = 16
+    lora_alpha: Annotated[
+        int | None,
+        Field(gt=0),
+        About("LoRA scale: alpha / r multiplies the update", ESTIMATE_PLAN_TRAIN, "step", auto="2 x lora_r"),
+    ] = None
+    lora_dropout: Annotated[
+        float, Field(ge=0, lt=1), About("dropout on the adapter input", ESTIMATE_PLAN_TRAIN, "step")
+    ] = 0.05
+    lora_targets: Annotated[LoraTargets, About("which linear layers get adapters", ESTIMATE_PLAN_TRAIN, "step")] = "all"
+    optimizer: Annotated[
         Optimizer,
-        "optimizer (8-bit states are a quarter of 32-bit ones)",
-        ESTIMATE_PLAN_TRAIN,
-        "step",
-        default="adamw",
-        step=True,
-        auto="adamw; plan and train: the planner's choice",
-    ),
-    Option(
-        "micro_batch",
+        About(
+            "optimizer (8-bit states are a quarter of 32-bit ones)",
+            ESTIMATE_PLAN_TRAIN,
+            "step",
+            auto="adamw; plan and train: the planner's choice",
+        ),
+    ] = "adamw"
+    micro_batch: Annotated[
         int,
-        "sequences per forward pass",
-        ESTIMATE_PLAN_TRAIN,
-        "step",
-        default=1,
-        gt=0,
-        le=65536,
-        step=True,
-        auto="1; plan and train: the planner's choice",
-    ),
-    Option(
-        "grad_accum",
+        Field(gt=0, le=65536),
+        About(
+            "sequences per forward pass", ESTIMATE_PLAN_TRAIN, "step", auto="1; plan and train: the planner's choice"
+        ),
+    ] = 1
+    grad_accum: Annotated[
         int,
-        "micro-batches per optimizer step",
-        ESTIMATE_PLAN_TRAIN,
-        "step",
-        default=1,
-        gt=0,
-        le=65536,
-        step=True,
-        auto="1; plan and train: batch_size / (micro_batch x n_gpus)",
-    ),
-    Option(
-        "seq_len",
+        Field(gt=0, le=65536),
+        About(
+            "micro-batches per optimizer step",
+            ESTIMATE_PLAN_TRAIN,
+            "step",
+            auto="1; plan and train: batch_size / (micro_batch x n_gpus)",
+        ),
+    ] = 1
+    seq_len: Annotated[
         int,
-        "longest sequence in tokens; longer rows are cut",
-        ESTIMATE_PLAN_TRAIN,
-        "step",
-        default=2048,
-        gt=0,
-        le=1 << 22,
-        step=True,
-        auto="2048; plan and train: the data's longest row",
-    ),
-    Option(
-        "grad_ckpt",
+        Field(gt=0, le=1 << 22),
+        About(
+            "longest sequence in tokens; longer rows are cut",
+            ESTIMATE_PLAN_TRAIN,
+            "step",
+            auto="2048; plan and train: the data's longest row",
+        ),
+    ] = 2048
+    grad_ckpt: Annotated[
         bool,
-        "gradient checkpointing: recompute activations in backward (less memory, about a third more compute)",
-        ESTIMATE_PLAN_TRAIN,
-        "step",
-        default=True,
-        step=True,
-        auto="on; plan and train: the planner's choice",
-    ),
+        About(
+            "gradient checkpointing: recompute activations in backward (less memory, about a third more compute)",
+            ESTIMATE_PLAN_TRAIN,
+            "step",
+            auto="on; plan and train: the planner's choice",
+        ),
+    ] = True
     # memory savers: the same step in less memory, each searched by the planner when not set
-    Option(
-        "loss",
+    loss: Annotated[
         Loss,
-        "LM head and cross-entropy: full (every token's fp32 logits at once) or chunked (a chunk of tokens at a "
-        "time, recomputed in backward: the same loss and gradients in far less memory)",
-        ESTIMATE_PLAN_TRAIN,
-        "savers",
-        default="full",
-        step=True,
-        auto="full; plan and train: the planner's choice",
-    ),
-    Option(
-        "offload_activations",
+        About(
+            "LM head and cross-entropy: full (every token's fp32 logits at once) or chunked (a chunk of tokens at a "
+            "time, recomputed in backward: the same loss and gradients in far less memory)",
+            ESTIMATE_PLAN_TRAIN,
+            "savers",
+            auto="full; plan and train: the planner's choice",
+        ),
+    ] = "full"
+    offload_activations: Annotated[
         bool,
-        "keep the checkpointed layer inputs in pinned host memory, copied back for backward (needs grad_ckpt)",
-        ESTIMATE_PLAN_TRAIN,
-        "savers",
-        default=False,
-        step=True,
-        auto="off; plan and train: the planner's choice",
-    ),
-    Option(
-        "offload_embeddings",
+        About(
+            "keep the checkpointed layer inputs in pinned host memory, copied back for backward (needs grad_ckpt)",
+            ESTIMATE_PLAN_TRAIN,
+            "savers",
+            auto="off; plan and train: the planner's choice",
+        ),
+    ] = False
+    offload_embeddings: Annotated[
         bool,
-        "keep the frozen input embeddings in host memory (not with tied embeddings or full fine-tuning)",
-        ESTIMATE_PLAN_TRAIN,
-        "savers",
-        default=False,
-        step=True,
-        auto="off; plan and train: the planner's choice",
-    ),
-    Option(
-        "expandable_segments",
+        About(
+            "keep the frozen input embeddings in host memory (not with tied embeddings or full fine-tuning)",
+            ESTIMATE_PLAN_TRAIN,
+            "savers",
+            auto="off; plan and train: the planner's choice",
+        ),
+    ] = False
+    expandable_segments: Annotated[
         bool,
-        "PyTorch's expandable-segments allocator (PYTORCH_CUDA_ALLOC_CONF): less memory stranded between steps",
-        ESTIMATE_PLAN_TRAIN,
-        "savers",
-        default=False,
-        step=True,
-        auto="off; plan and train: the planner's choice",
-    ),
-    Option(
-        "attn",
+        About(
+            "PyTorch's expandable-segments allocator (PYTORCH_CUDA_ALLOC_CONF): less memory stranded between steps",
+            ESTIMATE_PLAN_TRAIN,
+            "savers",
+            auto="off; plan and train: the planner's choice",
+        ),
+    ] = False
+    attn: Annotated[
         Attention,
-        "attention kernel",
-        ESTIMATE_PLAN_TRAIN,
-        "step",
-        default="sdpa",
-        step=True,
-        auto="sdpa where the model has it, else its own kernel (eager for Gemma-2)",
-    ),
+        About(
+            "attention kernel",
+            ESTIMATE_PLAN_TRAIN,
+            "step",
+            auto="sdpa where the model has it, else its own kernel (eager for Gemma-2)",
+        ),
+    ] = "sdpa"
     # the trainer that runs the step: what it keeps alive (see `lorafit stacks`)
-    Option(
-        "stack",
+    stack: Annotated[
         Stack,
-        "the trainer that runs the step, at its pinned version (see `lorafit stacks`): lorafit is what `lorafit "
-        "train` runs",
-        ("estimate", "plan"),
-        "stack",
-        default="lorafit",
-        step=True,
-    ),
-    Option(
-        "autocast",
-        bool,
-        "the forward runs under torch.autocast (the HF Trainer's bf16/fp16 switch; a plain loop without it)",
-        ("estimate", "plan"),
-        "stack",
-        step=True,
-        auto="the stack's",
-    ),
-    Option(
-        "kbit_prep",
-        bool,
-        "peft's prepare_model_for_kbit_training on the quantised model (embeddings, head and norms to fp32)",
-        ("estimate", "plan"),
-        "stack",
-        step=True,
-        auto="the stack's",
-    ),
-    Option(
-        "fused_optimizer",
-        bool,
-        "AdamW steps every parameter in one fused kernel (adamw_torch_fused) instead of the foreach loop",
-        ("estimate", "plan"),
-        "stack",
-        step=True,
-        auto="the stack's",
-    ),
+        About(
+            "the trainer that runs the step, at its pinned version (see `lorafit stacks`): lorafit is what `lorafit "
+            "train` runs",
+            ("estimate", "plan"),
+            "stack",
+        ),
+    ] = "lorafit"
+    autocast: Annotated[
+        bool | None,
+        About(
+            "the forward runs under torch.autocast (the HF Trainer's bf16/fp16 switch; a plain loop without it)",
+            ("estimate", "plan"),
+            "stack",
+            auto="the stack's",
+        ),
+    ] = None
+    kbit_prep: Annotated[
+        bool | None,
+        About(
+            "peft's prepare_model_for_kbit_training on the quantised model (embeddings, head and norms to fp32)",
+            ("estimate", "plan"),
+            "stack",
+            auto="the stack's",
+        ),
+    ] = None
+    fused_optimizer: Annotated[
+        bool | None,
+        About(
+            "AdamW steps every parameter in one fused kernel (adamw_torch_fused) instead of the foreach loop",
+            ("estimate", "plan"),
+            "stack",
+            auto="the stack's",
+        ),
+    ] = None
     # several GPUs
-    Option(
-        "n_gpus",
-        int,
-        "GPUs to train on, per node",
-        ("estimate", "plan", "train"),
-        "gpus",
-        default=1,
-        gt=0,
-        le=4096,
-        step=True,
-    ),
-    Option(
-        "nodes",
-        int,
-        "machines, each with n_gpus GPUs",
-        ("estimate", "plan", "train"),
-        "gpus",
-        default=1,
-        gt=0,
-        le=1024,
-        step=True,
-    ),
-    Option(
-        "shard",
+    n_gpus: Annotated[int, Field(gt=0, le=4096), About("GPUs to train on, per node", ESTIMATE_PLAN_TRAIN, "gpus")] = 1
+    nodes: Annotated[
+        int, Field(gt=0, le=1024), About("machines, each with n_gpus GPUs", ESTIMATE_PLAN_TRAIN, "gpus")
+    ] = 1
+    shard: Annotated[
         Shard,
-        "how several GPUs share the model",
-        ("estimate", "plan", "train"),
-        "gpus",
-        default="none",
-        step=True,
-        auto="none; plan: zero3 for several GPUs",
-    ),
-    Option(
-        "offload",
+        About(
+            "how several GPUs share the model", ESTIMATE_PLAN_TRAIN, "gpus", auto="none; plan: zero3 for several GPUs"
+        ),
+    ] = "none"
+    offload: Annotated[
         Offload,
-        "with zero2/zero3/fsdp: keep the optimizer states (optimizer) or the parameters too (params) in host memory",
-        ESTIMATE_PLAN_TRAIN,
-        "gpus",
-        default="none",
-        step=True,
-    ),
-    Option(
-        "node_rank", int, "this machine's rank among the nodes (0 is the main one)", ("train",), "gpus", ge=0, auto="0"
-    ),
-    Option(
-        "main_address",
-        str,
-        "address of node 0 that every node connects to (several nodes)",
-        ("train",),
-        "gpus",
-        auto="127.0.0.1 on one node",
-    ),
-    Option("main_port", int, "port on node 0 for the rendezvous", ("train",), "gpus", default=29500, gt=0, le=65535),
+        About(
+            "with zero2/zero3/fsdp: keep the optimizer states (optimizer) or the parameters too (params) in host "
+            "memory",
+            ESTIMATE_PLAN_TRAIN,
+            "gpus",
+        ),
+    ] = "none"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            given = {key: value for key, value in data.items() if value is not None}
+            return given | step_defaults(given)
+        return data
+
+    @classmethod
+    def given(cls, values: Mapping[str, Any]) -> Settings:
+        """The step of which only `values` are fixed (its `model_fields_set`; None is not set), each value checked
+        against its declaration. The defaults that follow from other settings and the rules between them are left
+        to the plan that completes the step (a pinned offload, say, before the planner picks its shard)."""
+        checked = {
+            name: _field_check(name).validate_python(value) for name, value in values.items() if value is not None
+        }
+        return cls.model_construct(_fields_set=set(checked), **checked)
+
+    @property
+    def effective_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.n_gpus
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+@cache
+def _field_check(name: str) -> TypeAdapter[Any]:
+    """The check of one step setting alone: its type and bounds."""
+    if name not in Settings.model_fields:
+        raise ValueError(f"{name} is not a step setting; those are {', '.join(Settings.model_fields)}")
+    field = Settings.model_fields[name]
+    return TypeAdapter(
+        Annotated[(field.annotation, *field.metadata)],  # type: ignore[arg-type]  # built from the field's own parts
+        config=ConfigDict(allow_inf_nan=False, str_min_length=1),
+    )
+
+
+class RunOptions:
+    """The rest of what the commands take: the whole job, data, schedule, checkpoints, chat, export, serve, and
+    the command switches."""
+
+    # several nodes
+    node_rank: Annotated[
+        int | None,
+        Field(ge=0),
+        About("this machine's rank among the nodes (0 is the main one)", ("train",), "gpus", auto="0"),
+    ] = None
+    main_address: Annotated[
+        str | None,
+        About(
+            "address of node 0 that every node connects to (several nodes)",
+            ("train",),
+            "gpus",
+            auto="127.0.0.1 on one node",
+        ),
+    ] = None
+    main_port: Annotated[int, Field(gt=0, le=65535), About("port on node 0 for the rendezvous", ("train",), "gpus")] = (
+        29500
+    )
     # the whole job
-    Option(
-        "batch_size",
-        int,
-        "effective batch in sequences: micro_batch x grad_accum x n_gpus",
-        ("plan", "train"),
-        "job",
-        gt=0,
-        le=1 << 20,
-        auto="16, or micro_batch x grad_accum (x n_gpus) when both are set",
-        flags=("--target-batch",),
-    ),
-    Option("epochs", float, "passes over the data", ("plan", "train"), "job", default=3.0, gt=0, le=10000),
-    Option("max_steps", int, "optimizer steps; overrides epochs", ("train",), "job", gt=0),
-    Option(
-        "tokens_per_epoch",
-        int,
-        "training tokens per epoch",
-        ("plan",),
-        "job",
-        gt=0,
-        flags=("--tokens",),
-        auto="the data's, else an Alpaca-sized 15M",
-    ),
-    Option(
-        "rent_price",
+    batch_size: Annotated[
+        int | None,
+        Field(gt=0, le=1 << 20),
+        About(
+            "effective batch in sequences: micro_batch x grad_accum x n_gpus",
+            ("plan", "train"),
+            "job",
+            auto="16, or micro_batch x grad_accum (x n_gpus) when both are set",
+            flags=("--target-batch",),
+        ),
+    ] = None
+    epochs: Annotated[float, Field(gt=0, le=10000), About("passes over the data", ("plan", "train"), "job")] = 3.0
+    max_steps: Annotated[
+        int | None, Field(gt=0, le=MAX_STEPS), About("optimizer steps; overrides epochs", ("train",), "job")
+    ] = None
+    tokens_per_epoch: Annotated[
+        int | None,
+        Field(gt=0, le=MAX_TOKENS_PER_EPOCH),
+        About(
+            "training tokens per epoch",
+            ("plan",),
+            "job",
+            auto="the data's, else an Alpaca-sized 15M",
+            flags=("--tokens",),
+        ),
+    ] = None
+    rent_price: Annotated[
+        float | None,
+        Field(gt=0, le=1000),
+        About(
+            "what renting the GPU costs you, for the rented cost (not with --compare, which prices each card)",
+            ("plan",),
+            "job",
+            auto="the catalog's price of the GPU",
+            unit="USD per GPU-hour",
+        ),
+    ] = None
+    kwh_price: Annotated[
         float,
-        "what renting the GPU costs you, for the rented cost (not with --compare, which prices each card)",
-        ("plan",),
-        "job",
-        auto="the catalog's price of the GPU",
-        gt=0,
-        le=1000,
-        unit="USD per GPU-hour",
-    ),
-    Option(
-        "kwh_price",
-        float,
-        "electricity price for the own-card cost",
-        ("plan",),
-        "job",
-        default=0.30,
-        ge=0,
-        le=100,
-        unit="USD per kWh",
-    ),
-    Option(
-        "max_price_hour",
-        float,
-        "a cap on the rental price: `gpus` lists only the GPUs under it, `plan --compare` also names the cheapest "
-        "under it",
-        ("plan", "gpus"),
-        "job",
-        ge=0,
-        unit="USD per GPU-hour",
-        auto="no cap",
-    ),
-    Option(
-        "min_vram",
-        float,
-        "only GPUs with at least this much memory, as sold (a '24 GB' card counts as 24)",
-        ("gpus",),
-        "job",
-        ge=0,
-        le=4096,
-        unit="GB as sold",
-        auto="no minimum",
-    ),
+        Field(ge=0, le=100),
+        About("electricity price for the own-card cost", ("plan",), "job", unit="USD per kWh"),
+    ] = 0.3
+    max_price_hour: Annotated[
+        float | None,
+        Field(ge=0),
+        About(
+            "a cap on the rental price: `gpus` lists only the GPUs under it, `plan --compare` also names the cheapest "
+            "under it",
+            ("plan", "gpus"),
+            "job",
+            auto="no cap",
+            unit="USD per GPU-hour",
+        ),
+    ] = None
+    min_vram: Annotated[
+        float | None,
+        Field(ge=0, le=4096),
+        About(
+            "only GPUs with at least this much memory, as sold (a '24 GB' card counts as 24)",
+            ("gpus",),
+            "job",
+            auto="no minimum",
+            unit="GB as sold",
+        ),
+    ] = None
     # serving the merged model
-    Option(
-        "serve_context",
+    serve_context: Annotated[
         int,
-        "context length to size the serving memory of the merged model at (KV cache)",
-        ("plan",),
-        "serving",
-        default=4096,
-        gt=0,
-        le=1 << 22,
-        unit="tokens",
-        auto="4096, or the model's maximum when that is shorter",
-    ),
+        Field(gt=0, le=1 << 22),
+        About(
+            "context length to size the serving memory of the merged model at (KV cache)",
+            ("plan",),
+            "serving",
+            auto="4096, or the model's maximum when that is shorter",
+            unit="tokens",
+        ),
+    ] = 4096
     # data for training
-    Option("data_format", DataFormat, "format of the data", ("train",), "data", auto="detected from the first rows"),
-    Option(
-        "data_mapping",
-        dict,
-        "read a field from another column: FIELD=COLUMN[,FIELD=COLUMN...]",
-        ("train",),
-        "data",
-        auto="no renames",
-    ),
-    Option("eval_data", str, "held-out dataset for the eval loss", ("train",), "data", auto="eval_split of the data"),
-    Option(
-        "eval_split",
+    data_format: Annotated[
+        DataFormat | None, About("format of the data", ("train",), "data", auto="detected from the first rows")
+    ] = None
+    data_mapping: Annotated[
+        dict[str, str] | None,
+        About(
+            "read a field from another column: FIELD=COLUMN[,FIELD=COLUMN...]", ("train",), "data", auto="no renames"
+        ),
+    ] = None
+    eval_data: Annotated[
+        str | None, About("held-out dataset for the eval loss", ("train",), "data", auto="eval_split of the data")
+    ] = None
+    eval_split: Annotated[
         float,
-        "rows held out for the eval loss: a share below 1, or a whole number of rows",
-        ("train",),
-        "data",
-        default=0.05,
-        ge=0,
-    ),
-    Option(
-        "output_dir",
-        str,
-        "where the adapter, metrics, plan and checkpoints go",
-        ("train",),
-        "data",
-        default="runs/lorafit",
-    ),
+        Field(ge=0),
+        About("rows held out for the eval loss: a share below 1, or a whole number of rows", ("train",), "data"),
+    ] = 0.05
+    output_dir: Annotated[str, About("where the adapter, metrics, plan and checkpoints go", ("train",), "data")] = (
+        "runs/lorafit"
+    )
     # schedule
-    Option(
-        "learning_rate", float, "peak learning rate", ("train",), "schedule", default=2e-4, gt=0, le=10, flags=("--lr",)
-    ),
-    Option("lr_scheduler", Scheduler, "learning-rate schedule", ("train",), "schedule", default="cosine"),
-    Option(
-        "warmup_ratio", float, "share of the steps spent warming up", ("train",), "schedule", default=0.03, ge=0, lt=1
-    ),
-    Option("weight_decay", float, "AdamW weight decay", ("train",), "schedule", default=0.0, ge=0),
-    Option("max_grad_norm", float, "gradient clipping norm (0: off)", ("train",), "schedule", default=1.0, ge=0),
-    Option(
-        "seed", int, "seed for data order, adapters and dropout", ("train",), "schedule", default=42, ge=0, lt=2**32
-    ),
+    learning_rate: Annotated[
+        float, Field(gt=0, le=10), About("peak learning rate", ("train",), "schedule", flags=("--lr",))
+    ] = 0.0002
+    lr_scheduler: Annotated[Scheduler, About("learning-rate schedule", ("train",), "schedule")] = "cosine"
+    warmup_ratio: Annotated[
+        float, Field(ge=0, lt=1), About("share of the steps spent warming up", ("train",), "schedule")
+    ] = 0.03
+    weight_decay: Annotated[float, Field(ge=0), About("AdamW weight decay", ("train",), "schedule")] = 0.0
+    max_grad_norm: Annotated[float, Field(ge=0), About("gradient clipping norm (0: off)", ("train",), "schedule")] = 1.0
+    seed: Annotated[
+        int, Field(ge=0, lt=2**32), About("seed for data order, adapters and dropout", ("train",), "schedule")
+    ] = 42
     # loss and batching
-    Option(
-        "train_on_prompt",
-        bool,
-        "loss on every token, or on the answers only",
-        ("train",),
-        "loss",
-        default=False,
-        off_flag="--answer-only",
-    ),
-    Option(
-        "batching",
+    train_on_prompt: Annotated[
+        bool, About("loss on every token, or on the answers only", ("train",), "loss", off_flag="--answer-only")
+    ] = False
+    batching: Annotated[
         Batching,
-        "how rows are batched (auto: padding_free with flash attention, else length_grouped)",
-        ("train",),
-        "loss",
-        default="auto",
-    ),
+        About(
+            "how rows are batched (auto: padding_free with flash attention, else length_grouped)", ("train",), "loss"
+        ),
+    ] = "auto"
     # logging, evaluation, checkpoints
-    Option("logging_steps", int, "steps between metrics.jsonl lines", ("train",), "checkpoints", default=1, gt=0),
-    Option(
-        "eval_steps",
+    logging_steps: Annotated[
+        int, Field(gt=0), About("steps between metrics.jsonl lines", ("train",), "checkpoints")
+    ] = 1
+    eval_steps: Annotated[
+        int | None,
+        Field(gt=0),
+        About("steps between eval-loss measurements", ("train",), "checkpoints", auto="at every checkpoint"),
+    ] = None
+    save_steps: Annotated[
         int,
-        "steps between eval-loss measurements",
-        ("train",),
-        "checkpoints",
-        gt=0,
-        auto="at every checkpoint",
-    ),
-    Option(
-        "save_steps",
-        int,
-        "steps between checkpoints (atomic; rerun the command to resume)",
-        ("train",),
-        "checkpoints",
-        default=50,
-        gt=0,
-    ),
-    Option("save_total_limit", int, "newest checkpoints kept", ("train",), "checkpoints", default=2, gt=0),
+        Field(gt=0),
+        About("steps between checkpoints (atomic; rerun the command to resume)", ("train",), "checkpoints"),
+    ] = 50
+    save_total_limit: Annotated[int, Field(gt=0), About("newest checkpoints kept", ("train",), "checkpoints")] = 2
     # safety
-    Option(
-        "allow_pickle",
-        bool,
-        "load .bin (pickle) weights, which can run code",
-        ("train", "chat"),
-        "safety",
-        default=False,
-    ),
-    Option("trust_remote_code", bool, "run a model's own Python code", ("train", "chat"), "safety", default=False),
+    allow_pickle: Annotated[
+        bool, About("load .bin (pickle) weights, which can run code", ("train", "chat"), "safety")
+    ] = False
+    trust_remote_code: Annotated[bool, About("run a model's own Python code", ("train", "chat"), "safety")] = False
     # chat
-    Option("prompt", str, "the user message", ("chat",), "chat", flags=("-p",)),
-    Option("max_new_tokens", int, "longest answer", ("chat",), "chat", default=64, gt=0, le=32768, unit="tokens"),
-    Option(
-        "temperature",
+    prompt: Annotated[str | None, About("the user message", ("chat",), "chat", flags=("-p",))] = None
+    max_new_tokens: Annotated[int, Field(gt=0, le=32768), About("longest answer", ("chat",), "chat", unit="tokens")] = (
+        64
+    )
+    temperature: Annotated[
         float,
-        "sampling temperature; 0 is greedy (the same answer every time)",
-        ("chat",),
-        "chat",
-        default=0.0,
-        ge=0,
-        le=100,
-    ),
+        Field(ge=0, le=100),
+        About("sampling temperature; 0 is greedy (the same answer every time)", ("chat",), "chat"),
+    ] = 0.0
     # export
-    Option(
-        "to",
-        ExportTarget,
-        "what to write: a merged transformers model folder, or GGUF files for llama.cpp / Ollama / LM Studio",
-        ("export",),
-        "export",
-    ),
-    Option(
-        "gguf_types",
-        GgufType,
-        "GGUF type to write; repeat for several (K-quants come from llama.cpp's quantizer)",
-        ("export",),
-        "export",
-        auto="f16",
-        many=True,
-        flag_name="--quant",
-    ),
-    Option("output", str, "the folder to write", ("export",), "export", flags=("-o",)),
-    Option(
-        "ollama",
+    to: Annotated[
+        ExportTarget | None,
+        About(
+            "what to write: a merged transformers model folder, or GGUF files for llama.cpp / Ollama / LM Studio",
+            ("export",),
+            "export",
+        ),
+    ] = None
+    gguf_types: Annotated[
+        list[GgufType] | None,
+        About(
+            "GGUF type to write; repeat for several (K-quants come from llama.cpp's quantizer)",
+            ("export",),
+            "export",
+            auto="f16",
+            flag_name="--quant",
+        ),
+    ] = None
+    output: Annotated[str | None, About("the folder to write", ("export",), "export", flags=("-o",))] = None
+    ollama: Annotated[
+        bool, About("also write an Ollama Modelfile beside the GGUF", ("export",), "switch", config=False)
+    ] = False
+    no_verify: Annotated[
         bool,
-        "also write an Ollama Modelfile beside the GGUF",
-        ("export",),
-        "switch",
-        default=False,
-        config=False,
-    ),
-    Option(
-        "no_verify",
-        bool,
-        "skip loading each GGUF in llama.cpp and comparing it with the merged model",
-        ("export",),
-        "switch",
-        default=False,
-        config=False,
-    ),
+        About(
+            "skip loading each GGUF in llama.cpp and comparing it with the merged model",
+            ("export",),
+            "switch",
+            config=False,
+        ),
+    ] = False
     # serve
-    Option(
-        "host",
+    host: Annotated[
         str,
-        "address to listen on; the default answers this machine only (0.0.0.0: every network)",
-        ("serve",),
-        "serve",
-        default="127.0.0.1",
-    ),
-    Option("port", int, "port to listen on", ("serve",), "serve", default=8765, ge=1, le=65535),
-    Option("open", bool, "open the page in the default browser", ("serve",), "switch", default=False, config=False),
+        About(
+            "address to listen on; the default answers this machine only (0.0.0.0: every network)", ("serve",), "serve"
+        ),
+    ] = "127.0.0.1"
+    port: Annotated[int, Field(ge=1, le=65535), About("port to listen on", ("serve",), "serve")] = 8765
+    open: Annotated[bool, About("open the page in the default browser", ("serve",), "switch", config=False)] = False
     # command switches: what to do, not what to train
-    Option(
-        "exact",
+    exact: Annotated[
+        bool, About("trace the real training step on fake tensors", ("estimate",), "switch", config=False)
+    ] = False
+    compare: Annotated[bool, About("rank the catalog GPUs for this job", ("plan",), "switch", config=False)] = False
+    from_config: Annotated[
+        str | None,
+        About(
+            "answer for the run this training config describes: an axolotl or LLaMA-Factory YAML, TRL/transformers "
+            "training arguments (JSON or YAML), a torchtune or litgpt config, or a lorafit YAML; flags override it",
+            ("estimate", "plan"),
+            "switch",
+            config=False,
+            flag_name="--from",
+        ),
+    ] = None
+    dry_run: Annotated[
         bool,
-        "trace the real training step on fake tensors",
-        ("estimate",),
-        "switch",
-        default=False,
-        config=False,
-    ),
-    Option("compare", bool, "rank the catalog GPUs for this job", ("plan",), "switch", default=False, config=False),
-    Option(
-        "from_config",
-        str,
-        "answer for the run this training config describes: an axolotl or LLaMA-Factory YAML, TRL/transformers "
-        "training arguments (JSON or YAML), a torchtune or litgpt config, or a lorafit YAML; flags override it",
-        ("estimate", "plan"),
-        "switch",
-        config=False,
-        flag_name="--from",
-    ),
-    Option(
-        "dry_run",
+        About(
+            "check everything, resolve every automatic choice, print the plan and the resolved config, write nothing",
+            ("train",),
+            "switch",
+            config=False,
+        ),
+    ] = False
+    demo: Annotated[
+        bool, About("build a tiny model and fine-tune it on bundled data (CPU)", ("train",), "switch", config=False)
+    ] = False
+    resume: Annotated[
+        bool, About("continue the run in output_dir from its checkpoint", ("train",), "switch", config=False)
+    ] = False
+    overwrite: Annotated[
         bool,
-        "check everything, resolve every automatic choice, print the plan and the resolved config, write nothing",
-        ("train",),
-        "switch",
-        default=False,
-        config=False,
-    ),
-    Option(
-        "demo",
+        About(
+            "train: delete the run in output_dir and start over; export: replace the output",
+            ("train", "export"),
+            "switch",
+            config=False,
+        ),
+    ] = False
+    json: Annotated[
         bool,
-        "build a tiny model and fine-tune it on bundled data (CPU)",
-        ("train",),
-        "switch",
-        default=False,
-        config=False,
-    ),
-    Option(
-        "resume",
-        bool,
-        "continue the run in output_dir from its checkpoint",
-        ("train",),
-        "switch",
-        default=False,
-        config=False,
-    ),
-    Option(
-        "overwrite",
-        bool,
-        "train: delete the run in output_dir and start over; export: replace the output",
-        ("train", "export"),
-        "switch",
-        default=False,
-        config=False,
-    ),
-    Option(
-        "json",
-        bool,
-        "print one JSON object for programs",
-        ("estimate", "plan", "export", "gpus", "models", "stacks", "detect"),
-        "switch",
-        default=False,
-        config=False,
-    ),
-)
+        About(
+            "print one JSON object for programs",
+            ("estimate", "plan", "export", "gpus", "models", "stacks", "detect"),
+            "switch",
+            config=False,
+        ),
+    ] = False
+
+
+# --- the table, derived from the declaration --------------------------------------------------------------------
+def _declared_fields(declaration: type) -> dict[str, FieldInfo]:
+    """The fields of a declaration class, as pydantic reads them (a plain class's through the same reader)."""
+    if issubclass(declaration, BaseModel):
+        return dict(declaration.model_fields)
+    hints = get_type_hints(declaration, include_extras=True)
+    return {name: FieldInfo.from_annotated_attribute(hint, getattr(declaration, name)) for name, hint in hints.items()}
+
+
+def _plain_type(annotation: Any) -> tuple[Any, bool]:
+    """(the value type without None, whether the setting is a list of it): `list[GgufType] | None` -> GgufType."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        (annotation,) = (arg for arg in get_args(annotation) if arg is not type(None))
+    if get_origin(annotation) is list:
+        return get_args(annotation)[0], True
+    return (dict if get_origin(annotation) is dict else annotation), False
+
+
+def option_rows(declaration: type, *, step: bool = False) -> tuple[Option, ...]:
+    """One table row per field of a declaration class: its `About`, its bounds, its type and its default."""
+    rows = []
+    for name, field in _declared_fields(declaration).items():
+        about = next(item for item in field.metadata if isinstance(item, About))
+        bounds = {
+            key: getattr(item, key) for item in field.metadata for key in ("gt", "ge", "lt", "le") if hasattr(item, key)
+        }
+        kind, many = _plain_type(field.annotation)
+        rows.append(
+            Option(
+                name,
+                kind,
+                about.help,
+                about.commands,
+                about.group,
+                field.default,
+                about.auto,
+                about.unit,
+                flags=about.flags,
+                off_flag=about.off_flag,
+                step=step,
+                config=about.config,
+                many=many,
+                flag_name=about.flag_name,
+                **bounds,
+            )  # fmt: skip
+        )
+    return tuple(rows)
+
+
+OPTIONS: tuple[Option, ...] = option_rows(Inputs) + option_rows(Settings, step=True) + option_rows(RunOptions)
 BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
-STEP_KEYS: tuple[str, ...] = tuple(option.name for option in OPTIONS if option.step)
+STEP_KEYS: tuple[str, ...] = tuple(Settings.model_fields)
 SEARCHED = ("micro_batch", "grad_accum", "grad_ckpt", "optimizer", *SAVER_ON)  # what the planner chooses when not set
 DEFAULT_BATCH_SIZE = 16
 DEFAULT_HEADROOM: float = BY_NAME["headroom"].default
@@ -758,6 +777,22 @@ def for_command(command: Command, *, settings_only: bool = False) -> list[Option
 
 def config_keys(command: Command) -> tuple[str, ...]:
     return tuple(o.name for o in for_command(command, settings_only=True))
+
+
+def not_set_is_none(option: Option) -> bool:
+    """In a command's settings a step setting the planner decides (see `auto`) is None until the plan fills it."""
+    return option.default is None or (option.step and bool(option.auto))
+
+
+def declared(name: str) -> Any:
+    """The pydantic Field of setting `name` as a command's settings hold it (None where not set), for a model
+    that holds the setting beside its own fields (`schema.PlanRequest`)."""
+    option = BY_NAME[name]
+    return option.field_info(optional=not_set_is_none(option))[1]
+
+
+def _command_fields(command: Command) -> dict[str, Any]:
+    return {o.name: o.field_info(optional=not_set_is_none(o)) for o in for_command(command, settings_only=True)}
 
 
 # --- rules that tie settings together -----------------------------------------------------------------------
@@ -940,8 +975,8 @@ def broken_rule(values: Mapping[str, Any]) -> str | None:
 
 
 # --- defaults that follow from other settings, the model and the GPU ---------------------------------------
-def default_quant(method: str) -> str:
-    return "nf4" if method == "qlora" else "none"
+def _set(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in values.items() if value is not None}
 
 
 def step_defaults(
@@ -969,9 +1004,7 @@ def check_against(
     values: Mapping[str, Any], spec: ModelSpec | None = None, gpu: GpuSpec | None = None, *, on_cpu: bool = False
 ) -> None:
     """The rules that need the model or the device: its positions, its attention kernels, bf16 on the GPU."""
-    from lorafit import stacks  # the stack catalog builds on this module
-
-    stacks.check(values)
+    stacks.check({"stack": BY_NAME["stack"].default, "method": BY_NAME["method"].default} | _set(values))
     attn, precision = values.get("attn"), values.get("precision")
     if spec is not None:
         spec.check_seq_len(values.get("seq_len"))
@@ -993,7 +1026,7 @@ def check_against(
         raise InvalidConfig("attn flash: flash attention runs on CUDA GPUs only; on the CPU use attn sdpa")
 
 
-def resolve_batching(batching: str, attn: str) -> str:
+def resolve_batching(batching: Batching, attn: str) -> Batching:
     """auto: padding-free batches with flash attention (its kernels take packed rows exactly), else rows of
     similar length together, so that padding to the longest in a batch wastes little compute."""
     if batching != "auto":
@@ -1010,56 +1043,30 @@ def batch_size_of(values: Mapping[str, Any]) -> int:
     return DEFAULT_BATCH_SIZE
 
 
-# --- the models derived from the table ----------------------------------------------------------------------
-class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+M = TypeVar("M", bound=BaseModel)
 
 
-class _RuledModel(Frozen):
-    @model_validator(mode="after")
-    def _rules(self) -> _RuledModel:
-        values = dict(self.__dict__)
-        if "batch_size" in type(self).model_fields:
-            values["batch_size"] = batch_size_of(values)  # the rules check the batch the run will have
-        problem = broken_rule(values)
-        if problem:
-            raise ValueError(problem)
-        return self
+def with_settings_of(command: Command) -> Callable[[type[M]], type[M]]:
+    """Give a model class a field for every setting of `command` (None where not set), from the declaration."""
+
+    def build(base: type[M]) -> type[M]:
+        model = create_model(
+            base.__name__, __base__=base, __module__=base.__module__, __doc__=base.__doc__, **_command_fields(command)
+        )
+        return cast(type[M], model)
+
+    return build
 
 
-class _SettingsBase(_RuledModel):
-    """Every knob of one training step. memory.estimate() and the trainer read the same object."""
+@with_settings_of("train")
+class TrainConfig(_RuledModel):
+    """What `lorafit train` runs: the keys of its YAML file and, with dashes, its flags; a field for every train
+    setting of the declaration (`for_command("train")`). A step setting left out (None) comes from `lorafit
+    plan` for this machine."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _derived_defaults(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            given = {key: value for key, value in data.items() if value is not None}
-            return given | step_defaults(given)
-        return data
+    if TYPE_CHECKING:  # the fields are the train settings, added from the declaration by the decorator
 
-    @property
-    def effective_batch(self) -> int:
-        return self.micro_batch * self.grad_accum * self.n_gpus  # type: ignore[attr-defined]
-
-    @property
-    def tokens_per_micro_batch(self) -> int:
-        return self.micro_batch * self.seq_len  # type: ignore[attr-defined]
-
-
-# Settings: every step option with its concrete default (quant and lora_alpha follow from method and rank).
-Settings = create_model(  # type: ignore[call-overload]
-    "Settings",
-    __base__=_SettingsBase,
-    __doc__=_SettingsBase.__doc__,
-    **{o.name: o.field_info(optional=False) for o in OPTIONS if o.step},
-)
-Settings.__module__ = "lorafit.options"
-
-
-class _TrainConfigBase(_RuledModel):
-    """What `lorafit train` runs: the keys of its YAML file and, with dashes, its flags. A step setting left out
-    (None) comes from `lorafit plan` for this machine."""
+        def __getattr__(self, name: str) -> Any: ...
 
     def pinned_settings(self) -> dict[str, Any]:
         """The Settings fields this config fixes; the plan fills the others."""
@@ -1084,34 +1091,16 @@ def _train_fields() -> list[Option]:
     return for_command("train", settings_only=True)
 
 
-def not_set_is_none(option: Option) -> bool:
-    """In a train config a step setting the planner decides (see `auto`) is None until the plan fills it."""
-    return option.default is None or (option.step and bool(option.auto))
-
-
-TrainConfig = create_model(  # type: ignore[call-overload]
-    "TrainConfig",
-    __base__=_TrainConfigBase,
-    __doc__=_TrainConfigBase.__doc__,
-    **{o.name: o.field_info(optional=not_set_is_none(o)) for o in _train_fields()},
-)
-TrainConfig.__module__ = "lorafit.options"
-
-
 @cache
 def command_model(command: Command) -> type[BaseModel]:
     """The flat model of one command's settings, None where not set: what `validate` checks values with."""
     if command == "train":
         return TrainConfig
-    return create_model(  # type: ignore[call-overload]
-        f"{command.title()}Options",
-        __base__=_RuledModel,
-        **{o.name: o.field_info(optional=not_set_is_none(o)) for o in for_command(command, settings_only=True)},
-    )
+    return create_model(f"{command.title()}Options", __base__=_RuledModel, **_command_fields(command))
 
 
 # --- validation with one-line messages ----------------------------------------------------------------------
-def _problem(error: dict[str, Any], option: Option | None) -> str:
+def _problem(error: ErrorDetails, option: Option | None) -> str:
     """A pydantic error in the words of the setting: what it must be."""
     kind, context = error["type"], error.get("ctx") or {}
     if kind == "literal_error" and option is not None:
@@ -1230,8 +1219,6 @@ GROUP_TITLES = {
 
 
 def _yaml_value(value: Any) -> str:
-    import yaml
-
     if value is None:
         return "~"
     if isinstance(value, dict):
@@ -1264,8 +1251,6 @@ def starter_yaml(name: str) -> str:
 
 def _commented(entry: str, comment: str, column: int = 28, width: int = 118) -> list[str]:
     """`entry  # comment`, the comment wrapped onto indented comment lines."""
-    import textwrap
-
     pieces = textwrap.wrap(comment, width - column - 2) or [""]
     first = f"{entry:<{column - 1}} # {pieces[0]}"
     return [first] + [f"{'':<{column - 1}} # {piece}" for piece in pieces[1:]]

@@ -161,7 +161,8 @@ def candidates(
     shard = pinned.pop("shard", "zero3" if offload != "none" and shard not in options.SHARDED_SHARDS else shard)
     if n_gpus * pinned.get("nodes", 1) == 1 and offload == "none":
         shard = "none"  # one bigger card for a run pinned to several: nothing to split
-    fixed = {"method": method, "seq_len": seq_len, "n_gpus": n_gpus, "shard": shard, "offload": offload} | pinned
+    fixed: dict[str, Any] = {"method": method, "seq_len": seq_len, "n_gpus": n_gpus, "shard": shard, "offload": offload}
+    fixed |= pinned
     fixed |= options.step_defaults(fixed, request.model, gpu, on_cpu=request.device == "cpu")
     set_by_request = {name: fixed.pop(name) for name in options.SEARCHED if name in fixed}
     search = Search(request, gpu, fixed)
@@ -276,8 +277,8 @@ def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: f
             and c.settings.micro_batch == s.micro_batch
             and c.settings.grad_ckpt == s.grad_ckpt
         ]
-        need = f" (32-bit AdamW would need {smallest(full).estimate.peak_device_gib:.1f} GiB)" if full else ""
-        reasons.append(f"optimizer {s.optimizer}: 8-bit states are a quarter of 32-bit ones{need}")
+        adamw = f" (32-bit AdamW would need {smallest(full).estimate.peak_device_gib:.1f} GiB)" if full else ""
+        reasons.append(f"optimizer {s.optimizer}: 8-bit states are a quarter of 32-bit ones{adamw}")
     reasons += explain_savers(chosen, found, gpu, spec)
     if s.method == "qlora":
         reasons.append(
@@ -467,7 +468,9 @@ def fewest_gpus(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Candid
     pinned_offload = request.pinned.get("offload")
     shard = several_gpus_shard(request)
     # an offloaded optimizer steps 32-bit AdamW on the CPU: not tried for a pinned optimizer without a CPU step
-    offloads = OFFLOADS if request.pinned.get("optimizer", "adamw") in options.OFFLOAD_OPTIMIZERS else ("none",)
+    offloads: tuple[str, ...] = (
+        OFFLOADS if request.pinned.get("optimizer", "adamw") in options.OFFLOAD_OPTIMIZERS else ("none",)
+    )
     if shard == "fsdp":
         offloads = tuple(offload for offload in offloads if offload != "optimizer")
     found: list[Candidate] = []
@@ -544,7 +547,7 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
     chosen = best(found) if gpu else None
     reasons: list[str] = []
     extra: list[Suggestion] = []
-    if chosen:
+    if chosen and gpu:
         reasons = explain(chosen, found, gpu, request.headroom, request.model)
         reasons += explain_gpus(chosen, gpu, request.model)
     elif gpu:
@@ -606,7 +609,7 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
         reasons=reasons,
         suggestions=extra,
         serving=serving.serving(request.model, serve_context(request), gpu, request.headroom),
-        **timing,
+        **timing,  # type: ignore[arg-type]  # hours and the costs, each typed in Plan
     )
 
 
@@ -643,8 +646,8 @@ def several_of(request: PlanRequest, plan: Plan, gpu: GpuSpec) -> Plan:
     if not several:
         return plan
     chosen = min(several, key=lambda s: ((s.hours or 0.0) * s.n_gpus * s.nodes, s.n_gpus))
-    pinned = request.pinned | {"shard": chosen.shard, "offload": chosen.offload, "nodes": chosen.nodes}
-    return make_plan(request.model_copy(update={"gpu": gpu, "n_gpus": chosen.n_gpus, "pinned": pinned}))
+    fixed = request.fixing(n_gpus=chosen.n_gpus, shard=chosen.shard, offload=chosen.offload, nodes=chosen.nodes)
+    return make_plan(fixed.model_copy(update={"gpu": gpu}))
 
 
 def cheapest(plans: list[Plan], max_usd_per_hour: float | None = None) -> Plan | None:
@@ -656,4 +659,4 @@ def cheapest(plans: list[Plan], max_usd_per_hour: float | None = None) -> Plan |
         and p.gpu
         and (max_usd_per_hour is None or (p.gpu.rent_usd_per_hour or 0) <= max_usd_per_hour)
     ]
-    return min(rentable, key=lambda p: p.cost_cloud_usd) if rentable else None
+    return min(rentable, key=lambda p: p.cost_cloud_usd or 0.0) if rentable else None

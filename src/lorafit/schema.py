@@ -6,11 +6,20 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError, computed_field, create_model
+from pydantic import (
+    ConfigDict,
+    Field,
+    SkipValidation,
+    ValidationError,
+    computed_field,
+    field_serializer,
+    field_validator,
+)
 
 from lorafit import options, safeload
 from lorafit.errors import InvalidConfig
@@ -83,47 +92,81 @@ class Estimate(Frozen):
     )
 
 
-class _PlanRequestBase(Frozen):
-    """What the user asked `lorafit plan` (or `lorafit train`, for the settings it leaves out)."""
+class PlanRequest(Frozen):
+    """What the user asked `lorafit plan` (or `lorafit train`, for the settings it leaves out): the step settings
+    the user fixed, as one Settings whose `model_fields_set` names them (the planner chooses the others), and the
+    settings of the whole job, each taking its type, bounds and default from the declaration (`lorafit.options`)."""
 
     model: ModelSpec
     gpu: GpuSpec | None = None
     tokens: TokenProfile | None = None
     device: Device | None = Field(default=None, description="where `train` runs; None: planning")
-    pinned: dict[str, Any] = Field(default_factory=dict, description="Settings fields the user fixed")
+    # each fixed value is checked by Settings.given; the rules between them are the plan's, which completes the step
+    fixed: SkipValidation[Settings] = Field(
+        default_factory=lambda: Settings.given({}), description="the step settings the user fixed (a mapping is read)"
+    )
     host_ram_gib: float | None = Field(
         default=None, description="host RAM free for the offloading savers (train); None: not checked"
     )
+    batch_size: int | None = options.declared("batch_size")
+    tokens_per_epoch: int | None = options.declared("tokens_per_epoch")
+    epochs: float = options.declared("epochs")
+    headroom: float = options.declared("headroom")
+    kwh_price: float = options.declared("kwh_price")
+    rent_price: float | None = options.declared("rent_price")
+    batching: Batching = options.declared("batching")
+    serve_context: int = options.declared("serve_context")
+
+    @field_validator("fixed", mode="before")
+    @classmethod
+    def _given(cls, value: Any) -> Settings:
+        if isinstance(value, Settings):
+            return value
+        if isinstance(value, Mapping):
+            return Settings.given(value)
+        raise ValueError("fixed: the step settings, as Settings or a mapping of their names to values")
+
+    @field_serializer("fixed")
+    def _only_the_fixed(self, fixed: Settings) -> dict[str, Any]:
+        return fixed.model_dump(mode="json", exclude_unset=True)
+
+    @property
+    def given(self) -> dict[str, Any]:
+        """The fixed step settings by name."""
+        return {
+            name: getattr(self.fixed, name) for name in Settings.model_fields if name in self.fixed.model_fields_set
+        }
+
+    def fixing(self, **values: Any) -> PlanRequest:
+        """This request with `values` fixed too."""
+        return self.model_copy(update={"fixed": Settings.given(self.given | values)})
+
+    # The planner's view: the method, length and GPU count it plans at, and the other fixed settings
+    @property
+    def method(self) -> Method:
+        return self.fixed.method
+
+    @property
+    def seq_len(self) -> int | None:
+        return self.fixed.seq_len if "seq_len" in self.fixed.model_fields_set else None
+
+    @property
+    def n_gpus(self) -> int:
+        return self.fixed.n_gpus
+
+    @property
+    def pinned(self) -> dict[str, Any]:
+        return {name: value for name, value in self.given.items() if name not in ("method", "seq_len", "n_gpus")}
 
     @property
     def effective_batch(self) -> int:
         return options.batch_size_of(self.pinned | {"batch_size": self.batch_size, "n_gpus": self.n_gpus})
 
 
-# The request's own settings come from the one declaration (lorafit.options); the others are `pinned`.
-PLAN_REQUEST_KEYS = (
-    "method",
-    "seq_len",
-    "n_gpus",
-    "batch_size",
-    "tokens_per_epoch",
-    "epochs",
-    "headroom",
-    "kwh_price",
-    "rent_price",
-    "batching",
-    "serve_context",
+# The settings of the whole job a request holds as its own fields (the step's are in `fixed`).
+PLAN_REQUEST_KEYS = tuple(
+    name for name in PlanRequest.model_fields if name in options.BY_NAME.keys() - {"model", "gpu"}
 )
-PlanRequest = create_model(  # type: ignore[call-overload]
-    "PlanRequest",
-    __base__=_PlanRequestBase,
-    __doc__=_PlanRequestBase.__doc__,
-    **{
-        name: options.BY_NAME[name].field_info(optional=options.not_set_is_none(options.BY_NAME[name]))
-        for name in PLAN_REQUEST_KEYS
-    },
-)
-PlanRequest.__module__ = "lorafit.schema"
 
 
 class Suggestion(Frozen):
@@ -182,7 +225,7 @@ class Plan(Frozen):
     @computed_field
     @property
     def quant(self) -> Quant:
-        return self.settings.quant
+        return self.settings.quant or default_quant(self.settings.method)  # (always set once validated)
 
     @computed_field
     @property

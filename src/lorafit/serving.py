@@ -23,10 +23,10 @@ from typing import Literal
 from pydantic import Field
 
 from lorafit import hardware
+from lorafit.choices import Frozen
 from lorafit.errors import InvalidConfig
 from lorafit.hardware import GpuSpec
 from lorafit.models import ModelSpec
-from lorafit.options import Frozen
 from lorafit.units import gib
 
 Category = Literal[
@@ -315,7 +315,7 @@ def served_formats(spec: ModelSpec) -> list[tuple[str, str, float]]:
         for name, entry in formats()["gguf"].items()
         if entry["shown"]
     ]
-    rows += [(name, "hf", packed_weight_bytes(spec, name)) for name in ("gptq", "awq")]  # type: ignore[arg-type]
+    rows += [(name, "hf", packed_weight_bytes(spec, name)) for name in ("gptq", "awq")]
     rows.append(("bf16", "hf", float(bf16_weight_bytes(spec))))
     return rows
 

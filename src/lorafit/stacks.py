@@ -2,9 +2,10 @@
 
 The same model, LoRA rank and batch take different memory under TRL, under the peft QLoRA guide's
 `prepare_model_for_kbit_training`, under litgpt or torchtune, because each keeps different tensors alive in
-different dtypes. `Settings.stack` names the trainer; `runtime_of` turns it (and the facets a user's own script
-switches: autocast, kbit preparation, fused or foreach AdamW) into the Runtime the estimator sums with. The facts
-live in catalog/stacks.toml with their sources and the trace that checks them. Pure Python: no torch here.
+different dtypes. `Settings.stack` names the trainer; `memory.stack_runtime` turns it (and the facets a user's own
+script switches: autocast, kbit preparation, fused or foreach AdamW) into the Runtime the estimator sums with. The
+facts live in catalog/stacks.toml with their sources and the trace that checks them. This module knows only the
+catalog, so that the option rules and the estimator can both read it. Pure Python: no torch here.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lorafit import memory, options
+from lorafit.choices import SAVER_ON, Stack, default_quant
 from lorafit.errors import InvalidConfig
-from lorafit.options import Settings, Stack
 
 
 class StackSpec(BaseModel):
@@ -82,33 +82,16 @@ def for_config_of(name: str) -> tuple[str, str | None]:
     )
 
 
-def runtime_of(settings: Settings, **overrides: Any) -> memory.Runtime:
-    """The Runtime of `settings.stack`, with the facets the settings switch (autocast, kbit_prep,
-    fused_optimizer) and `overrides` (e.g. device) on top."""
-    stack = resolve(settings.stack)
-    quantized = settings.quant != "none"
-    fields = stack.facts(quantized)
-    if settings.autocast is not None:
-        fields["autocast"] = settings.autocast
-    if settings.fused_optimizer is not None:
-        fields["fused_optimizer"] = settings.fused_optimizer
-    if settings.kbit_prep is not None and quantized:
-        # peft's preparation upcasts every non-quantised parameter, the norms' weights and the embeddings too, to
-        # fp32: the norms' outputs and with them the residual stream are fp32 (Runtime.fp32_norms, fp32_stream)
-        fields["kbit_upcast"] = fields["fp32_norms"] = fields["fp32_stream"] = settings.kbit_prep
-    return memory.Runtime(**(fields | overrides))
-
-
 def check(values: Mapping[str, Any]) -> None:
     """Refuse settings the stack cannot run, in one line naming what works. `values` are the settings that are
-    set (the defaults fill the others), so that a plan's pinned settings are checked as a whole step's."""
-    stack = resolve(values.get("stack") or options.BY_NAME["stack"].default)
-    method = values.get("method") or options.BY_NAME["method"].default
-    quant = values.get("quant") or options.default_quant(method)
+    set, with at least `stack` and `method` (the option rules fill their defaults), so that a plan's pinned
+    settings are checked as a whole step's."""
+    stack = resolve(values["stack"])
+    quant = values.get("quant") or default_quant(values["method"])
     if quant != "none" and quant not in stack.quant:
         can = " or ".join(stack.quant) if stack.quant else "none (no quantised base)"
         raise InvalidConfig(f"quant {quant}: stack {stack.name} trains over quant {can}; see `lorafit stacks`")
-    for saver, on in options.SAVER_ON.items():
+    for saver, on in SAVER_ON.items():
         if values.get(saver) == on and saver not in stack.savers:
             others = ", ".join(s.name for s in offered() if saver in s.savers)
             raise InvalidConfig(f"{saver}: stack {stack.name} has no such switch (stacks that do: {others})")
