@@ -1016,7 +1016,7 @@ def test_a_run_file_of_an_earlier_lorafit_with_an_absolute_model_path_is_the_sam
     run = tmp_path / "qlora"
     shutil.copytree(finished_run["dir"], run)
     saved = checkpoints.read_run_file(run) or {}
-    saved["fingerprint"]["model"] = str(tiny["model"].resolve())
+    saved["fingerprint"] |= {"model": str(tiny["model"].resolve()), "data": str(tiny["data"])}  # as it saved them
     (run / checkpoints.RUN_FILE).write_text(json.dumps(saved))
     args = finished_run_args(finished_run)
     args[args.index("--output-dir") + 1] = str(run)
