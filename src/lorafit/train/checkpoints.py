@@ -383,7 +383,8 @@ def _changed(saved: dict[str, Any], fingerprint: dict[str, Any], output_dir: Pat
     """The keys in which this run differs from the saved one. A run file of an earlier lorafit names its model
     by absolute path, compared as such; a newer one by name, and the model's digest then tells a base
     replaced or another one of the same name."""
-    saved_fingerprint = saved.get("fingerprint") if isinstance(saved.get("fingerprint"), dict) else {}
+    found = saved.get("fingerprint")
+    saved_fingerprint: dict[str, Any] = found if isinstance(found, dict) else {}
     if os.path.isabs(str(saved_fingerprint.get("model", ""))):
         return _differences(saved_fingerprint, fingerprint, _saved_settings(output_dir))
     changed = _differences(saved_fingerprint, portable(fingerprint), _saved_settings(output_dir))

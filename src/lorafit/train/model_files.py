@@ -45,12 +45,11 @@ def check(model_dir: Path) -> None:
 
 # --- tokenizer ----------------------------------------------------------------------------------------------
 def check_tokenizer(model_dir: Path) -> None:
-    for name in TOKENIZER_JSON_FILES:
-        if (model_dir / name).is_file():
-            _read_json(model_dir / name)
-    settings = (
-        _read_json(model_dir / "tokenizer_config.json") if (model_dir / "tokenizer_config.json").is_file() else {}
-    )
+    """The tokenizer's JSON files parse, and a tokenizer class transformers does not know has tokenizer.json
+    beside it (which transformers then loads)."""
+    for file_name in TOKENIZER_JSON_FILES:
+        _read_json(model_dir / file_name)
+    settings = _read_json(model_dir / "tokenizer_config.json")
     name = settings.get("tokenizer_class") if isinstance(settings, dict) else None
     if not isinstance(name, str) or (model_dir / "tokenizer.json").is_file() or settings.get("auto_map"):
         return
