@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -648,6 +649,82 @@ def _pickle_only(tiny: dict[str, Path], folder: Path) -> Path:
     return folder
 
 
+def _changed_model(tiny: dict[str, Path], folder: Path, name: str, change: Callable[[Path], None]) -> Path:
+    """A copy of the tiny model with one of its files changed."""
+    shutil.copytree(tiny["model"], folder)
+    change(folder / name)
+    return folder
+
+
+def _edit_json(**changes: object) -> Callable[[Path], None]:
+    def edit(path: Path) -> None:
+        path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+    return edit
+
+
+def _drop_tensor(name: str) -> Callable[[Path], None]:
+    def drop(path: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(path)
+        del tensors[name]
+        save_file(tensors, path, metadata={"format": "pt"})
+
+    return drop
+
+
+def _narrow_tensor(name: str) -> Callable[[Path], None]:
+    def narrow(path: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(path)
+        tensors[name] = tensors[name][:, :32].contiguous()
+        save_file(tensors, path, metadata={"format": "pt"})
+
+    return narrow
+
+
+def _cut_in_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _unknown_tokenizer(path: Path) -> None:
+    """A tokenizer_config.json naming a class transformers does not have, and no tokenizer.json to fall back on."""
+    settings = json.loads(path.read_text())
+    settings.pop("backend", None)
+    path.write_text(json.dumps(settings | {"tokenizer_class": "FlorpTokenizer"}))
+    (path.parent / "tokenizer.json").unlink()
+
+
+QUANTISED = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+BAD_MODELS = {
+    "missing tensor": (
+        "model.safetensors",
+        _drop_tensor("model.layers.1.mlp.down_proj.weight"),
+        "lacks tensor model.layers.1.mlp.down_proj.weight in its weights",
+    ),
+    "tensor of another shape": (
+        "model.safetensors",
+        _narrow_tensor("model.layers.0.mlp.up_proj.weight"),
+        "tensor model.layers.0.mlp.up_proj.weight has shape",
+    ),
+    "weights cut short": ("model.safetensors", _cut_in_half, "model.safetensors is cut short"),
+    "quantization_config over 16-bit weights": (
+        "config.json",
+        _edit_json(quantization_config=QUANTISED),
+        "config.json has a quantization_config (bitsandbytes) but the weights are unquantised",
+    ),
+    "unknown activation": (
+        "config.json",
+        _edit_json(hidden_act="florp"),
+        "config.json: transformers cannot build this model: it names 'florp'",
+    ),
+    "unknown tokenizer class": ("tokenizer_config.json", _unknown_tokenizer, "tokenizer_class 'FlorpTokenizer'"),
+    "tokenizer not JSON": ("tokenizer.json", lambda path: path.write_text("{ not json"), "tokenizer.json is not valid"),
+}
+
+
 BAD_INPUTS = {
     "missing model": (lambda tiny, tmp: ["--model", str(tmp / "nowhere")], "no model directory"),
     "corrupt config": (lambda tiny, tmp: ["--model", str(_corrupt(tiny, tmp / "corrupt"))], "not valid JSON"),
@@ -655,6 +732,14 @@ BAD_INPUTS = {
     "rejected data": (lambda tiny, tmp: ["--data", str(_bad_data(tmp / "bad.jsonl"))], "lorafit data check"),
     "missing data": (lambda tiny, tmp: ["--data", str(tmp / "none.jsonl")], "no dataset"),
     "bad value": (lambda tiny, tmp: ["--method", "qlorra"], "method"),
+    "batch larger than the data": (lambda tiny, tmp: ["--batch-size", "1000"], "more than the 46 training rows"),
+    **{
+        case: (
+            lambda tiny, tmp, case=case: ["--model", str(_changed_model(tiny, tmp / "bad", *BAD_MODELS[case][:2]))],
+            BAD_MODELS[case][2],
+        )
+        for case in BAD_MODELS
+    },
 }
 
 
@@ -879,3 +964,120 @@ def test_every_file_of_a_run_has_the_mode_an_ordinary_write_gives(finished_run: 
     for path in [run / "adapter_model.safetensors", *run.glob("checkpoints/checkpoint-*/*")]:
         if path.is_file():
             assert stat.S_IMODE(path.stat().st_mode) == ordinary, path
+
+
+def test_the_demo_base_model_has_the_mode_an_ordinary_write_gives(tmp_path: Path) -> None:
+    import stat
+
+    from lorafit.train.demo import build_demo_base
+
+    (tmp_path / "plain").write_text("x")
+    ordinary = stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+    build_demo_base(tmp_path / "base-model", hidden_size=64)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in (tmp_path / "base-model").iterdir()}
+    assert modes["model.safetensors"] == ordinary and set(modes.values()) == {ordinary}, modes
+
+
+# --- what a run says ----------------------------------------------------------------------------------------
+def test_the_parameter_count_of_a_4bit_base_is_its_real_count(finished_run: dict, tiny: dict[str, Path]) -> None:
+    """bitsandbytes packs two 4-bit values a byte; the count is that of the model, as its weights file holds it."""
+    import re
+
+    from safetensors.torch import load_file
+
+    base = sum(tensor.numel() for tensor in load_file(tiny["model"] / "model.safetensors").values())
+    adapters = sum(tensor.numel() for tensor in adapter_weights(finished_run["dir"]).values())
+    said = re.search(r"model: \S+, ([\d,]+) parameters, ([\d,]+) trained", finished_run["output"])
+    assert said is not None, finished_run["output"]
+    assert (int(said[1].replace(",", "")), int(said[2].replace(",", ""))) == (base + adapters, adapters)
+
+
+def test_the_progress_says_the_last_step_once(finished_run: dict) -> None:
+    lines = [line for line in finished_run["output"].splitlines() if line.startswith("step 6/6")]
+    assert len(lines) == 1, finished_run["output"]
+
+
+def test_the_files_a_run_folder_shares_name_no_absolute_path(finished_run: dict, tiny: dict[str, Path]) -> None:
+    """The model card, the plan and the run file travel with the folder: no path of this machine in them, and
+    the run is still the same run (test_rerunning_a_finished_run_says_so_and_changes_nothing)."""
+    run = finished_run["dir"]
+    machine = [str(tiny["root"].resolve()), str(run.resolve().parent)]
+    for name in ("README.md", "plan.json", "plan.yaml", "lorafit-run.json"):
+        text = (run / name).read_text()
+        assert not any(path in text for path in machine), name
+    card = (run / "README.md").read_text()
+    assert f"# {run.name}" in card and f'PeftModel.from_pretrained(base, "{run.name}")' in card
+    assert "base model | `model` |" in card and "data | `data.jsonl`" in card
+
+
+def test_a_run_file_of_an_earlier_lorafit_with_an_absolute_model_path_is_the_same_run(
+    finished_run: dict, tiny: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "qlora"
+    shutil.copytree(finished_run["dir"], run)
+    saved = checkpoints.read_run_file(run) or {}
+    saved["fingerprint"] |= {"model": str(tiny["model"].resolve()), "data": str(tiny["data"])}  # as it saved them
+    (run / checkpoints.RUN_FILE).write_text(json.dumps(saved))
+    args = finished_run_args(finished_run)
+    args[args.index("--output-dir") + 1] = str(run)
+    code, out, err = lorafit(args, capsys)
+    assert (code, err) == (0, "") and "finished after 6 steps" in out
+
+
+def test_a_loss_that_becomes_nan_stops_the_run_in_one_line(
+    tiny: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From step 3 the loss is NaN (as a learning rate far too high makes it): the run stops there, says so,
+    keeps the checkpoint before it, and is not marked finished."""
+    from lorafit.train.trainer import LorafitTrainer
+
+    real_loss = LorafitTrainer.compute_loss
+
+    def diverging(self: LorafitTrainer, *args: object, **kwargs: object) -> object:
+        loss = real_loss(self, *args, **kwargs)
+        return loss * float("nan") if self.state.global_step >= 2 else loss
+
+    monkeypatch.setattr(LorafitTrainer, "compute_loss", diverging)
+    out = tmp_path / "run"
+    args = train_args(tiny, out, "--max-steps", "6", "--save-steps", "2", "--logging-steps", "5", "--eval-split", "0")
+    code, printed, err = lorafit(args, capsys)
+    assert code == 2 and one_line(err), err
+    assert "the training loss became nan at step 3" in err and "lower the learning rate" in err
+    assert "done" not in printed
+    assert (checkpoints.read_run_file(out) or {}).get("status") != "finished"
+    assert not (out / "adapter_model.safetensors").exists()
+    assert [path.name for path in checkpoints.good_checkpoints(out)] == ["checkpoint-2"]
+
+
+def test_library_notices_stay_silent() -> None:
+    """DeepSpeed's accelerator notice (it resets its own logger's level when imported) and bitsandbytes'
+    kernel notice, in a fresh process as `lorafit train` starts."""
+    script = """
+from lorafit.train.build import quiet_libraries
+quiet_libraries()
+import bitsandbytes
+from deepspeed.accelerator import get_accelerator
+get_accelerator()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Setting accelerator" not in done.stdout + done.stderr
+    assert "gemm_4bit" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("link", ["loop", "dangling"])
+def test_an_output_dir_that_is_a_broken_link_is_one_line_that_says_so(
+    link: str, tiny: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    if link == "loop":
+        (tmp_path / "other").symlink_to(out)
+        out.symlink_to(tmp_path / "other")
+    else:
+        out.symlink_to(tmp_path / "gone")
+    for dry in ([], ["--dry-run"]):
+        code, _, err = lorafit(train_args(tiny, out, "--max-steps", "1", *dry), capsys)
+        assert code == 2 and one_line(err), err
+        assert "loops back on itself" in err if link == "loop" else "which does not exist" in err
+        assert "rerun" not in err
+    assert not (tmp_path / "gone").exists()

@@ -149,3 +149,34 @@ def test_a_plan_is_a_config_with_every_setting_pinned(tmp_path: Path) -> None:
     settings = plan.settings.model_dump()
     assert config.pinned_settings() == {key: settings[key] for key in SETTINGS_KEYS}
     assert (config.method, config.batch_size, config.epochs, config.model) == (plan.settings.method, 32, 2, "some/dir")
+
+
+def test_an_eval_file_alone_replaces_the_held_out_share(tmp_path: Path) -> None:
+    """eval_split has a default (0.05); only both given are two sources of eval rows."""
+    for flags, path_text in (({"eval_data": "held.jsonl"}, ""), ({}, "eval_data: held.jsonl\n")):
+        path = tmp_path / "run.yaml"
+        path.write_text(path_text)
+        config = load_config(path, flags)
+        assert (config.eval_data, config.eval_split) == ("held.jsonl", 0)
+    with pytest.raises(InvalidConfig, match="give eval_data or eval_split, not both"):
+        load_config(None, {"eval_data": "held.jsonl", "eval_split": 0.1})
+
+
+@pytest.mark.parametrize(
+    ("holds", "advice"),
+    [
+        ("config.yaml", "to train its run again pass {dir}/config.yaml"),
+        ("config.json", "to train this model pass --model {dir}"),
+        ("notes.txt", "`lorafit init {dir}/lorafit.yaml` writes a starter config"),
+    ],
+)
+def test_a_folder_given_as_the_config_gets_the_command_that_takes_it(
+    holds: str, advice: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "thing"
+    folder.mkdir()
+    (folder / holds).write_text("{}")
+    code, _, err = run_cli(["train", str(folder)], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert f"{folder} is a folder, not a config file" in err and advice.format(dir=folder) in err
+    assert f"lorafit init {folder};" not in err  # init refuses a folder

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafit.errors import TrainError
-from lorafit.train import hf_args
+from lorafit.train import hf_args, model_files
 from lorafit.train.hf_args import ATTN_IMPLEMENTATION
 
 if TYPE_CHECKING:
@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 
 # The libraries whose advice is for their own developers, not for a person running lorafit (`kernels` is
-# what bitsandbytes asks for a CPU kernel when it is imported, and it logs about the Hub).
+# what bitsandbytes asks for a CPU kernel when it is imported, and it logs about the Hub; "DeepSpeed" is the
+# logger of deepspeed, which transformers imports and which says "Setting accelerator to CPU").
 QUIETED_LIBRARIES = (
     "transformers",
     "peft",
@@ -36,7 +37,20 @@ QUIETED_LIBRARIES = (
     "accelerate",
     "huggingface_hub",
     "trl",
+    "deepspeed",
+    "DeepSpeed",
 )
+
+
+class _ErrorsOnly(logging.Filter):
+    """Kept on a library's logger: a library that sets its own level when it is imported (DeepSpeed sets
+    WARNING on its logger) stays as quiet as the level set here would keep it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+_ERRORS_ONLY = _ErrorsOnly()
 
 
 def quiet_libraries() -> None:
@@ -48,7 +62,9 @@ def quiet_libraries() -> None:
     again is harmless: `warnings.filterwarnings` replaces an identical filter instead of adding a second."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for library in QUIETED_LIBRARIES:
-        logging.getLogger(library).setLevel(logging.ERROR)
+        logger = logging.getLogger(library)
+        logger.setLevel(logging.ERROR)
+        logger.addFilter(_ERRORS_ONLY)  # added once: addFilter skips a filter the logger has
         for category in (FutureWarning, UserWarning, DeprecationWarning):
             warnings.filterwarnings("ignore", category=category, module=rf"{library}(\.|$)")
     # Raised by the libraries with a stack level that names the caller's module, so matched by their text.
@@ -98,7 +114,8 @@ def hf_config(spec: ModelSpec, settings: Settings) -> PretrainedConfig:
 
 
 def check_model_dir(model_dir: Path, allow_pickle: bool = False) -> None:
-    """Refuse what would fail late or run untrusted code: no config, no weights, or pickled weights only."""
+    """Refuse what would fail late or run untrusted code: no config, no weights, or pickled weights only; and
+    what transformers would load wrongly or fail on after the run folder is written (`model_files.check`)."""
     if not (model_dir / "config.json").is_file():
         raise TrainError(f"{model_dir} has no config.json; pass a Hugging Face model directory")
     has_safetensors = any(model_dir.glob("*.safetensors"))
@@ -110,6 +127,8 @@ def check_model_dir(model_dir: Path, allow_pickle: bool = False) -> None:
             f"{model_dir} holds only pickled .bin weights, which can run code when loaded; "
             "convert them to safetensors or pass --allow-pickle"
         )
+    quiet_libraries()  # the check builds the model's skeleton with transformers
+    model_files.check(model_dir)
 
 
 def load_model(
@@ -162,6 +181,18 @@ def prepare(model: PreTrainedModel, spec: ModelSpec, settings: Settings) -> PreT
 
         savers.keep_embeddings_on_host(model)
     return model
+
+
+def parameter_counts(model: PreTrainedModel) -> tuple[int, int]:
+    """(all, trained) parameters of the model as its config describes it. bitsandbytes stores a 4-bit weight
+    packed two values to a byte, as a uint8 tensor of half the elements: its `quant_state` has the real shape."""
+    total = trained = 0
+    for parameter in model.parameters():
+        quant_state = getattr(parameter, "quant_state", None)
+        count = quant_state.shape.numel() if quant_state is not None else parameter.numel()
+        total += count
+        trained += count if parameter.requires_grad else 0
+    return total, trained
 
 
 # --- shared checks and the optimizer (used by `lorafit train` and by the `--exact` trace) ---------------

@@ -161,6 +161,30 @@ def one_line_run_errors(function: Callable[_P, _R]) -> Callable[_P, _R]:
     return wrapper
 
 
+def check_link(output_dir: Path) -> None:
+    """A symbolic link on the way to the output folder that loops or points nowhere: say which, and what to do
+    (pathlib reports both as "does not exist", and creating the folder then fails with "file exists")."""
+    try:
+        os.path.realpath(output_dir, strict=True)
+    except FileNotFoundError:
+        pass  # nothing there yet: unless a link points nowhere, the folder is created
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise TrainError(
+                f"--output-dir {output_dir}: a symbolic link on the way loops back on itself; remove the link or "
+                "pick another --output-dir"
+            ) from None
+        return  # unreadable: the write probe says why
+    existing = Path(output_dir)
+    while not existing.is_symlink() and existing != existing.parent and not existing.exists():
+        existing = existing.parent
+    if existing.is_symlink() and not existing.exists():
+        raise TrainError(
+            f"--output-dir {output_dir}: the symbolic link {existing} points to {os.readlink(existing)}, which does "
+            f"not exist; create that folder, remove the link, or pick another --output-dir"
+        )
+
+
 def check_writable(output_dir: Path) -> None:
     """The output folder, or the nearest folder above it that exists, must take a new file: probed with a
     temporary file that never shows in the listing (permission bits say nothing for root, or under /proc), so
@@ -289,6 +313,15 @@ def model_digest(model_dir: Path) -> str:
     return digest.hexdigest()
 
 
+def shown_path(path: Path | str, output_dir: Path) -> str:
+    """A path as the run folder's README shows it to whoever it is shared with: a file inside the run as
+    `RUN/...`, a path the user gave relative as given, and an absolute one outside the run by its name."""
+    given, run = Path(path).expanduser(), Path(output_dir).expanduser()
+    if _inside(given, run):
+        return str(Path(run.resolve().name) / given.resolve().relative_to(run.resolve()))
+    return str(path) if not Path(path).is_absolute() else given.name
+
+
 def read_run_file(output_dir: Path) -> dict[str, Any] | None:
     try:
         data = json.loads((Path(output_dir) / RUN_FILE).read_text())
@@ -298,6 +331,8 @@ def read_run_file(output_dir: Path) -> dict[str, Any] | None:
 
 
 def write_run_file(output_dir: Path, data: dict[str, Any]) -> None:
+    if "fingerprint" in data:
+        data = data | {"fingerprint": portable(data["fingerprint"])}
     write_atomic(Path(output_dir) / RUN_FILE, json.dumps({"version": RUN_FILE_VERSION} | data, indent=2))
 
 
@@ -330,6 +365,33 @@ def _differences(saved: dict[str, Any], current: dict[str, Any], resolved: dict[
         for key in keys
         if saved.get(key) != current.get(key) and not (key in resolved and current.get(key) == resolved[key])
     ]
+
+
+PATH_KEYS = ("model", "data", "eval_data")
+
+
+def portable(fingerprint: Any) -> dict[str, Any]:
+    """A fingerprint as the run file keeps it: the model and data by their names, not by absolute paths of
+    this machine (the run folder is shared). Which files they are, `base_digest` and `data_sha256` say."""
+    if not isinstance(fingerprint, dict):
+        return {}
+    named = {key: Path(value).name for key in PATH_KEYS if os.path.isabs(value := str(fingerprint.get(key) or ""))}
+    return fingerprint | named
+
+
+def _changed(saved: dict[str, Any], fingerprint: dict[str, Any], output_dir: Path) -> list[str]:
+    """The keys in which this run differs from the saved one. A run file of an earlier lorafit names its model
+    by absolute path, compared as such; a newer one by name, and the model's digest then tells a base
+    replaced or another one of the same name."""
+    found = saved.get("fingerprint")
+    saved_fingerprint: dict[str, Any] = found if isinstance(found, dict) else {}
+    if os.path.isabs(str(saved_fingerprint.get("model", ""))):
+        return _differences(saved_fingerprint, fingerprint, _saved_settings(output_dir))
+    changed = _differences(saved_fingerprint, portable(fingerprint), _saved_settings(output_dir))
+    model, digest = Path(str(fingerprint.get("model", ""))), saved.get("base_digest")
+    if "model" not in changed and digest and (model / "config.json").is_file() and model_digest(model) != digest:
+        changed = sorted([*changed, "model"])
+    return changed
 
 
 def _finished(output_dir: Path, saved: dict[str, Any]) -> bool:
@@ -370,6 +432,7 @@ def begin(
     output_dir = Path(output_dir)
     if resume and overwrite:
         raise TrainError("--resume continues the run in the output dir and --overwrite deletes it; pick one")
+    check_link(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise TrainError(f"--output-dir {output_dir} is a file, not a folder")
     entries = list(output_dir.iterdir()) if output_dir.is_dir() else []
@@ -384,7 +447,7 @@ def begin(
             f"{output_dir} holds files that are not a lorafit run; lorafit will not write into or delete it, "
             "pick another --output-dir"
         )
-    changed = _differences(saved.get("fingerprint", {}), fingerprint, _saved_settings(output_dir))
+    changed = _changed(saved, fingerprint, output_dir)
     if not changed and not overwrite and _finished(output_dir, saved):
         steps = saved.get("steps")
         return RunStart(

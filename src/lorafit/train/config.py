@@ -35,11 +35,34 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> TrainConfig:
 
 
 def validate(data: dict[str, Any], source: str = "", from_flags: Iterable[str] = ()) -> TrainConfig:
-    """TrainConfig from a mapping, with one line per problem naming the key (and the file it came from)."""
+    """TrainConfig from a mapping, with one line per problem naming the key (and the file it came from).
+    An eval file alone replaces the held-out share, whose default (0.05) is not a choice of the user's:
+    only eval_data and eval_split both given are two sources of eval rows."""
+    if data.get("eval_data") is not None and data.get("eval_split") is None:
+        data = data | {"eval_split": 0}
     return options.validate("train", data, source, from_flags)
 
 
+def check_batch_fits(config: TrainConfig, rows: int) -> None:
+    """Refuse an effective batch the user set larger than the training rows: each epoch would be one step over
+    a partial batch. The largest batch that works keeps micro_batch (when set) and the GPUs' shares whole."""
+    if config.batch_size is None and (config.micro_batch is None or config.grad_accum is None):
+        return  # the planner's batch: not the user's choice
+    batch = config.effective_batch_size
+    if batch <= rows:
+        return
+    unit = (config.micro_batch or 1) * (config.n_gpus or 1) * (config.nodes or 1)
+    largest = rows // unit * unit
+    fix = f"use batch_size {largest} or less" if largest else f"use a smaller micro_batch (now {config.micro_batch})"
+    raise InvalidConfig(
+        f"batch_size {batch} is more than the {rows} training rows: each epoch would be one step over a partial "
+        f"batch; {fix}, or more data"
+    )
+
+
 def _read_mapping(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise InvalidConfig(_folder_advice(path))
     if not path.is_file():
         raise InvalidConfig(f"no config file {path}; `lorafit init {path}` writes a starter config")
     try:
@@ -56,6 +79,15 @@ def _read_mapping(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InvalidConfig(f"{path} must hold a mapping of keys to values (see `lorafit init`)")
     return data
+
+
+def _folder_advice(path: Path) -> str:
+    """What a folder given where a config file goes most likely is, and the command that takes it."""
+    if (path / "config.yaml").is_file():
+        return f"{path} is a folder, not a config file; to train its run again pass {path / 'config.yaml'}"
+    if (path / "config.json").is_file():
+        return f"{path} is a folder, not a config file; to train this model pass --model {path}"
+    return f"{path} is a folder, not a config file; `lorafit init {path / 'lorafit.yaml'}` writes a starter config"
 
 
 def _is_plan(data: dict[str, Any]) -> bool:

@@ -145,7 +145,7 @@ def build_demo_base(model_dir: Path, hidden_size: int = 128) -> None:
     import json
     import shutil
 
-    from lorafit.files import fsync_dir, write_atomic
+    from lorafit.files import fsync_dir, ordinary_mode, write_atomic
 
     model_dir = Path(model_dir)
     if (model_dir / BASE_COMPLETE).is_file():
@@ -156,6 +156,7 @@ def build_demo_base(model_dir: Path, hidden_size: int = 128) -> None:
         tokenizer = build_tokenizer(corpus(), vocab_size=1024)
         build_model(staging, tokenizer, tiny_spec(len(tokenizer), hidden_size=hidden_size))
         write_atomic(staging / BASE_COMPLETE, json.dumps({"built_by": "lorafit train --demo"}))
+        ordinary_mode(staging)  # safetensors writes 0600; the base is shared with the run as its other files are
         shutil.rmtree(model_dir, ignore_errors=True)  # an incomplete base, from before the marker or cut short
         staging.replace(model_dir)
         fsync_dir(model_dir.parent)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafit.errors import DataError
@@ -168,7 +169,9 @@ def _inside(start: int, end: int, spans: list[tuple[int, int]]) -> bool:
 
 
 def token_profile(encoded: Encoded, source: str, tokenizer_name: str) -> TokenProfile:
-    """The planner's view of the data, measured on the exact tokens the trainer renders (before the cut)."""
+    """The planner's view of the data, measured on the exact tokens the trainer renders (before the cut). The
+    plan is saved in the run folder, which is shared: an absolute `source` is named by its file name."""
     from lorafit.data.profile import profile_of_lengths
 
-    return profile_of_lengths(encoded.lengths, source, answer_tokens=encoded.answer_tokens, tokenizer=tokenizer_name)
+    shown = Path(source).name if Path(source).is_absolute() else source
+    return profile_of_lengths(encoded.lengths, shown, answer_tokens=encoded.answer_tokens, tokenizer=tokenizer_name)

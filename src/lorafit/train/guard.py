@@ -16,6 +16,7 @@ back to the newest checkpoint on disk.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -115,6 +116,17 @@ def out_of_memory_at_one(step: int, settings: Settings) -> TrainError:
     return TrainError(
         f"out of memory in step {step} at micro-batch 1; try {'; or '.join(memory_savers(settings))}; "
         "or a GPU with more memory"
+    )
+
+
+def diverged(losses: dict[int, float], learning_rate: float) -> TrainError | None:
+    """The one line for a training loss that became NaN or infinite (`losses`: step -> loss), None if none did."""
+    bad = [step for step, loss in sorted(losses.items()) if not math.isfinite(loss)]
+    if not bad:
+        return None
+    return TrainError(
+        f"the training loss became {losses[bad[0]]} at step {bad[0]}: training diverged and the run stopped "
+        f"unfinished; lower the learning rate (now {learning_rate:g}) and train again with --overwrite"
     )
 
 

@@ -25,7 +25,7 @@ from lorafit.errors import DataError, InvalidConfig, TrainError
 from lorafit.files import ordinary_mode, write_atomic
 from lorafit.schema import Plan, Settings
 from lorafit.train import checkpoints, examples, report
-from lorafit.train.config import TrainConfig
+from lorafit.train.config import TrainConfig, check_batch_fits
 from lorafit.units import gib
 
 if TYPE_CHECKING:
@@ -149,8 +149,7 @@ def run(
     build.check_settings(spec, settings)
     savers.use_allocator_settings(settings, on_cuda)
     model = _load_model(model_dir, spec, settings, config, on_cuda)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    total, trainable = build.parameter_counts(model)
     console.print(f"model: {spec.name}, {total:,} parameters, {trainable:,} trained ({settings.method})")
 
     # 6. Everything needed to resume or to reproduce goes to disk before step 1.
@@ -484,6 +483,7 @@ def _load_data(
     rows = load_conversations(data_path, config.data_format, config.data_mapping or None)
     if eval_path is not None:
         eval_rows = load_conversations(eval_path, config.data_format, config.data_mapping or None)
+        check_batch_fits(config, len(rows))
         return list(rows), list(eval_rows), rows.format
     count = int(config.eval_split) if config.eval_split >= 1 else round(len(rows) * config.eval_split)
     if count >= len(rows) and config.eval_split:
@@ -497,6 +497,7 @@ def _load_data(
     held = set(order[:count])
     train = [row for index, row in enumerate(rows) if index not in held]
     held_out = [row for index, row in enumerate(rows) if index in held]
+    check_batch_fits(config, len(train))
     return train, held_out, rows.format
 
 

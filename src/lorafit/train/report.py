@@ -8,6 +8,7 @@ from typing import Any
 
 from lorafit.render import settings_line
 from lorafit.schema import Plan
+from lorafit.train import checkpoints
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -71,7 +72,13 @@ def model_card(
     seconds: float,
     tokens_per_s: float,
 ) -> str:
-    """A short README.md: what was trained on what, how well, and how to use it."""
+    """A short README.md: what was trained on what, how well, and how to use it. It travels with the run folder,
+    so it names no absolute path of this machine (`checkpoints.shown_path`): the snippets load the run by its
+    folder name from the folder above it."""
+    run_dir = Path(run_name)
+    run_name = run_dir.expanduser().resolve().name
+    base_model = checkpoints.shown_path(base_model, run_dir)
+    data = checkpoints.shown_path(data, run_dir)
     settings = plan.settings
     adapter = method != "full"
     lines = [

@@ -26,7 +26,7 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from lorafit.errors import TrainError
 from lorafit.files import write_atomic
-from lorafit.train import checkpoints, savers
+from lorafit.train import checkpoints, guard, savers
 from lorafit.train.examples import IGNORE_INDEX
 from lorafit.train.guard import InjectedOom, RandomState, capture_random_state, restore_random_state
 
@@ -199,13 +199,28 @@ class LorafitTrainer(Trainer):
         """The logged training loss is the mean of the step losses since the previous line, also across an
         out-of-memory retry or a resume (the Trainer's own counts only the steps since it started)."""
         if "loss" in logs and self.watch.unlogged_losses:
-            losses = list(self.step_losses().values())
+            step_losses = self.step_losses()
+            self._stop_if_diverged(step_losses)
+            losses = list(step_losses.values())
             logs = logs | {"loss": sum(losses) / len(losses)}
             self.watch.unlogged_losses = {}
+        if "loss" in logs:
+            self._stop_if_diverged({self.state.global_step: float(logs["loss"])})
         if "loss" in logs and self.args.world_size > 1:  # the tokens of every process, for tokens/s
             count = torch.tensor([self.tokens_trained], dtype=torch.float64, device=self.args.device)
             self.tokens_all_processes = int(self.accelerator.reduce(count, reduction="sum").item())
         super().log(logs, start_time)
+
+    def _stop_if_diverged(self, losses: dict[int, float]) -> None:
+        """A loss that is no longer a number (or infinite) stops the run in one line, before that step is
+        logged or checkpointed: nothing after it can be trained from, and the run is not finished."""
+        diverged = guard.diverged(losses, self.args.learning_rate)
+        if diverged is None:
+            return
+        callback = self._run_callback()
+        if callback is not None:
+            callback.close()
+        raise diverged
 
     def step_losses(self) -> dict[int, float]:
         """The loss of each finished step not yet logged. With several processes each holds its share of a
@@ -288,11 +303,12 @@ class LorafitTrainer(Trainer):
             shutil.rmtree(staged, ignore_errors=True)
         self.accelerator.wait_for_everyone()  # no process writes into the folder before it is cleared
         callback = self._run_callback()
+        losses = self.step_losses()
+        self._stop_if_diverged(losses)  # a step between two logged lines: its weights are no checkpoint
         try:
             if callback is not None:
                 callback.flush()  # the metrics of this step are on disk before its checkpoint is
             super()._save_checkpoint(model, trial)  # every process: its RNG state, its optimizer shard
-            losses = self.step_losses()
             # rank 0 publishes once every process has written its part
             self.accelerator.wait_for_everyone()
             if main:
@@ -357,6 +373,7 @@ class RunCallback(TrainerCallback):
         self.last_loss: float | None = None
         self.last_eval: float | None = None
         self.next_plain_report = 0.0
+        self.printed_step: int | None = None  # of the last plain progress line
 
     # --- metrics.jsonl ------------------------------------------------------------------------------------
     def flush(self) -> None:
@@ -480,10 +497,13 @@ class RunCallback(TrainerCallback):
         if self.progress is not None:
             self.progress.update(self.task, completed=state.global_step, stats=self._stats(state))
             return
-        # Not a terminal (a log file, CI): a plain line every few seconds and at the end.
+        # Not a terminal (a log file, CI): a plain line every few seconds, and the last step's once, at the end.
         now = time.perf_counter()
-        if not final and now < self.next_plain_report:
+        if final and self.printed_step == state.global_step:
             return
+        if not final and (now < self.next_plain_report or state.global_step >= state.max_steps):
+            return
+        self.printed_step = state.global_step
         self.next_plain_report = now + 5.0
         done = state.global_step - self.first_step
         left = state.max_steps - state.global_step
