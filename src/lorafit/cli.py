@@ -132,8 +132,6 @@ def list_models(**values: Any) -> None:
 @derived_options("stacks")
 def list_stacks(**values: Any) -> None:
     """The trainers `--stack` estimates: the pinned versions and what each keeps alive differently."""
-    from lorafit import stacks
-
     listed = list(stacks.catalog().values())
     if values["json"]:
         render.print_json([stack.model_dump(mode="json") for stack in listed])
@@ -158,8 +156,6 @@ def serve(**values: Any) -> None:
     """The planner as a local web page (and its JSON API): form, memory chart, GPU table, shareable links."""
     given, switches = split(values)
     asked = options.validate("serve", given, from_flags=given)
-    from lorafit import web
-
     web.serve(asked.host, asked.port, open_browser=switches["open"])
 
 

@@ -11,7 +11,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from lorafit.hardware import GpuSpec, LocalMachine
-from lorafit.models import ModelSpec
+from lorafit.configs import KIND_TITLES
+from lorafit.models import ModelSpec, variants
 from lorafit.schema import Estimate, Plan, Settings
 from lorafit.serving import Serving
 
@@ -76,8 +77,6 @@ def warn_about(source: FromConfig | None) -> None:
     """What a config file (`--from`) sets that the answer does not model, one line each, on stderr."""
     if source is None:
         return
-    from lorafit.configs import KIND_TITLES
-
     err = Console(stderr=True, highlight=False)
     err.print(
         f"{source.path}: read as a config of {KIND_TITLES[source.kind]}; answered for stack {source.stack}",
@@ -290,8 +289,6 @@ def show_models(specs: list[ModelSpec]) -> None:
     """One row per preset; its variants (instruct/chat checkpoints, distills with the same shapes) are counted,
     not listed, so the table stays one screen. On a narrow terminal the hub id (then the count) is left out, so
     that each preset stays on one line."""
-    from lorafit.models import variants
-
     headers = ("name", "hub id", "+variants", "parameters", "layers", "hidden", "vocab", "max seq")
     rows = [
         (

@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from lorafit import answers, hardware, models, options
+from lorafit.data import length_profile
 from lorafit.errors import LorafitError
 from lorafit.web.access import AccessGuard, Listening, check_can_listen, shown
 
@@ -309,8 +310,6 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
                 spec = models.from_config_json(path)
                 described["model"] = spec.model_dump(mode="json") | {"num_params": spec.num_params}
             else:
-                from lorafit.data import length_profile
-
                 described["tokens"] = length_profile(path).profile.model_dump(mode="json")
         except LorafitError as error:  # the file as the user named it, not where the server keeps it
             uploads.discard(value)
