@@ -22,7 +22,7 @@ from conftest import run_cli
 from lorafit.errors import InvalidConfig
 from lorafit.options import TrainConfig
 from lorafit.schema import Settings
-from lorafit.train import distributed
+from lorafit.train import distributed, launch
 from lorafit.train.distributed import Topology
 
 STEPS = ["--max-steps", "6", "--logging-steps", "1", "--eval-steps", "3", "--save-steps", "3"]
@@ -186,7 +186,7 @@ def launcher_environment(config_file: Path) -> tuple[Any, Any, dict[str, str]]:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    arguments = launch_command_parser().parse_args(["--config_file", str(config_file), "-m", distributed.ENTRY, "x"])
+    arguments = launch_command_parser().parse_args(["--config_file", str(config_file), "-m", launch.ENTRY, "x"])
     arguments, loaded, precision_from_config = _validate_launch_command(arguments)
     if arguments.use_deepspeed:  # as accelerate's launch_command does before its DeepSpeed launcher
         fields = list(loaded.deepspeed_config) + (["mixed_precision"] if precision_from_config else [])
