@@ -1,8 +1,9 @@
 """Several processes: `lorafit train ... --n-gpus N` (and `--nodes M --node-rank R --main-address A`) checks the
-machine, opens the run folder and makes the plan as a one-process run does (`setup.prepare`), writes
+machine, holds and opens the run folder and makes the plan as a one-process run does (`setup.prepare`), writes
 `accelerate_config.yaml` (and, for ZeRO, `deepspeed.json`) into the run folder, prints it, and runs
 `accelerate launch --config_file <it> -m lorafit.train.worker <launch folder>` in this process. Every worker
-runs `recipe.run` with the launcher's plan; rank 0 alone writes the run folder.
+runs `recipe.run` with the launcher's plan; rank 0 alone writes the run folder, which this process holds (the
+lock) until the workers are done.
 
 torch and accelerate are imported inside the functions.
 """
@@ -57,7 +58,7 @@ def launch(
     build_model: Callable[[Path], None] | None = None,
     demo: bool = False,
 ) -> int:
-    """Check the machines, open the run folder and plan (`setup.prepare`, as `recipe.run` does), write
+    """Check the machines, hold and open the run folder and plan (`setup.prepare`, as `recipe.run` does), write
     and print the accelerate config, and run the workers through `accelerate launch`. Returns the exit code of
     the run."""
     build.quiet_libraries()
@@ -71,16 +72,17 @@ def launch(
         _dry_run(request, console=console)
         return 0
     role = Role.LAUNCHER if topology.node_rank == 0 else Role.OTHER_NODE
-    prepared = _prepare(request, role=role, console=console)
-    if prepared is None:
-        return 0  # finished: nothing to train
-    return _launch(prepared, topology, demo, console)
+    with contextlib.ExitStack() as held:  # node 0 holds the run folder until its workers are done
+        prepared = _prepare(request, role=role, console=console, held=held)
+        if prepared is None:
+            return 0  # finished: nothing to train
+        return _launch(prepared, topology, demo, console)
 
 
 @checkpoints.one_line_run_errors
-def _prepare(request: RunRequest, *, role: Role, console: Console) -> SetUp | None:
+def _prepare(request: RunRequest, *, role: Role, console: Console, held: contextlib.ExitStack) -> SetUp | None:
     """`setup.prepare` for the launcher: a failed write or Ctrl-C there ends as it does in `recipe.run`."""
-    return setup.prepare(request, role, console=console)
+    return setup.prepare(request, role, console=console, held=held)
 
 
 @checkpoints.one_line_run_errors

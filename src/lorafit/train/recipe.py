@@ -8,6 +8,7 @@ trace), `examples` (templates and answer masks), `trainer` (the Trainer with ato
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections.abc import Callable
@@ -75,11 +76,12 @@ def run(
     if dry_run:
         setup.dry_run(request, console=console)
         return None
-    role = Role.WORKER if processes.launched else Role.ONE_PROCESS
-    ready = setup.prepare(request, role, console=console, processes=processes, plan=plan)
-    if ready is None:
-        return None
-    return _train(ready, console, processes, started)
+    with contextlib.ExitStack() as held:  # the run folder is held until the run ends (a launcher holds it for many)
+        role = Role.WORKER if processes.launched else Role.ONE_PROCESS
+        ready = setup.prepare(request, role, console=console, held=held, processes=processes, plan=plan)
+        if ready is None:
+            return None
+        return _train(ready, console, processes, started)
 
 
 def _train(ready: SetUp, console: Console, processes: Processes, started: float) -> RunResult:

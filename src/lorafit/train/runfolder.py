@@ -1,7 +1,7 @@
 """The run folder: one run at a time in it, what the run writes there before step 1, and the files it leaves.
 
 `checkpoints` decides which run a folder holds (`checkpoints.begin`) and writes its checkpoints; this module is
-the rest of the folder's life: the identity of a run (`fingerprint`), the files that let it
+the rest of the folder's life: the lock (`hold`), the identity of a run (`fingerprint`), the files that let it
 resume or be reproduced (plan.json, plan.yaml, config.yaml, lorafit-run.json) and the adapter's pointer to its
 base. Pure Python: no torch here.
 """
@@ -9,12 +9,16 @@ base. Pure Python: no torch here.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from lorafit.errors import TrainError
 from lorafit.files import write_atomic
 from lorafit.schema import Plan
 from lorafit.train import checkpoints
@@ -22,6 +26,103 @@ from lorafit.train.config import SETTINGS_KEYS, TrainConfig
 from lorafit.train.distributed import LAUNCH_KEYS
 
 METRICS = "metrics.jsonl"
+LOCK = checkpoints.LOCK  # inside the run folder while a run writes it; `checkpoints.begin` looks past it
+
+
+# --- one run per folder ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def hold(output_dir: Path) -> Iterator[None]:
+    """Hold the run folder for one run: an exclusive `flock` on LOCK inside it, so that a second run into the
+    same folder stops in one line naming the process that has it. The kernel lets go of the lock when its
+    process ends, however it ends, so the file a killed run leaves blocks nothing. A path that is not a folder
+    of a lorafit run (a file, someone's files) is not locked, nor written: `checkpoints.begin` refuses it; nor
+    one that cannot be written, which `begin` names in one line. A folder made here and left empty (the run was
+    refused before writing anything) is removed again."""
+    output_dir = Path(output_dir)
+    if not _lockable(output_dir):
+        yield
+        return
+    made = _missing(output_dir)
+    fd = None
+    try:
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            fd = _take(output_dir / LOCK, output_dir)
+        except OSError:
+            pass  # cannot be written: `checkpoints.begin` says why
+        yield
+    finally:
+        if fd is not None:
+            _release(fd, output_dir / LOCK)
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if empty
+
+
+def _lockable(output_dir: Path) -> bool:
+    try:
+        if not output_dir.is_dir():
+            return not output_dir.exists() and not output_dir.is_symlink()
+        others = [entry for entry in output_dir.iterdir() if entry.name != LOCK]
+    except OSError:
+        return False
+    return not others or checkpoints.read_run_file(output_dir) is not None
+
+
+def _missing(output_dir: Path) -> list[Path]:
+    """The folders `mkdir(parents=True)` would make for `output_dir`, deepest first."""
+    missing = []
+    folder = output_dir.absolute()
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _take(path: Path, output_dir: Path) -> int:
+    """The locked file descriptor of `path`, with this process's id written in it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise TrainError(
+                f"{output_dir} is in use by another lorafit run ({holder}); wait for it to end, or pick another "
+                "--output-dir"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(fd, path):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            return fd
+        os.close(fd)  # the holder let go and removed the file between the open and the lock: take the new one
+
+
+def _holder(fd: int) -> str:
+    text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+    return f"pid {text}" if text.isdigit() else "a process that is starting"
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _release(fd: int, path: Path) -> None:
+    """Remove the lock file, then let go of the lock: a run waiting on it takes the next file (`_take`)."""
+    try:
+        if _same_file(fd, path):
+            with contextlib.suppress(OSError):
+                path.unlink()
+    finally:
+        os.close(fd)
 
 
 # --- which run: what makes two runs the same ------------------------------------------------------------------

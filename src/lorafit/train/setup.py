@@ -2,12 +2,13 @@
 
 Every way a run starts goes through `prepare`: `recipe.run` in one process, the launcher of several processes
 (`launch.launch`), each process it starts (`worker`), and `--dry-run`. Its `Role` says what differs: who
-writes the run folder, who shows the plan, and where the plan comes from. `prepare` stops before the
+holds and writes the run folder, who shows the plan, and where the plan comes from. `prepare` stops before the
 model is loaded: what follows (model, training, outputs) is `recipe.run`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import random
 import tempfile
@@ -42,8 +43,8 @@ Rows = list[list[dict[str, Any]]]  # conversations, each a list of messages
 class Role(enum.Enum):
     """Where `prepare` runs."""
 
-    ONE_PROCESS = "one process"  # `recipe.run`: writes the folder, plans, shows the plan, trains here
-    LAUNCHER = "launcher"  # node 0's `lorafit train --n-gpus N`: writes the folder, plans, shows it
+    ONE_PROCESS = "one process"  # `recipe.run`: holds and writes the folder, plans, shows the plan, trains here
+    LAUNCHER = "launcher"  # node 0's `lorafit train --n-gpus N`: holds and writes the folder, plans, shows it
     OTHER_NODE = "other node"  # the launcher on a node other than 0: reads the folder (node 0 writes it)
     WORKER = "worker"  # a launched process: rank 0 writes the folder; the launcher's plan, shown by it
     DRY_RUN = "dry run"  # decides everything, writes nothing
@@ -52,6 +53,12 @@ class Role(enum.Enum):
     def writes(self) -> bool:
         """Whether this role sets the run folder up (among workers, rank 0 alone)."""
         return self in (Role.ONE_PROCESS, Role.LAUNCHER, Role.WORKER)
+
+    @property
+    def holds(self) -> bool:
+        """Whether this role holds the folder's lock: the process that lives as long as the run (a worker's
+        launcher holds it for the workers)."""
+        return self in (Role.ONE_PROCESS, Role.LAUNCHER)
 
 
 @dataclass(frozen=True)
@@ -110,17 +117,20 @@ def prepare(
     role: Role,
     *,
     console: Console,
+    held: contextlib.ExitStack,
     processes: Processes = ONE_PROCESS,
     plan: Plan | None = None,
     scratch: Path | None = None,
 ) -> SetUp | None:
     """The run up to loading the model; None where the folder holds this run finished (nothing changes).
-    The inputs are checked first, without torch: fail in a second, not after loading a model.
-    `processes`: a worker among the others. `plan`: a
+    The inputs are checked first, without torch: fail in a second, not after loading a model. `held` keeps the
+    folder's lock (`Role.holds`) until the caller closes it. `processes`: a worker among the others. `plan`: a
     worker's, the launcher's plan. `scratch`: where a dry run builds the demo's base model, so nothing stays."""
     config = request.config
     inputs = check_inputs(request)
     fingerprint = runfolder.fingerprint(config, inputs.model_dir, inputs.data_path, inputs.eval_path)
+    if role.holds:
+        held.enter_context(runfolder.hold(request.output_dir))
     start = _open_folder(request, role, inputs, fingerprint, console, processes)
     if start.mode == "finished":
         return None
@@ -147,8 +157,9 @@ def dry_run(request: RunRequest, *, console: Console) -> None:
     """What a run checks and decides before it loads the model, with nothing written: the inputs, the output
     folder (fresh, resumed or refused), the tokenized data, the plan for this device and the resolved config."""
     config, output_dir = request.config, request.output_dir
-    with tempfile.TemporaryDirectory(prefix="lorafit-dry-run-") as scratch:
-        ready = prepare(request, Role.DRY_RUN, console=console, scratch=Path(scratch))
+    with contextlib.ExitStack() as held:
+        scratch = Path(held.enter_context(tempfile.TemporaryDirectory(prefix="lorafit-dry-run-")))
+        ready = prepare(request, Role.DRY_RUN, console=console, held=held, scratch=scratch)
     if ready is None:
         return
     console.print("resolved config (`lorafit train` would run exactly this):")
