@@ -3,7 +3,7 @@ machine, holds and opens the run folder and makes the plan as a one-process run 
 `accelerate_config.yaml` (and, for ZeRO, `deepspeed.json`) into the run folder, prints it, and runs
 `accelerate launch --config_file <it> -m lorafit.train.worker <launch folder>` in this process. Every worker
 runs `recipe.run` with the launcher's plan; rank 0 alone writes the run folder, which this process holds (the
-lock) until the workers are done.
+lock) until the workers are done. A worker dies with this process (`worker.die_with_launcher`).
 
 torch and accelerate are imported inside the functions.
 """
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 ENTRY = "lorafit.train.worker"  # the module `accelerate launch -m` runs in every process
 PAYLOAD = "launch.json"  # in the launch folder: the config, the plan and the switches every worker runs
 ERROR_PREFIX = "error-rank"  # in the launch folder: the one line a worker stopped with
+LAUNCHER_PID = "LORAFIT_LAUNCHER_PID"  # in a worker's environment: the process it dies with
 
 
 def needs_launch(config: TrainConfig) -> bool:
@@ -139,7 +140,11 @@ def _accelerate_launch(config_file: Path, launch_dir: Path, topology: Topology) 
 
     arguments = launch_command_parser().parse_args(["--config_file", str(config_file), "-m", ENTRY, str(launch_dir)])
     threads = max(1, (os.cpu_count() or 1) // topology.n_gpus)
-    environment = {"LORAFIT_LAUNCHED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+    environment = {
+        "LORAFIT_LAUNCHED": "1",
+        LAUNCHER_PID: str(os.getpid()),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)),
+    }
     if not topology.on_cuda:  # DeepSpeed, imported by the libraries in a worker, otherwise warns that it found no GPU
         environment["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR", "cpu")
     with _quiet_launcher(), _environment(environment):

@@ -1,16 +1,21 @@
 """One training process among several: `python -m lorafit.train.worker LAUNCH_DIR`, as `accelerate launch`
 (started by `launch.launch`) runs it. It joins the process group, reads the launcher's config and plan, and runs
-`recipe.run` (the demo: `demo.train_demo`) as this rank.
+`recipe.run` (the demo: `demo.train_demo`) as this rank; it stops with its launcher, however that ends.
 
 torch and accelerate are imported inside the functions.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +27,55 @@ from lorafit.options import TrainConfig
 from lorafit.schema import Plan
 from lorafit.train import build, demo, recipe
 from lorafit.train.distributed import Processes
-from lorafit.train.launch import ERROR_PREFIX, PAYLOAD
+from lorafit.train.launch import ERROR_PREFIX, LAUNCHER_PID, PAYLOAD
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h: the signal this process gets when its parent ends
+WATCH_SECONDS = 0.5  # how often a process without prctl checks its parent
+
+
+def die_with_launcher() -> None:
+    """End this process when the launcher that started it ends. A launcher killed outright (SIGKILL, the
+    kernel's out-of-memory killer) cannot stop its workers; left running, they would go on writing a run
+    folder that is no longer held, while a rerun opens it. On Linux the kernel sends SIGKILL when the parent
+    (the launcher: torchrun's agent runs inside it) ends, by prctl PR_SET_PDEATHSIG; elsewhere a thread
+    watches for the parent to change. A launcher that ended before this ran ends this process now."""
+    parent = os.getppid()
+    if not _parent_death_signal(signal.SIGKILL):
+        threading.Thread(target=_watch_parent, args=(parent,), name="lorafit-launcher-watch", daemon=True).start()
+    launcher = os.environ.get(LAUNCHER_PID, "")
+    if launcher.isdigit() and not _running(int(launcher)):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _parent_death_signal(signal_number: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(signal_number), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(WATCH_SECONDS)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs: a zombie (ended, not yet reaped by its own parent) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc: it exists
+    return state not in ("Z", "X")
 
 
 def join() -> Processes:
@@ -36,6 +89,7 @@ def join() -> Processes:
 
 def main(argv: list[str] | None = None) -> None:
     """One training process: `python -m lorafit.train.worker LAUNCH_DIR`, as `accelerate launch` starts it."""
+    die_with_launcher()
     launch_dir = Path((sys.argv[1:] if argv is None else argv)[0])
     payload = json.loads((launch_dir / PAYLOAD).read_text())
     build.quiet_libraries()
