@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from conftest import run_cli
 from lorafit.errors import InvalidConfig
 from lorafit.options import TrainConfig
 from lorafit.schema import Settings
-from lorafit.train import distributed
+from lorafit.train import checkpoints, distributed, launch
 from lorafit.train.distributed import Topology
 
 STEPS = ["--max-steps", "6", "--logging-steps", "1", "--eval-steps", "3", "--save-steps", "3"]
@@ -166,6 +168,71 @@ def test_a_run_of_two_processes_resumes_on_one_with_the_same_curve(
         assert close(mine["loss"], reference["loss"], 1e-6) and close(mine["grad_norm"], reference["grad_norm"], 1e-6)
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, and not a zombie left for a parent that does not reap it)."""
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the processes in /proc")
+def test_the_workers_end_with_a_killed_launcher_and_the_rerun_resumes(tmp_path: Path) -> None:
+    """SIGKILL of `lorafit train --n-gpus 2` gives it no chance to stop its workers: they end with it, instead
+    of training on (reparented to PID 1) into a folder the rerun then opens too. The same command resumes."""
+    out = tmp_path / "killed"
+    args = ["train", "--demo", "--n-gpus", "2", "--output-dir", str(out), *STEPS]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "lorafit.cli", *args, "--main-port", str(free_port())],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    workers: list[int] = []
+    try:
+        marker = out / "checkpoints" / "checkpoint-3" / checkpoints.COMPLETE
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert launcher.poll() is None, launcher.stderr.read()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        workers = children(launcher.pid)
+        assert len(workers) == 2
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 5
+        while any(alive(pid) for pid in workers):
+            assert time.monotonic() < deadline, f"{[pid for pid in workers if alive(pid)]} outlived the launcher"
+            time.sleep(0.05)
+    finally:
+        for pid in workers:  # (where they do outlive it)
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not (out / "adapter_model.safetensors").exists(), "the workers trained on without their launcher"
+
+    resumed = lorafit([*args, "--main-port", str(free_port())])
+    assert resumed.returncode in (0, 1), resumed.stderr[-3000:]
+    assert resumed.stderr == ""
+    assert "resuming from checkpoint-" in resumed.stdout
+    assert [line["step"] for line in curve(out)] == [1, 2, 3, 4, 5, 6]
+    assert (out / "adapter_model.safetensors").is_file()
+
+
 # --- the configs, read back by accelerate, DeepSpeed and transformers -----------------------------------------
 SHARDS = [
     ("ddp", "none"),
@@ -186,7 +253,7 @@ def launcher_environment(config_file: Path) -> tuple[Any, Any, dict[str, str]]:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    arguments = launch_command_parser().parse_args(["--config_file", str(config_file), "-m", distributed.ENTRY, "x"])
+    arguments = launch_command_parser().parse_args(["--config_file", str(config_file), "-m", launch.ENTRY, "x"])
     arguments, loaded, precision_from_config = _validate_launch_command(arguments)
     if arguments.use_deepspeed:  # as accelerate's launch_command does before its DeepSpeed launcher
         fields = list(loaded.deepspeed_config) + (["mixed_precision"] if precision_from_config else [])

@@ -300,17 +300,17 @@ def test_a_run_whose_offloads_the_host_ram_cannot_hold_stops_before_training(mon
     """On a CUDA machine the trainer checks the free host RAM against the offloads the plan turned on."""
     from lorafit import hardware, models
     from lorafit.errors import TrainError
-    from lorafit.train import recipe
+    from lorafit.train import setup
 
     spec = models.resolve("llama-3.1-8b")
     settings = Settings(method="qlora", grad_ckpt=True, seq_len=2048, offload_activations=True, offload_embeddings=True)
     needed = memory.host_saver_bytes(spec, settings) / memory.GIB
     monkeypatch.setattr(hardware, "available_ram_gib", lambda: needed)
     with pytest.raises(TrainError, match="GiB of host RAM") as refused:
-        recipe._check_device(settings, True, spec)
+        setup.check_device(settings, True, spec)
     assert "\n" not in str(refused.value)
     monkeypatch.setattr(hardware, "available_ram_gib", lambda: 4 * needed)
-    recipe._check_device(settings, True, spec)
-    recipe._check_device(
+    setup.check_device(settings, True, spec)
+    setup.check_device(
         settings.model_copy(update={"offload_activations": False, "offload_embeddings": False}), True, spec
     )

@@ -15,7 +15,7 @@ from typing import Any
 import typer
 from pydantic import ValidationError
 
-from lorafit import answers, hardware, models, options, render
+from lorafit import answers, hardware, models, options, render, stacks, web
 from lorafit.errors import LorafitError
 from lorafit.options import one_line
 

@@ -10,8 +10,8 @@ from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
-from lorafit.hardware import GpuSpec, LocalMachine
 from lorafit.configs import KIND_TITLES
+from lorafit.hardware import GpuSpec, LocalMachine
 from lorafit.models import ModelSpec, variants
 from lorafit.schema import Estimate, Plan, Settings
 from lorafit.serving import Serving

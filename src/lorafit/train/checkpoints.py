@@ -31,6 +31,7 @@ PREFIX = "checkpoint-"
 COMPLETE = "lorafit-checkpoint.json"  # written last: a checkpoint without it is not one
 RUN_FILE = "lorafit-run.json"  # which run a folder holds, and the settings it trains with now
 RUN_FILE_VERSION = 1
+LOCK = ".lorafit-lock"  # held by the run writing the folder (`runfolder.hold`); not one of the run's files
 FINAL_WEIGHTS = ("adapter_model.safetensors", "model.safetensors")  # what a finished run leaves (LoRA / full)
 # torch's checkpoint writer reports a full disk without an errno ("unexpected pos 576 vs 534"); when it fails
 # with less than this free on the file system, the disk is what ran out.
@@ -435,7 +436,7 @@ def begin(
     check_link(output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise TrainError(f"--output-dir {output_dir} is a file, not a folder")
-    entries = list(output_dir.iterdir()) if output_dir.is_dir() else []
+    entries = [entry for entry in output_dir.iterdir() if entry.name != LOCK] if output_dir.is_dir() else []
     saved = read_run_file(output_dir)
     if not entries:
         if resume:

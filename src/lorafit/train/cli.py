@@ -40,13 +40,13 @@ def train_command(
         if not run_demo(overrides, console=console, **run_switches):
             raise typer.Exit(1)
         return
-    from lorafit.train import distributed
     from lorafit.train.config import load_config
+    from lorafit.train.launch import launch, needs_launch
     from lorafit.train.recipe import run
 
     resolved = load_config(config, overrides)
-    if distributed.needs_launch(resolved):  # n_gpus / nodes > 1: `accelerate launch` starts the processes
-        code = distributed.launch(resolved, console=console, **run_switches)
+    if needs_launch(resolved):  # n_gpus / nodes > 1: `accelerate launch` starts the processes
+        code = launch(resolved, console=console, **run_switches)
         if code == 130:
             raise KeyboardInterrupt
         if code:

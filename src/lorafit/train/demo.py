@@ -10,6 +10,8 @@ fact. A random model cannot know the facts; after fine-tuning the held-out eval 
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -19,14 +21,19 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from lorafit.files import fsync_dir, ordinary_mode, write_atomic
 from lorafit.models import ModelSpec, catalog
-from lorafit.train.config import validate
+from lorafit.schema import Plan, Settings
+from lorafit.train import launch, recipe
+from lorafit.train.build import hf_config
+from lorafit.train.chat import answer
+from lorafit.train.config import TrainConfig, validate
+from lorafit.train.distributed import Processes
+from lorafit.train.examples import IGNORE_INDEX, Encoded
+from lorafit.train.recipe import RunResult
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from lorafit.train.examples import Encoded
-    from lorafit.train.recipe import RunResult
 
 DEMO_OUTPUT = "runs/demo"
 REQUIRED_DROP = 0.5  # the held-out eval loss must fall by at least half
@@ -105,9 +112,6 @@ def build_model(
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from lorafit.schema import Settings
-    from lorafit.train.build import hf_config
-
     config = hf_config(spec, Settings(method="full", quant="none", precision="fp32"))
     config.pad_token_id = tokenizer.pad_token_id
     config.eos_token_id = tokenizer.eos_token_id
@@ -125,8 +129,6 @@ def build_model(
 
 def corpus() -> list[str]:
     """What the demo tokenizer learns from: the guide to the isles and the text of the questions and answers."""
-    import json
-
     texts = [demo_file("lantern_isles.md").read_text()]
     for name in ("instructions.jsonl", "heldout.jsonl"):
         for line in demo_file(name).read_text().splitlines():
@@ -142,11 +144,6 @@ def build_demo_base(model_dir: Path, hidden_size: int = 128) -> None:
     kill or a full disk never leaves a half-written base that every later run would trip over. A base that
     an earlier lorafit left without the marker is rebuilt: it is made from a fixed seed, so it comes out the
     same. `hidden_size` 256 gives rows of whole K-quant blocks (the export tests)."""
-    import json
-    import shutil
-
-    from lorafit.files import fsync_dir, ordinary_mode, write_atomic
-
     model_dir = Path(model_dir)
     if (model_dir / BASE_COMPLETE).is_file():
         return
@@ -164,7 +161,7 @@ def build_demo_base(model_dir: Path, hidden_size: int = 128) -> None:
         shutil.rmtree(staging, ignore_errors=True)  # gives the space of a failed build back
 
 
-def demo_config(overrides: dict[str, Any]) -> Any:
+def demo_config(overrides: dict[str, Any]) -> TrainConfig:
     """The bundled demo/train.yaml with the demo's model and data, and the user's flags on top."""
     data = yaml.safe_load(demo_file("train.yaml").read_text())
     output_dir = Path(overrides.get("output_dir") or data.get("output_dir") or DEMO_OUTPUT)
@@ -211,8 +208,6 @@ def exact_answers(model: PreTrainedModel, encoded: Encoded, pad_id: int, batch: 
     the rows greedy decoding answers word for word, found with one forward pass per batch."""
     import torch
 
-    from lorafit.train.examples import IGNORE_INDEX
-
     correct = 0
     model.eval()
     for start in range(0, len(encoded.input_ids), batch):
@@ -231,8 +226,6 @@ def exact_answers(model: PreTrainedModel, encoded: Encoded, pad_id: int, batch: 
 
 def compare(result: RunResult) -> Comparison:
     """Base (adapter off) against fine-tuned (adapter on), on the held-out rows the run evaluated."""
-    from lorafit.train.chat import answer
-
     model, tokenizer = result.model, result.tokenizer
     first = result.eval_conversations[0]
     prompt, reference = first[0]["content"], first[-1]["content"]
@@ -280,12 +273,10 @@ def run_demo(
     overrides: dict[str, Any], *, resume: bool, overwrite: bool, console: Console, dry_run: bool = False
 ) -> bool:
     """Train the demo and show what changed; False if it did not learn by the stated margin."""
-    from lorafit.train import distributed
-
     config = demo_config(overrides)
     console.rule("[bold]lorafit demo[/bold]: QLoRA on a tiny model, on the CPU")
-    if distributed.needs_launch(config):  # several processes, each running `train_demo`
-        code = distributed.launch(
+    if launch.needs_launch(config):  # several processes, each running `train_demo` (`worker`)
+        code = launch.launch(
             config,
             resume=resume,
             overwrite=overwrite,
@@ -301,19 +292,17 @@ def run_demo(
 
 
 def train_demo(
-    config: Any,
+    config: TrainConfig,
     *,
     resume: bool,
     overwrite: bool,
     console: Console,
     dry_run: bool = False,
-    processes: Any = None,
-    plan: Any = None,
+    processes: Processes | None = None,
+    plan: Plan | None = None,
 ) -> bool:
     """The demo's run and its before / after comparison (by rank 0 alone, when several processes train it)."""
-    from lorafit.train.recipe import run
-
-    result = run(
+    result = recipe.run(
         config,
         resume=resume,
         overwrite=overwrite,

@@ -1,13 +1,10 @@
-"""Several GPUs: the accelerate config the plan chose, the launch through accelerate's own launcher, and the
-worker processes, each running the same recipe on its share of the data.
+"""Several GPUs, the pieces: where a process stands among the training processes, what the machines can
+run, which checkpoints resume on other GPUs, an out-of-memory error among several processes, and the accelerate
+(and DeepSpeed) config the plan chose. `launch` starts the processes; `worker` is the module each one runs.
 
-`lorafit train ... --n-gpus N` (and `--nodes M --node-rank R --main-address A`) checks the machine, opens the
-run folder and makes the plan as a one-GPU run does, then writes `accelerate_config.yaml` (and, for ZeRO,
-`deepspeed.json`) into the run folder, prints it, and runs `accelerate launch --config_file <it> -m
-lorafit.train.distributed <launch folder>`. Every worker runs `recipe.run` with the launcher's plan; rank 0
-alone writes the run folder. transformers' Trainer takes DDP, FSDP or DeepSpeed from the `ACCELERATE_*`,
-`FSDP_*` variables accelerate's launcher sets from the config (`TrainingArguments` reads
-`ACCELERATE_USE_DEEPSPEED`, the `Accelerator` `ACCELERATE_USE_FSDP` and the `FSDP_*` plugin fields).
+transformers' Trainer takes DDP, FSDP or DeepSpeed from the `ACCELERATE_*`, `FSDP_*` variables accelerate's
+launcher sets from the config (`TrainingArguments` reads `ACCELERATE_USE_DEEPSPEED`, the `Accelerator`
+`ACCELERATE_USE_FSDP` and the `FSDP_*` plugin fields).
 
 Without a GPU the processes run on the CPU over gloo, with data parallelism only. accelerate's own CPU type
 (`MULTI_CPU`) starts several processes only through mpirun; the config therefore names the multi-GPU type with
@@ -20,45 +17,32 @@ this one, so there is no point at which all of them could agree and retry. The p
 run with one line that names the micro-batch to resume with; torchrun then stops the others. The pre-flight
 before step 1 does agree (every process measures, all take the smallest micro-batch that fits).
 
-torch, accelerate and transformers are imported inside the functions.
+torch is imported inside the functions.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import math
-import os
-import shutil
-import signal
-import sys
 import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from lorafit import memory
-from lorafit.errors import InvalidConfig, LorafitError, TrainError
+from lorafit.errors import InvalidConfig, TrainError
 from lorafit.files import write_atomic
+from lorafit.train import checkpoints, guard
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from rich.console import Console
-
     from lorafit.options import TrainConfig
     from lorafit.schema import Estimate, Settings
 
-ENTRY = "lorafit.train.distributed"  # the module `accelerate launch -m` runs in every process
 LAUNCH_KEYS = ("node_rank", "main_address", "main_port")  # where a run is started from, not what it trains
 ACCELERATE_CONFIG = "accelerate_config.yaml"
 DEEPSPEED_CONFIG = "deepspeed.json"
-PAYLOAD = "launch.json"  # in the launch folder: the config, the plan and the switches every worker runs
-ERROR_PREFIX = "error-rank"  # in the launch folder: the one line a worker stopped with
 SHARDED = ("zero2", "zero3", "fsdp")  # the shards that split optimizer state (and, but zero2, weights) over GPUs
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}  # Settings.precision -> accelerate's
 DISTRIBUTED_TYPE = {"none": "MULTI_GPU", "ddp": "MULTI_GPU", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}
@@ -145,15 +129,6 @@ class Processes:
 
 
 ONE_PROCESS = Processes()
-
-
-def needs_launch(config: TrainConfig) -> bool:
-    """Several processes asked for, and this is not already one of them."""
-    return (config.n_gpus > 1 or config.nodes > 1) and not in_worker()
-
-
-def in_worker() -> bool:
-    return "LOCAL_RANK" in os.environ and os.environ.get("LORAFIT_LAUNCHED") == "1"
 
 
 # --- what the machine can run --------------------------------------------------------------------------------
@@ -305,10 +280,6 @@ def check_resume(saved: Settings, resumed: Settings, checkpoint: Path) -> None:
 def agree(checked: Any, settings: Settings, processes: Processes) -> Any:
     """The pre-flight's result every process uses: the smallest micro-batch that fits on all of them (each
     process measured its own GPU; the halvings of one start follow one chain, so the smallest is on every one)."""
-    from dataclasses import replace
-
-    from lorafit.train import guard
-
     micro_batch = processes.smallest(checked.settings.micro_batch)
     agreed = settings
     while agreed.micro_batch > micro_batch:
@@ -323,8 +294,6 @@ def out_of_memory(step: int, settings: Settings, processes: Processes, output_di
     """The one line for an out-of-memory error in one of several processes: the others wait inside the
     gradient exchange of this step, so they cannot all halve the micro-batch and go on, as one process does;
     the run stops, and the line names the settings to resume with."""
-    from lorafit.train import checkpoints, guard
-
     where = f"process {processes.rank} of {processes.world_size}"
     smaller = guard.smaller(settings)
     if smaller is None:
@@ -470,229 +439,3 @@ def describe(settings: Settings, config: TrainConfig, topology: Topology) -> str
     """The configs a launch would write, as text (the dry run prints it)."""
     with tempfile.TemporaryDirectory(prefix="lorafit-configs-") as scratch:
         return write_configs(Path(scratch), settings, config, topology).text
-
-
-# --- the launch ------------------------------------------------------------------------------------------------
-def launch(
-    config: TrainConfig,
-    *,
-    resume: bool = False,
-    overwrite: bool = False,
-    dry_run: bool = False,
-    console: Console,
-    build_model: Callable[[Path], None] | None = None,
-    demo: bool = False,
-) -> int:
-    """Check the machines, open the run folder and plan (as `recipe.run` does), write and print the accelerate
-    config, and run the workers through `accelerate launch`. Returns the exit code of the run."""
-    from lorafit.train import recipe
-    from lorafit.train.build import quiet_libraries
-
-    quiet_libraries()
-    import torch
-
-    on_cuda = torch.cuda.is_available()
-    topology = Topology.of(config, on_cuda)
-    check_topology(topology, visible_gpus() if on_cuda else [])
-    if dry_run:
-        recipe.run(config, resume=resume, overwrite=overwrite, dry_run=True, console=console, build_model=build_model)
-        return 0
-    prepared = recipe.prepare_launch(
-        config,
-        resume=resume,
-        overwrite=overwrite,
-        console=console,
-        build_model=build_model,
-        writes=topology.node_rank == 0,
-    )
-    if prepared is None:
-        return 0  # finished: nothing to train
-    plan = prepared.plan
-    if on_cuda:
-        from lorafit.hardware import available_ram_gib
-
-        check_host_ram(plan.estimate, available_ram_gib(), topology)
-    else:
-        console.print(cpu_note(prepared.asked, topology))
-    launch_dir = Path(tempfile.mkdtemp(prefix="lorafit-launch-"))
-    try:
-        # node 0 keeps the config with the run; another node's run folder is not written (rank 0 writes it)
-        folder = prepared.output_dir if topology.node_rank == 0 else launch_dir
-        written = write_configs(folder, plan.settings, config, topology)
-        payload = {
-            "config": config.model_dump(mode="json"),
-            "plan": json.loads(plan.to_json()),
-            "resume": resume,
-            "demo": demo,
-        }
-        write_atomic(launch_dir / PAYLOAD, json.dumps(payload))
-        console.print(f"accelerate config ({written.accelerate_file}):")
-        console.print(written.text, end="", markup=False)
-        where = f" on node {topology.node_rank} of {topology.nodes} ({topology.world_size} in all)"
-        console.print(
-            f"launching {topology.n_gpus} processes{where if topology.nodes > 1 else ''}: accelerate launch "
-            f"--config_file {written.accelerate_file} -m {ENTRY}",
-            markup=False,
-        )
-        code = _accelerate_launch(written.accelerate_file, launch_dir, topology)
-        problems = _worker_errors(launch_dir)
-        if problems:
-            raise TrainError(problems[0])
-        if code < 0:  # killed: by the kernel's out-of-memory killer, say
-            from lorafit.train import checkpoints
-
-            name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
-            hint = checkpoints.resume_hint(prepared.output_dir)
-            raise TrainError(f"a training process was killed ({name}); {hint}")
-        if code not in (0, 1, 130):
-            raise TrainError(f"a training process stopped with exit code {code}; its messages are above")
-        return code
-    finally:
-        shutil.rmtree(launch_dir, ignore_errors=True)
-
-
-def _accelerate_launch(config_file: Path, launch_dir: Path, topology: Topology) -> int:
-    """`accelerate launch --config_file F -m lorafit.train.distributed DIR`, run in this process, so that a
-    failed worker comes back as its exit code (its one line is in DIR) instead of torchrun's report."""
-    from accelerate.commands.launch import launch_command, launch_command_parser
-
-    arguments = launch_command_parser().parse_args(["--config_file", str(config_file), "-m", ENTRY, str(launch_dir)])
-    threads = max(1, (os.cpu_count() or 1) // topology.n_gpus)
-    environment = {"LORAFIT_LAUNCHED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
-    if not topology.on_cuda:  # DeepSpeed, imported by the libraries in a worker, otherwise warns that it found no GPU
-        environment["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR", "cpu")
-    with _quiet_launcher(), _environment(environment):
-        try:
-            launch_command(arguments)
-        except SystemExit as stop:
-            return stop.code if isinstance(stop.code, int) else 1
-        except Exception as error:
-            failure = getattr(error, "get_first_failure", None)
-            if failure is None:
-                raise
-            _, first = failure()
-            return int(first.exitcode) if first.exitcode else 1  # negative: the signal that killed it
-    return 0
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-@contextlib.contextmanager
-def _quiet_launcher() -> Iterator[None]:
-    """torchrun's elastic agent logs every start and, for a failed worker, a report; the worker said it in one
-    line already. Its loggers set their own level (from LOGLEVEL) when created, so each is set here."""
-    import warnings
-
-    import torch.distributed.run  # noqa: F401 - creates the elastic agent's loggers
-
-    saved = os.environ.get("LOGLEVEL")
-    os.environ["LOGLEVEL"] = "CRITICAL"
-    loggers = [
-        logging.getLogger(name)
-        for name in list(logging.root.manager.loggerDict)
-        if name.startswith(("torch.distributed", "accelerate"))
-    ]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for logger, level in zip(loggers, levels, strict=True):
-            logger.setLevel(level)
-        if saved is None:
-            os.environ.pop("LOGLEVEL", None)
-        else:
-            os.environ["LOGLEVEL"] = saved
-
-
-def _worker_errors(launch_dir: Path) -> list[str]:
-    """The one-line errors the workers stopped with, rank order, each once."""
-    lines: list[str] = []
-    for path in sorted(launch_dir.glob(f"{ERROR_PREFIX}*.txt"), key=lambda p: int(p.stem[len(ERROR_PREFIX) :])):
-        line = path.read_text().strip()
-        if line and line not in lines:
-            lines.append(line)
-    return lines
-
-
-# --- a worker --------------------------------------------------------------------------------------------------
-def join() -> Processes:
-    """Join the process group accelerate's launcher set up (NCCL on GPUs, gloo on the CPU), on this process's GPU."""
-    import torch
-    from accelerate import PartialState
-
-    state = PartialState(cpu=not torch.cuda.is_available())
-    return Processes(rank=state.process_index, world_size=state.num_processes, local_rank=state.local_process_index)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """One training process: `python -m lorafit.train.distributed LAUNCH_DIR`, as `accelerate launch` starts it."""
-    from rich.console import Console
-
-    from lorafit.train.build import quiet_libraries
-
-    launch_dir = Path((sys.argv[1:] if argv is None else argv)[0])
-    payload = json.loads((launch_dir / PAYLOAD).read_text())
-    quiet_libraries()
-    processes = join()
-    processes = Processes(processes.rank, processes.world_size, processes.local_rank, launch_dir)
-    # rank 0 speaks for the run; the other processes say nothing
-    console = Console(highlight=False, soft_wrap=True, quiet=not processes.is_main)
-    code = 0
-    try:
-        code = _work(payload, processes, console)
-    except LorafitError as error:
-        line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        write_atomic(launch_dir / f"{ERROR_PREFIX}{processes.rank}.txt", line + "\n")
-        code = 2
-    except KeyboardInterrupt:
-        code = 130
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        os._exit(code)  # now: the other processes may be waiting in a collective that will never come
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    # and out without the interpreter's teardown, where a library thread still joinable aborts the process
-    # ("terminate called without an active exception", SIGABRT) after a run that has finished and been saved
-    logging.shutdown()
-    os._exit(0)
-
-
-def _work(payload: dict[str, Any], processes: Processes, console: Console) -> int:
-    from lorafit.options import TrainConfig
-    from lorafit.schema import Plan
-    from lorafit.train import recipe
-
-    config = TrainConfig.model_validate(payload["config"])
-    plan = Plan.model_validate(payload["plan"])
-    if payload["demo"]:
-        from lorafit.train import demo
-
-        learned = demo.train_demo(
-            config, resume=payload["resume"], overwrite=False, console=console, processes=processes, plan=plan
-        )
-        return 0 if learned else 1
-    recipe.run(config, resume=payload["resume"], console=console, processes=processes, plan=plan)
-    return 0
-
-
-if __name__ == "__main__":
-    main()
