@@ -43,6 +43,14 @@ HEAVY = {
 }
 
 
+# Light lorafit modules that may still load inside a function, each with the measurement that keeps it there.
+KEPT_LAZY = {
+    # `python -X importtime -c "import lorafit.cli, lorafit.data"`: about 20 ms more, against the 0.3 s start-up
+    # budget of `lorafit plan` (make bench-startup); the data package loads only for --data
+    ("lorafit.answers", "lorafit.data"): "start-up of lorafit plan",
+}
+
+
 @dataclass
 class Module:
     name: str
@@ -187,6 +195,7 @@ def test_lazy_imports_of_lorafit_modules_are_only_of_heavy_ones(graph: dict[str,
         f"{module.path.relative_to(PACKAGE.parent)}:{module.lazy_lines[target]} imports {target} inside a function"
         for module in graph.values()
         for target in set(module.lazy_lines) - heavy
+        if (module.name, target) not in KEPT_LAZY
     )
     assert light == []
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafit.errors import TrainError
-from lorafit.train import hf_args, model_files
+from lorafit.train import hf_args, model_files, savers
 from lorafit.train.hf_args import ATTN_IMPLEMENTATION
 
 if TYPE_CHECKING:
@@ -177,8 +177,6 @@ def prepare(model: PreTrainedModel, spec: ModelSpec, settings: Settings) -> PreT
         return model
     model = get_peft_model(model, lora_config(spec, settings))
     if settings.offload_embeddings:
-        from lorafit.train import savers
-
         savers.keep_embeddings_on_host(model)
     return model
 

@@ -11,7 +11,14 @@ from typing import Any
 
 import typer
 
+from lorafit import options
 from lorafit.cli import derived_options, split
+from lorafit.errors import InvalidConfig
+from lorafit.train.chat import answer, answer_gguf, load
+from lorafit.train.config import load_config, write_starter
+from lorafit.train.demo import run_demo
+from lorafit.train.launch import launch, needs_launch
+from lorafit.train.recipe import run
 
 
 def register(app: typer.Typer) -> None:
@@ -35,15 +42,9 @@ def train_command(
     if switches["demo"]:
         if config is not None:
             raise typer.BadParameter("--demo brings its own config; pass flags to change it", param_hint="CONFIG")
-        from lorafit.train.demo import run_demo
-
         if not run_demo(overrides, console=console, **run_switches):
             raise typer.Exit(1)
         return
-    from lorafit.train.config import load_config
-    from lorafit.train.launch import launch, needs_launch
-    from lorafit.train.recipe import run
-
     resolved = load_config(config, overrides)
     if needs_launch(resolved):  # n_gpus / nodes > 1: `accelerate launch` starts the processes
         code = launch(resolved, console=console, **run_switches)
@@ -60,8 +61,6 @@ def init_command(
     force: bool = typer.Option(False, "--force", help="Replace an existing file"),
 ) -> None:
     """Write a commented starter config with every key and its default."""
-    from lorafit.train.config import write_starter
-
     write_starter(path, force=force)
     typer.echo(f"wrote {path}; set `model:` and `data:`, then run `lorafit train {path}`")
 
@@ -72,10 +71,6 @@ def chat_command(
     **values: Any,
 ) -> None:
     """Load the run's base model and adapter (or the GGUF, through llama.cpp) and print its answer to PROMPT."""
-    from lorafit import options
-    from lorafit.errors import InvalidConfig
-    from lorafit.train.chat import answer, answer_gguf, load
-
     given, _ = split(values)
     asked = options.validate("chat", given, from_flags=given)
     if asked.prompt is None:

@@ -18,6 +18,7 @@ from lorafit import options, safeload
 from lorafit.errors import InvalidConfig
 from lorafit.files import target_problem, write_atomic
 from lorafit.options import TrainConfig
+from lorafit.schema import Plan
 
 # The Settings fields a train config can fix (the single-device trainer has no n_gpus or shard).
 SETTINGS_KEYS = tuple(key for key in options.STEP_KEYS if key in TrainConfig.model_fields)
@@ -96,8 +97,6 @@ def _is_plan(data: dict[str, Any]) -> bool:
 
 def _plan_as_config(path: Path) -> dict[str, Any]:
     """A saved Plan as config keys: every setting pinned, the effective batch and epochs it planned for."""
-    from lorafit.schema import Plan
-
     plan = Plan.load(path)
     settings = plan.settings.model_dump()
     return {"batch_size": plan.batch_size, "epochs": plan.epochs} | {key: settings[key] for key in SETTINGS_KEYS}

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lorafit.data.profile import profile_of_lengths
 from lorafit.errors import DataError
 
 if TYPE_CHECKING:
@@ -171,7 +172,5 @@ def _inside(start: int, end: int, spans: list[tuple[int, int]]) -> bool:
 def token_profile(encoded: Encoded, source: str, tokenizer_name: str) -> TokenProfile:
     """The planner's view of the data, measured on the exact tokens the trainer renders (before the cut). The
     plan is saved in the run folder, which is shared: an absolute `source` is named by its file name."""
-    from lorafit.data.profile import profile_of_lengths
-
     shown = Path(source).name if Path(source).is_absolute() else source
     return profile_of_lengths(encoded.lengths, shown, answer_tokens=encoded.answer_tokens, tokenizer=tokenizer_name)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lorafit.files import atomic_writer
 from lorafit.render import settings_line
 from lorafit.schema import Plan
 from lorafit.train import checkpoints
@@ -47,8 +48,6 @@ def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str, eval_before
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    from lorafit.files import atomic_writer
-
     try:
         with atomic_writer(path, binary=True) as handle:
             figure.savefig(handle, format="png")
