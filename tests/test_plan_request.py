@@ -9,7 +9,7 @@ import pytest
 
 from lorafit import hardware, models, options
 from lorafit.schema import Plan, TokenProfile
-from lorafit.train import recipe
+from lorafit.train import setup
 
 PROFILE = TokenProfile(
     source="rows", rows=1000, total_tokens=1_000_000, mean=1000, p50=1000, p95=1500, p99=1900, max=2000
@@ -20,7 +20,7 @@ def train_plan(values: dict[str, object], gpu: str) -> Plan:
     """The plan `lorafit train` makes for these config values on a CUDA machine with this GPU."""
     config = options.validate("train", {"model": "some/dir"} | values)
     with mock.patch.object(hardware, "available_ram_gib", return_value=512.0):
-        return recipe.resolve_plan(
+        return setup.resolve_plan(
             config,
             models.resolve("llama-3.1-8b"),
             PROFILE,

@@ -307,12 +307,14 @@ def finished_run_args(finished_run: dict) -> list[str]:
 
 
 def test_rerunning_a_finished_run_says_so_and_changes_nothing(
-    finished_run: dict, capsys: pytest.CaptureFixture[str]
+    finished_run: dict, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The same command again, and its resolved config.yaml (which pins what the plan chose), into the same folder."""
+    """The same command again, and its resolved config.yaml (which pins what the plan chose), into the same folder;
+    the config names its paths from the run folder, so it reruns from another working directory too."""
     run = finished_run["dir"]
     before = folder_bytes(run)
     for args in (finished_run_args(finished_run), ["train", str(run / "config.yaml")]):
+        monkeypatch.chdir(tmp_path)  # the second: elsewhere than the run was started from
         code, out, err = lorafit(args, capsys)
         assert (code, err) == (0, "")
         (line,) = out.strip().splitlines()
@@ -1002,7 +1004,7 @@ def test_the_files_a_run_folder_shares_name_no_absolute_path(finished_run: dict,
     the run is still the same run (test_rerunning_a_finished_run_says_so_and_changes_nothing)."""
     run = finished_run["dir"]
     machine = [str(tiny["root"].resolve()), str(run.resolve().parent)]
-    for name in ("README.md", "plan.json", "plan.yaml", "lorafit-run.json"):
+    for name in ("README.md", "plan.json", "plan.yaml", "lorafit-run.json", "config.yaml"):
         text = (run / name).read_text()
         assert not any(path in text for path in machine), name
     card = (run / "README.md").read_text()

@@ -24,6 +24,7 @@ from lorafit.export.output import check_output, staged
 from lorafit.export.source import RunSource, open_run, weight_files
 from lorafit.options import GgufType
 from lorafit.train.chat import quiet_stderr, run_folder
+from lorafit.train.config import run_config
 
 # Bytes per weight of each GGUF type, for the disk check before writing (K-quant mixes at their largest share).
 BYTES_PER_WEIGHT = {
@@ -152,10 +153,8 @@ def export_gguf(
 def heldout_rows(source: RunSource, rows: int = 24) -> list[list[dict[str, str]]]:
     """The first held-out conversations of the run (its eval data, else its data), read with the run's own
     format and mapping; none when the files moved or the run left no config."""
-    import yaml
-
     try:
-        config = yaml.safe_load((run_folder(source.run_dir) / "config.yaml").read_text()) or {}
+        config = run_config(run_folder(source.run_dir))
         path = config.get("eval_data") or config.get("data")
         loaded = load_conversations(Path(path), config.get("data_format"), config.get("data_mapping") or None)
         return [list(row) for row, _ in zip(loaded, range(rows), strict=False)]

@@ -372,11 +372,12 @@ PATH_KEYS = ("model", "data", "eval_data")
 
 
 def portable(fingerprint: Any) -> dict[str, Any]:
-    """A fingerprint as the run file keeps it: the model and data by their names, not by absolute paths of
-    this machine (the run folder is shared). Which files they are, `base_digest` and `data_sha256` say."""
+    """A fingerprint as the run file keeps it: the model and data by their names, not by paths of this machine
+    (the run folder is shared, and its config.yaml names them from the folder). Which files they are,
+    `base_digest` and `data_sha256` say."""
     if not isinstance(fingerprint, dict):
         return {}
-    named = {key: Path(value).name for key in PATH_KEYS if os.path.isabs(value := str(fingerprint.get(key) or ""))}
+    named = {key: Path(str(fingerprint[key])).name for key in PATH_KEYS if fingerprint.get(key)}
     return fingerprint | named
 
 
@@ -388,7 +389,7 @@ def _changed(saved: dict[str, Any], fingerprint: dict[str, Any], output_dir: Pat
     saved_fingerprint: dict[str, Any] = found if isinstance(found, dict) else {}
     if os.path.isabs(str(saved_fingerprint.get("model", ""))):
         return _differences(saved_fingerprint, fingerprint, _saved_settings(output_dir))
-    changed = _differences(saved_fingerprint, portable(fingerprint), _saved_settings(output_dir))
+    changed = _differences(portable(saved_fingerprint), portable(fingerprint), _saved_settings(output_dir))
     model, digest = Path(str(fingerprint.get("model", ""))), saved.get("base_digest")
     if "model" not in changed and digest and (model / "config.json").is_file() and model_digest(model) != digest:
         changed = sorted([*changed, "model"])

@@ -8,6 +8,7 @@ all taken as given.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,37 @@ from lorafit.schema import Plan
 
 # The Settings fields a train config can fix (the single-device trainer has no n_gpus or shard).
 SETTINGS_KEYS = tuple(key for key in options.STEP_KEYS if key in TrainConfig.model_fields)
+# The keys that name files or folders.
+PATH_KEYS = ("model", "data", "eval_data", "output_dir")
+# The first line of the config.yaml a run folder keeps: its paths are relative to that folder, so that a shared
+# run folder names no absolute path of the machine it was trained on and still reruns from anywhere.
+RUN_FOLDER_CONFIG = "# lorafit run config: paths are relative to this folder"
+
+
+def portable_yaml(config: TrainConfig, folder: Path) -> str:
+    """The config as the run folder keeps it: every path relative to `folder` (see RUN_FOLDER_CONFIG)."""
+    data = config.model_dump(mode="json")
+    for key in PATH_KEYS:
+        if data.get(key) is not None:
+            data[key] = os.path.relpath(Path(data[key]).absolute(), Path(folder).absolute())
+    return f"{RUN_FOLDER_CONFIG}\n" + yaml.safe_dump(data, sort_keys=False)
+
+
+def run_config(folder: Path) -> dict[str, Any]:
+    """The config.yaml a run folder keeps, its paths made paths from here (for export, which reads its data)."""
+    return _read_mapping(Path(folder) / "config.yaml")
+
+
+def _anchored(data: dict[str, Any], path: Path, text: str) -> dict[str, Any]:
+    """A run folder's config names its paths relative to its folder: make them paths from here."""
+    if not text.startswith(RUN_FOLDER_CONFIG):
+        return data
+    folder = path.parent
+    return data | {
+        key: os.path.normpath(folder / value)
+        for key in PATH_KEYS
+        if isinstance(value := data.get(key), str) and not os.path.isabs(value)
+    }
 
 
 def load_config(path: Path | None, overrides: dict[str, Any]) -> TrainConfig:
@@ -67,7 +99,8 @@ def _read_mapping(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise InvalidConfig(f"no config file {path}; `lorafit init {path}` writes a starter config")
     try:
-        data = safeload.load_yaml(path.read_text())
+        text = path.read_text()
+        data = safeload.load_yaml(text)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -79,7 +112,7 @@ def _read_mapping(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise InvalidConfig(f"{path} must hold a mapping of keys to values (see `lorafit init`)")
-    return data
+    return _anchored(data, path, text)
 
 
 def _folder_advice(path: Path) -> str:

@@ -16,13 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lorafit.errors import TrainError
 from lorafit.files import write_atomic
 from lorafit.schema import Plan
 from lorafit.train import checkpoints
-from lorafit.train.config import SETTINGS_KEYS, TrainConfig
+from lorafit.train.config import SETTINGS_KEYS, TrainConfig, portable_yaml
 from lorafit.train.distributed import LAUNCH_KEYS
 
 METRICS = "metrics.jsonl"
@@ -186,8 +184,7 @@ def save_run(
     """plan.json, plan.yaml, the resolved config.yaml and the run file with `status`: what resumes or reproduces
     the run. The eval loss before training and the base's digest, once recorded, are kept."""
     save_plan(output_dir, plan)
-    resolved = resolved_config(config, plan).model_dump(mode="json")
-    write_atomic(output_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False))
+    write_atomic(output_dir / "config.yaml", portable_yaml(resolved_config(config, plan), output_dir))
     current = checkpoints.read_run_file(output_dir) or saved or {}
     kept = {key: value for key, value in current.items() if key in ("eval_before", "base_digest")}
     checkpoints.write_run_file(output_dir, kept | {"fingerprint": fingerprint, "status": status} | extra)

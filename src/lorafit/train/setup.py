@@ -365,18 +365,21 @@ def resolve_plan(
         options.check_against(pinned, spec, gpu, on_cpu=not on_cuda)
         plan = saved_plan
     else:
+        fixed = pinned | {"method": config.method, "seq_len": config.seq_len}
+        if config.n_gpus > 1 and config.nodes == 1:
+            # train picks no shard for one machine's GPUs: the step is searched unsharded (the user's shard is applied
+            # to the chosen one below), or for an offload under the user's shard or ZeRO-3
+            fixed["shard"] = pinned.get("shard", "zero3") if config.offload != "none" else "none"
         request = PlanRequest(
             model=spec,
             gpu=gpu,
             device=device,
-            method=config.method,
-            seq_len=config.seq_len,
+            fixed=Settings.given(fixed),
             batch_size=config.effective_batch_size,
             tokens=profile,
             epochs=config.epochs,
             headroom=config.headroom,
             batching=config.batching,
-            pinned=pinned,
             host_ram_gib=hardware.available_ram_gib() if on_cuda else None,
         )
         seq_len = resolve_seq_len(request)
