@@ -7,16 +7,22 @@ included, the interpreter's own start-up left out, as a user's shell adds that t
 process reports which heavy libraries it imported. The median of the runs is printed for the plan and for a
 bare `import lorafit`, with the target; the exit code is 1 when torch or transformers was imported.
 
-    python bench/startup.py [--runs 5] [--json]
+    python bench/startup.py [--runs 5] [--json] [--baseline OTHER/src]
+
+`--baseline` times another source tree (the `src` of an older checkout, e.g. from `git worktree add`) in the same
+run, taking turns, so that a change is judged by the ratio on the same (shared, noisy) machine. The byte-code
+cache is used as an installed package uses it (PYTHONDONTWRITEBYTECODE is cleared; a first, untimed run writes it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 TARGET_SECONDS = 0.3
 HEAVY = ("torch", "transformers")
@@ -44,27 +50,35 @@ with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
 }
 
 
-def time_once(body: str) -> dict:
-    """One fresh interpreter running `body`: its seconds and the heavy libraries it imported."""
+def time_once(body: str, src: Path | None = None) -> dict:
+    """One fresh interpreter running `body` (lorafit from `src` when given): its seconds and the heavy libraries
+    it imported."""
     program = TIMED.format(body=body, heavy=HEAVY)
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=False)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
+    if src is not None:
+        env["PYTHONPATH"] = str(src)
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise SystemExit(f"startup bench: the timed program failed:\n{done.stderr.strip()}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(runs: int) -> dict[str, dict]:
-    """Median seconds of each program over `runs` fresh interpreters, taking turns, and what they imported."""
-    times: dict[str, list[float]] = {name: [] for name in BODIES}
-    heavy: dict[str, set[str]] = {name: set() for name in BODIES}
+def measure(runs: int, trees: dict[str, Path | None]) -> dict[str, dict]:
+    """Median seconds of each program of each source tree over `runs` fresh interpreters, taking turns, and what
+    they imported. Keys: the program's name, then ` (baseline)` for the other tree."""
+    labels = {f"{name}{suffix}": (body, src) for suffix, src in trees.items() for name, body in BODIES.items()}
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    heavy: dict[str, set[str]] = {label: set() for label in labels}
+    for body, src in labels.values():
+        time_once(body, src)  # writes the byte-code cache; not timed
     for _ in range(runs):
-        for name, body in BODIES.items():
-            result = time_once(body)
-            times[name].append(result["seconds"])
-            heavy[name] |= set(result["heavy"])
+        for label, (body, src) in labels.items():
+            result = time_once(body, src)
+            times[label].append(result["seconds"])
+            heavy[label] |= set(result["heavy"])
     return {
-        name: {"median_s": statistics.median(times[name]), "runs": len(times[name]), "heavy": sorted(heavy[name])}
-        for name in BODIES
+        label: {"median_s": statistics.median(times[label]), "runs": len(times[label]), "heavy": sorted(heavy[label])}
+        for label in labels
     }
 
 
@@ -72,17 +86,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="fresh interpreters per program (median)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--baseline", type=Path, help="the src folder of another checkout, timed in the same run")
     args = parser.parse_args(argv)
-    results = measure(max(args.runs, 1))
-    imported = sorted({name for result in results.values() for name in result["heavy"]})
+    trees: dict[str, Path | None] = {"": None} | ({" (baseline)": args.baseline} if args.baseline else {})
+    results = measure(max(args.runs, 1), trees)
+    ours = [result for label, result in results.items() if "baseline" not in label]
+    imported = sorted({name for result in ours for name in result["heavy"]})
     if args.json:
         print(json.dumps({"target_s": TARGET_SECONDS, "results": results, "heavy_imported": imported}))
     else:
         for name, result in results.items():
-            print(f"{name:<16} {result['median_s']:.3f} s  (median of {result['runs']} fresh processes)")
+            print(f"{name:<27} {result['median_s']:.3f} s  (median of {result['runs']} fresh processes)")
         plan = results["lorafit plan"]["median_s"]
         verdict = "within" if plan < TARGET_SECONDS else "OVER"
         print(f"target: lorafit plan < {TARGET_SECONDS} s in-process: {verdict}")
+        if args.baseline:
+            ratio = plan / results["lorafit plan (baseline)"]["median_s"]
+            print(f"lorafit plan against the baseline: {ratio:.2f}x")
         print(f"torch/transformers imported: {', '.join(imported) if imported else 'no'}")
     return 1 if imported else 0
 

@@ -118,7 +118,7 @@ def test_a_train_command_from_the_page_runs_the_plan(
     tokenizer = build_tokenizer(corpus(), vocab_size=512)
     build_model(tmp_path / "model", tokenizer, tiny_spec(len(tokenizer), hidden_size=64), seed=0)
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"instruction": f"q {i}", "output": f"a {i}"}) + "\n" for i in range(16)))
+    data.write_text("".join(json.dumps({"instruction": f"q {i}", "output": f"a {i}"}) + "\n" for i in range(64)))
     config = (tmp_path / "model" / "config.json").read_bytes()
     model = client.post("/api/upload?kind=model&name=config.json", content=config).json()["value"]
     command = client.get("/api/run", params={"model": model, "gpu": "rtx-4090"}).json()["command"]
