@@ -22,7 +22,7 @@ def build_run(root: Path, *, hidden: int = 64, shards: bool = False, dtype: str 
     from transformers import AutoModelForCausalLM
 
     from lorafit.train import demo
-    from lorafit.train.checkpoints import model_digest, write_run_file
+    from lorafit.train.runfolder import model_digest, write_run_file
 
     tokenizer = demo.build_tokenizer(demo.corpus(), vocab_size=512)
     base_dir, run_dir = root / "base", root / "run"
@@ -265,14 +265,14 @@ def test_not_enough_disk_is_refused_before_writing(
     run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from lorafit.export import merge, source
-    from lorafit.train import checkpoints
+    from lorafit.train import failures
 
-    monkeypatch.setattr(checkpoints, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(failures, "free_bytes", lambda path: 1000)
     with pytest.raises(ExportError, match="not enough disk space"):
         merge.merge(source.open_run(run_dir), tmp_path / "merged", overwrite=False)
     assert list(tmp_path.iterdir()) == []
     # a few megabytes free: the message shows them and the margin it keeps, not "0.00 GB"
-    monkeypatch.setattr(checkpoints, "free_bytes", lambda path: 20_000_000)
+    monkeypatch.setattr(failures, "free_bytes", lambda path: 20_000_000)
     with pytest.raises(ExportError, match=r"needs [\d.]+ MB plus a 67.1 MB margin, 20.0 MB are free"):
         merge.merge(source.open_run(run_dir), tmp_path / "merged", overwrite=False)
 

@@ -23,7 +23,7 @@ import pytest
 from conftest import run_cli
 from lorafit.models import ModelSpec
 from lorafit.schema import Plan, Settings
-from lorafit.train import checkpoints
+from lorafit.train import checkpoints, failures, runfolder
 
 WORDS = [
     "the",
@@ -331,7 +331,7 @@ def test_a_run_stopped_after_its_last_checkpoint_writes_its_outputs_without_trai
     shutil.copytree(finished_run["dir"], run)
     for name in ("adapter_model.safetensors", "adapter_config.json", "README.md", "loss.png"):
         (run / name).unlink()
-    checkpoints.write_run_file(run, (checkpoints.read_run_file(run) or {}) | {"status": "training"})
+    runfolder.write_run_file(run, (runfolder.read_run_file(run) or {}) | {"status": "training"})
     args = finished_run_args(finished_run)
     args[args.index("--output-dir") + 1] = str(run)
     code, out, err = lorafit(args, capsys)
@@ -599,7 +599,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_the_rerun_re
         monkeypatch.setattr(peft.peft_model, "safe_save_file", safe_save)  # the adapter in the checkpoint
     else:
         monkeypatch.setattr(torch, "save", save)  # the optimizer state in the checkpoint
-    monkeypatch.setattr(checkpoints, "free_bytes", lambda path: 0, raising=False)  # full after the failed write
+    monkeypatch.setattr(failures, "free_bytes", lambda path: 0, raising=False)  # full after the failed write
     code, _, err = lorafit(args, capsys)
     assert code == 2 and one_line(err)
     assert "cannot write checkpoint-4" in err and "no space left on device" in err
@@ -1017,9 +1017,9 @@ def test_a_run_file_of_an_earlier_lorafit_with_an_absolute_model_path_is_the_sam
 ) -> None:
     run = tmp_path / "qlora"
     shutil.copytree(finished_run["dir"], run)
-    saved = checkpoints.read_run_file(run) or {}
+    saved = runfolder.read_run_file(run) or {}
     saved["fingerprint"] |= {"model": str(tiny["model"].resolve()), "data": str(tiny["data"])}  # as it saved them
-    (run / checkpoints.RUN_FILE).write_text(json.dumps(saved))
+    (run / runfolder.RUN_FILE).write_text(json.dumps(saved))
     args = finished_run_args(finished_run)
     args[args.index("--output-dir") + 1] = str(run)
     code, out, err = lorafit(args, capsys)
@@ -1046,7 +1046,7 @@ def test_a_loss_that_becomes_nan_stops_the_run_in_one_line(
     assert code == 2 and one_line(err), err
     assert "the training loss became nan at step 3" in err and "lower the learning rate" in err
     assert "done" not in printed
-    assert (checkpoints.read_run_file(out) or {}).get("status") != "finished"
+    assert (runfolder.read_run_file(out) or {}).get("status") != "finished"
     assert not (out / "adapter_model.safetensors").exists()
     assert [path.name for path in checkpoints.good_checkpoints(out)] == ["checkpoint-2"]
 

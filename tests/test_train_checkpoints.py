@@ -1,4 +1,5 @@
-"""The run folder without training: which run it holds, how failed writes read, and deletes that a Ctrl-C cuts."""
+"""The run folder without training: which run it holds (`runfolder`), how failed writes read (`failures`), and
+deletes that a Ctrl-C cuts."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lorafit.errors import TrainError
-from lorafit.train import checkpoints
+from lorafit.train import checkpoints, failures, runfolder
 
 FINGERPRINT = {"method": "qlora", "micro_batch": None, "learning_rate": 0.0002, "data_sha256": "abc"}
 
@@ -18,7 +19,7 @@ FINGERPRINT = {"method": "qlora", "micro_batch": None, "learning_rate": 0.0002, 
 def make_run(folder: Path, status: str = "finished", steps: int = 6, micro_batch: int = 4) -> Path:
     """A run folder as `lorafit train` leaves it: run file, plan, final adapter, one complete checkpoint."""
     folder.mkdir(parents=True)
-    checkpoints.write_run_file(folder, {"fingerprint": FINGERPRINT, "status": status, "steps": steps})
+    runfolder.write_run_file(folder, {"fingerprint": FINGERPRINT, "status": status, "steps": steps})
     (folder / "plan.json").write_text(json.dumps({"settings": {"method": "qlora", "micro_batch": micro_batch}}))
     (folder / "adapter_model.safetensors").write_bytes(b"weights")
     checkpoint = checkpoints.checkpoint_root(folder) / f"checkpoint-{steps}"
@@ -36,7 +37,7 @@ def test_a_finished_run_is_reported_and_left_as_it_is(tmp_path: Path) -> None:
     run = make_run(tmp_path / "run")
     before = listing(run)
     for resume in (False, True):
-        start = checkpoints.begin(run, FINGERPRINT, resume=resume, overwrite=False)
+        start = runfolder.begin(run, FINGERPRINT, resume=resume, overwrite=False)
         assert start.mode == "finished"
         assert str(run) in start.note and "finished after 6 steps" in start.note and "--overwrite" in start.note
     assert listing(run) == before
@@ -45,16 +46,16 @@ def test_a_finished_run_is_reported_and_left_as_it_is(tmp_path: Path) -> None:
 def test_a_finished_run_without_its_weights_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
     run = make_run(tmp_path / "run")
     (run / "adapter_model.safetensors").unlink()  # the final save never happened (killed, disk full)
-    start = checkpoints.begin(run, FINGERPRINT, resume=False, overwrite=False)
+    start = runfolder.begin(run, FINGERPRINT, resume=False, overwrite=False)
     assert start.mode == "resume" and start.checkpoint.name == "checkpoint-6"
 
 
 def test_settings_given_as_the_values_the_run_uses_are_the_same_run(tmp_path: Path) -> None:
     """The resolved config.yaml pins what the plan chose: rerun into its own folder, it is the same run."""
     run = make_run(tmp_path / "run", micro_batch=4)
-    assert checkpoints.begin(run, FINGERPRINT | {"micro_batch": 4}, resume=False, overwrite=False).mode == "finished"
+    assert runfolder.begin(run, FINGERPRINT | {"micro_batch": 4}, resume=False, overwrite=False).mode == "finished"
     with pytest.raises(TrainError, match="differs in micro_batch"):
-        checkpoints.begin(run, FINGERPRINT | {"micro_batch": 8}, resume=False, overwrite=False)
+        runfolder.begin(run, FINGERPRINT | {"micro_batch": 8}, resume=False, overwrite=False)
 
 
 def test_overwrite_refuses_to_delete_what_the_run_reads(tmp_path: Path) -> None:
@@ -63,7 +64,7 @@ def test_overwrite_refuses_to_delete_what_the_run_reads(tmp_path: Path) -> None:
     data.write_text('{"instruction": "q", "output": "a"}\n')
     before = listing(run)
     with pytest.raises(TrainError, match="which this run reads"):
-        checkpoints.begin(run, FINGERPRINT, resume=False, overwrite=True, inputs=(data,))
+        runfolder.begin(run, FINGERPRINT, resume=False, overwrite=True, inputs=(data,))
     assert listing(run) == before
 
 
@@ -78,7 +79,7 @@ def test_an_overwrite_cut_short_leaves_a_folder_the_next_overwrite_can_delete(
     deleted: list[str] = []
 
     def run_file_first(path: Path):  # noqa: ANN202 - the order a file system may list them in
-        return iter(sorted(real_iterdir(path), key=lambda entry: entry.name != checkpoints.RUN_FILE))
+        return iter(sorted(real_iterdir(path), key=lambda entry: entry.name != runfolder.RUN_FILE))
 
     def unlink(path: Path, missing_ok: bool = False) -> None:
         if len(deleted) == 2:
@@ -89,23 +90,23 @@ def test_an_overwrite_cut_short_leaves_a_folder_the_next_overwrite_can_delete(
     monkeypatch.setattr(Path, "unlink", unlink)
     monkeypatch.setattr(Path, "iterdir", run_file_first)
     with pytest.raises(KeyboardInterrupt):
-        checkpoints.begin(run, FINGERPRINT, resume=False, overwrite=True)
+        runfolder.begin(run, FINGERPRINT, resume=False, overwrite=True)
     monkeypatch.setattr(Path, "unlink", real_unlink)
-    assert checkpoints.RUN_FILE not in deleted and (run / checkpoints.RUN_FILE).is_file()
-    start = checkpoints.begin(run, FINGERPRINT, resume=False, overwrite=True)
+    assert runfolder.RUN_FILE not in deleted and (run / runfolder.RUN_FILE).is_file()
+    start = runfolder.begin(run, FINGERPRINT, resume=False, overwrite=True)
     assert start.mode == "fresh" and list(run.iterdir()) == []
 
 
 def test_an_output_folder_that_cannot_be_written_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(TrainError, match="cannot write to --output-dir /proc/lorafit-run"):
-        checkpoints.begin(Path("/proc/lorafit-run"), FINGERPRINT, resume=False, overwrite=False)
+        runfolder.begin(Path("/proc/lorafit-run"), FINGERPRINT, resume=False, overwrite=False)
 
     def read_only(*args: object, **kwargs: object) -> None:  # what the OS answers on a read-only mount
         raise OSError(errno.EROFS, "Read-only file system", str(tmp_path))
 
-    monkeypatch.setattr(checkpoints.tempfile, "TemporaryFile", read_only)
+    monkeypatch.setattr(runfolder.tempfile, "TemporaryFile", read_only)
     with pytest.raises(TrainError, match="read-only file system"):
-        checkpoints.begin(tmp_path / "run", FINGERPRINT, resume=False, overwrite=False)
+        runfolder.begin(tmp_path / "run", FINGERPRINT, resume=False, overwrite=False)
     assert not (tmp_path / "run").exists()
 
 
@@ -116,15 +117,15 @@ def test_a_full_disk_reads_the_same_from_python_safetensors_and_torch(
     from safetensors import SafetensorError
 
     full = "no space left on device (the disk is full)"
-    assert checkpoints.write_failure(OSError(errno.ENOSPC, "No space left on device"), tmp_path) == full
+    assert failures.write_failure(OSError(errno.ENOSPC, "No space left on device"), tmp_path) == full
     text = "Error while serializing: I/O error: No space left on device (os error 28)"  # safetensors 0.7, measured
-    assert checkpoints.write_failure(SafetensorError(text), tmp_path) == full
+    assert failures.write_failure(SafetensorError(text), tmp_path) == full
     torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")  # measured
-    monkeypatch.setattr(checkpoints, "free_bytes", lambda path: 4096)
-    assert checkpoints.write_failure(torch_error, tmp_path) == full
-    monkeypatch.setattr(checkpoints, "free_bytes", lambda path: 100 * 2**30)  # not the disk: torch's words
-    assert "unexpected pos 576" in checkpoints.write_failure(torch_error, tmp_path)
-    assert checkpoints.write_failure(ValueError("a bug"), tmp_path) is None  # not a write: not hidden
+    monkeypatch.setattr(failures, "free_bytes", lambda path: 4096)
+    assert failures.write_failure(torch_error, tmp_path) == full
+    monkeypatch.setattr(failures, "free_bytes", lambda path: 100 * 2**30)  # not the disk: torch's words
+    assert "unexpected pos 576" in failures.write_failure(torch_error, tmp_path)
+    assert failures.write_failure(ValueError("a bug"), tmp_path) is None  # not a write: not hidden
 
 
 def test_a_failed_run_says_which_checkpoint_it_can_resume_from(tmp_path: Path) -> None:
@@ -133,7 +134,7 @@ def test_a_failed_run_says_which_checkpoint_it_can_resume_from(tmp_path: Path) -
     class Config:
         output_dir = str(run)
 
-    @checkpoints.one_line_run_errors
+    @runfolder.one_line_run_errors
     def fails(config: Config) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(run / "adapter_model.safetensors"))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafit.train import checkpoints
+from lorafit.train import runfolder
 from test_train import lorafit, metrics, one_line, tiny, train_args  # noqa: F401 (tiny is a fixture)
 
 
@@ -44,17 +44,17 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_a_killed_runs_lock_blo
         assert code == 2 and one_line(err), err
         assert f"{out} is in use by another lorafit run (pid {first.pid})" in err
         assert first.poll() is None  # still training, its folder whole
-        assert (checkpoints.read_run_file(out) or {}).get("status") == "training"
+        assert (runfolder.read_run_file(out) or {}).get("status") == "training"
     finally:
         first.kill()
         first.wait()
 
-    assert (out / checkpoints.LOCK).is_file()  # left by the killed run: its lock went with its process
+    assert (out / runfolder.LOCK).is_file()  # left by the killed run: its lock went with its process
     code, printed, err = lorafit(second, capsys)
     assert code == 0, err
     assert "--overwrite: deleted the previous run" in printed
     assert [line["step"] for line in metrics(out)] == [1]
-    assert not (out / checkpoints.LOCK).exists()  # let go at the end
+    assert not (out / runfolder.LOCK).exists()  # let go at the end
 
 
 def test_a_refused_run_leaves_no_folder_behind(

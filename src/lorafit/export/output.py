@@ -22,7 +22,7 @@ from pathlib import Path
 
 from lorafit.errors import ExportError
 from lorafit.files import fsync_dir, write_atomic
-from lorafit.train import checkpoints
+from lorafit.train import failures
 
 MARKER = ".lorafit-export"  # {"kind": "merged" | "gguf"}: what --overwrite may replace
 NAME_MAX_BYTES = 255  # the longest file name Linux, macOS and Windows file systems take
@@ -83,8 +83,8 @@ def check_output(
         parent.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryDirectory(dir=parent).cleanup()
     except OSError as error:
-        raise ExportError(f"cannot write in {parent}: {checkpoints.write_failure(error, parent)}") from None
-    free = checkpoints.free_bytes(parent)
+        raise ExportError(f"cannot write in {parent}: {failures.write_failure(error, parent)}") from None
+    free = failures.free_bytes(parent)
     if free is not None and free < needed_bytes + DISK_MARGIN_BYTES:
         raise ExportError(
             f"not enough disk space in {parent}: the export needs {size_text(needed_bytes)} plus a "
@@ -188,13 +188,13 @@ def staged(output: Path, kind: str, notes: list[str] | None = None) -> Iterator[
     except KeyboardInterrupt as interrupt:
         shutil.rmtree(staging, ignore_errors=True)
         sys.stderr.write(f"lorafit: export interrupted: its partial files were removed; {output} is as it was\n")
-        raise checkpoints.ReportedInterrupt from interrupt
+        raise failures.ReportedInterrupt from interrupt
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
-        reason = checkpoints.write_failure(error, output.parent)
+        reason = failures.write_failure(error, output.parent)
         if reason is None:
             raise
-        fix = checkpoints.fix_for(reason)
+        fix = failures.fix_for(reason)
         raise ExportError(
             f"could not write {output}: {reason}; the partial export was removed{'; ' + fix if fix else ''}"
         ) from None

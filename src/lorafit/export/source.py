@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafit.errors import ExportError, LorafitError
-from lorafit.train import checkpoints
+from lorafit.train import runfolder
 from lorafit.train.chat import base_dir_of, check_folder, run_folder
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -178,8 +178,8 @@ def open_run(run_dir: Path) -> RunSource:
     except LorafitError as error:
         raise ExportError(str(error)) from None
     adapter = read_adapter(run_dir)
-    recorded = (checkpoints.read_run_file(run_folder(run_dir)) or {}).get("base_digest")
-    if recorded and recorded != checkpoints.model_digest(base_dir):
+    recorded = (runfolder.read_run_file(run_folder(run_dir)) or {}).get("base_digest")
+    if recorded and recorded != runfolder.model_digest(base_dir):
         raise ExportError(
             f"the base model in {base_dir} is not the one this run trained on (its config or weights changed "
             "since): restore that model, or train again on this one"

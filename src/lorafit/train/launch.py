@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from lorafit import hardware
 from lorafit.errors import TrainError
 from lorafit.files import write_atomic
-from lorafit.train import build, checkpoints, distributed, setup
+from lorafit.train import build, checkpoints, distributed, runfolder, setup
 from lorafit.train.distributed import Topology
 from lorafit.train.setup import Role, RunRequest, SetUp
 
@@ -80,13 +80,13 @@ def launch(
         return _launch(prepared, topology, demo, console)
 
 
-@checkpoints.one_line_run_errors
+@runfolder.one_line_run_errors
 def _prepare(request: RunRequest, *, role: Role, console: Console, held: contextlib.ExitStack) -> SetUp | None:
     """`setup.prepare` for the launcher: a failed write or Ctrl-C there ends as it does in `recipe.run`."""
     return setup.prepare(request, role, console=console, held=held)
 
 
-@checkpoints.one_line_run_errors
+@runfolder.one_line_run_errors
 def _dry_run(request: RunRequest, *, console: Console) -> None:
     setup.dry_run(request, console=console)
 

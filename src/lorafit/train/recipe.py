@@ -52,7 +52,7 @@ class RunResult:
     eval_examples: examples.Encoded
 
 
-@checkpoints.one_line_run_errors
+@runfolder.one_line_run_errors
 def run(
     config: TrainConfig,
     *,
@@ -112,7 +112,7 @@ def _train(ready: SetUp, console: Console, processes: Processes, started: float)
     if processes.is_main:
         runfolder.save_run(output_dir, ready.config, ready.plan, ready.fingerprint, start.saved, status="training")
         if start.mode == "resume" and start.checkpoint is not None:
-            checkpoints.keep_metrics_until(output_dir / METRICS, checkpoints.checkpoint_step(start.checkpoint) or 0)
+            runfolder.keep_metrics_until(output_dir / METRICS, checkpoints.checkpoint_step(start.checkpoint) or 0)
 
     # Train, out-of-memory guarded.
     outcome = _train_guarded(ready, model, train_set, eval_set, console, processes)
@@ -411,7 +411,7 @@ def _write_outputs(
         tokens_per_s=tokens_per_s,
     )
     write_atomic(output_dir / "README.md", card)
-    fingerprint = (checkpoints.read_run_file(output_dir) or {}).get("fingerprint", {})
+    fingerprint = (runfolder.read_run_file(output_dir) or {}).get("fingerprint", {})
     runfolder.save_run(
         output_dir,
         config,

@@ -9,7 +9,7 @@ from typing import Any
 from lorafit.files import atomic_writer
 from lorafit.render import settings_line
 from lorafit.schema import Plan
-from lorafit.train import checkpoints
+from lorafit.train import runfolder
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -72,12 +72,12 @@ def model_card(
     tokens_per_s: float,
 ) -> str:
     """A short README.md: what was trained on what, how well, and how to use it. It travels with the run folder,
-    so it names no absolute path of this machine (`checkpoints.shown_path`): the snippets load the run by its
+    so it names no absolute path of this machine (`runfolder.shown_path`): the snippets load the run by its
     folder name from the folder above it."""
     run_dir = Path(run_name)
     run_name = run_dir.expanduser().resolve().name
-    base_model = checkpoints.shown_path(base_model, run_dir)
-    data = checkpoints.shown_path(data, run_dir)
+    base_model = runfolder.shown_path(base_model, run_dir)
+    data = runfolder.shown_path(data, run_dir)
     settings = plan.settings
     adapter = method != "full"
     lines = [

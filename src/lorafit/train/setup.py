@@ -27,7 +27,7 @@ from lorafit.models import ModelSpec, from_config_json
 from lorafit.plan import make_plan, resolve_seq_len, with_settings
 from lorafit.render import show_plan
 from lorafit.schema import Plan, PlanRequest, Settings
-from lorafit.train import build, checkpoints, distributed, examples, runfolder
+from lorafit.train import build, distributed, examples, runfolder
 from lorafit.train.config import TrainConfig, check_batch_fits
 from lorafit.train.distributed import ONE_PROCESS, Processes, Topology
 
@@ -94,7 +94,7 @@ class SetUp:
     request: RunRequest
     inputs: Inputs
     fingerprint: dict[str, Any]
-    start: checkpoints.RunStart
+    start: runfolder.RunStart
     spec: ModelSpec
     tokenizer: PreTrainedTokenizerBase
     encoded: examples.Encoded
@@ -184,18 +184,18 @@ def _open_folder(
     fingerprint: dict[str, Any],
     console: Console,
     processes: Processes,
-) -> checkpoints.RunStart:
-    """Fresh, resumed or finished (`checkpoints.begin`), and the folder set up where this role writes it.
+) -> runfolder.RunStart:
+    """Fresh, resumed or finished (`runfolder.begin`), and the folder set up where this role writes it.
     Among workers rank 0 decides and sets it up; the others take its decision."""
     config, output_dir = request.config, request.output_dir
     built = request.build_model is not None
     if role is Role.WORKER and not processes.is_main:
-        start: checkpoints.RunStart = processes.broadcast(None)
+        start: runfolder.RunStart = processes.broadcast(None)
         if start.mode != "finished" and built:
             check_model(inputs.model_dir, config)  # built by rank 0
         return start
     reads = runfolder.reads(inputs.model_dir, inputs.data_path, inputs.eval_path, built=built)
-    start = checkpoints.begin(
+    start = runfolder.begin(
         output_dir,
         fingerprint,
         resume=request.resume,
@@ -207,7 +207,7 @@ def _open_folder(
         if start.mode == "finished":
             console.print(f"dry run: {start.note}")
         else:
-            checkpoints.check_writable(output_dir)
+            runfolder.check_writable(output_dir)
     elif start.note and role is not Role.WORKER:  # a worker's launcher said it
         console.print(start.note)
     if start.mode != "finished" and role.writes:
@@ -317,7 +317,7 @@ def _load_tokenizer(model_dir: Path, config: TrainConfig) -> PreTrainedTokenizer
 def _plan(
     request: RunRequest,
     role: Role,
-    start: checkpoints.RunStart,
+    start: runfolder.RunStart,
     spec: ModelSpec,
     profile: TokenProfile,
     lengths: list[int],

@@ -26,7 +26,7 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from lorafit.errors import TrainError
 from lorafit.files import write_atomic
-from lorafit.train import checkpoints, guard, savers
+from lorafit.train import checkpoints, failures, guard, savers
 from lorafit.train.examples import IGNORE_INDEX
 from lorafit.train.guard import InjectedOom, RandomState, capture_random_state, restore_random_state
 
@@ -138,7 +138,7 @@ class LorafitTrainer(Trainer):
                 where += ", before the first checkpoint" if newest is None else ""
             go_on = f"rerun the same command to resume from {newest.name}" if newest else "rerunning starts over"
             console.print(f"{where}: {go_on}")
-            raise checkpoints.ReportedInterrupt from interrupt
+            raise failures.ReportedInterrupt from interrupt
 
     def _init_training_state(
         self,
@@ -317,13 +317,13 @@ class LorafitTrainer(Trainer):
                 checkpoints.publish(staged, self.run_dir, step, self.keep)
             self.accelerator.wait_for_everyone()  # every process finds the checkpoint published
         except Exception as error:
-            reason = checkpoints.write_failure(error, staged)
+            reason = failures.write_failure(error, staged)
             if reason is None:
                 raise
             checkpoints.discard_staged(staged)
             raise TrainError(
                 f"cannot write checkpoint-{step} in {checkpoints.checkpoint_root(self.run_dir)}: {reason}; "
-                f"{checkpoints.resume_hint(self.run_dir, checkpoints.fix_for(reason))}"
+                f"{checkpoints.resume_hint(self.run_dir, failures.fix_for(reason))}"
             ) from None
 
     def save_after_oom(self) -> Path:
