@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any
 
-from lorafit import hardware, memory, options, serving, stacks
+from lorafit import hardware, memory, options, rules, serving, stacks
 from lorafit.errors import LorafitError
 from lorafit.hardware import GpuSpec
 from lorafit.memory import estimate
@@ -158,7 +158,7 @@ def candidates(
         if method == "full":
             pinned.pop("offload_embeddings", None)  # full fine-tuning trains the embeddings
     offload = pinned.pop("offload", offload)
-    shard = pinned.pop("shard", "zero3" if offload != "none" and shard not in options.SHARDED_SHARDS else shard)
+    shard = pinned.pop("shard", "zero3" if offload != "none" and shard not in rules.SHARDED_SHARDS else shard)
     if n_gpus * pinned.get("nodes", 1) == 1 and offload == "none":
         shard = "none"  # one bigger card for a run pinned to several: nothing to split
     fixed: dict[str, Any] = {"method": method, "seq_len": seq_len, "n_gpus": n_gpus, "shard": shard, "offload": offload}
@@ -469,7 +469,7 @@ def fewest_gpus(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Candid
     shard = several_gpus_shard(request)
     # an offloaded optimizer steps 32-bit AdamW on the CPU: not tried for a pinned optimizer without a CPU step
     offloads: tuple[str, ...] = (
-        OFFLOADS if request.pinned.get("optimizer", "adamw") in options.OFFLOAD_OPTIMIZERS else ("none",)
+        OFFLOADS if request.pinned.get("optimizer", "adamw") in rules.OFFLOAD_OPTIMIZERS else ("none",)
     )
     if shard == "fsdp":
         offloads = tuple(offload for offload in offloads if offload != "optimizer")
