@@ -108,7 +108,7 @@ def remove_stale_partials(folder: Path, pattern: re.Pattern[str]) -> list[Path]:
     removed: list[Path] = []
     for entry in entries:
         match = pattern.fullmatch(entry.name)
-        if match is None or match.groupdict().get("host", here) != here or _alive(int(match["pid"])):
+        if match is None or match.groupdict().get("host", here) != here or process_alive(int(match["pid"])):
             continue
         path = Path(entry.path)
         try:
@@ -122,7 +122,7 @@ def remove_stale_partials(folder: Path, pattern: re.Pattern[str]) -> list[Path]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether process `pid` runs on this machine (kept, when in doubt)."""
     if pid == os.getpid() or os.name != "posix":  # os.kill(pid, 0) would end the process on Windows
         return True

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from lorafit.errors import ExportError
-from lorafit.files import fsync_dir, write_atomic
+from lorafit.files import fsync_dir, process_alive, remove_stale_partials, write_atomic
 from lorafit.train import failures
 
 MARKER = ".lorafit-export"  # {"kind": "merged" | "gguf"}: what --overwrite may replace
@@ -106,33 +106,23 @@ def _check_replaceable(output: Path, kind: str, overwrite: bool) -> None:
         )
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
-
-
 def remove_stale(output: Path) -> tuple[list[Path], list[Path]]:
     """Remove what killed exports to `output` left beside it: `.NAME.partial-PID` folders whose process is gone, and
     `.NAME.retired-PID` ones (an earlier output moved aside) once `output` is there again. The ones removed, and the
     retired ones kept because they may be the only copy of an earlier output."""
-    pattern = re.compile(rf"\.{re.escape(_stem(output))}\.(partial|retired)-(\d+)")
-    removed, kept = [], []
+    stem = re.escape(_stem(output))
+    retired = re.compile(rf"\.{stem}\.retired-(?P<pid>\d+)")
+    removed = remove_stale_partials(output.parent, re.compile(rf"\.{stem}\.partial-(?P<pid>\d+)"))
+    if output.exists():
+        return removed + remove_stale_partials(output.parent, retired), []
     with contextlib.suppress(OSError):
-        for path in sorted(output.parent.iterdir()):
-            found = pattern.fullmatch(path.name)
-            if not found or int(found[2]) == os.getpid() or _pid_alive(int(found[2])) or not path.is_dir():
-                continue
-            if found[1] == "retired" and not output.exists():
-                kept.append(path)
-                continue
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed, kept
+        kept = [
+            path
+            for path in sorted(output.parent.iterdir())
+            if (found := retired.fullmatch(path.name)) and path.is_dir() and not process_alive(int(found["pid"]))
+        ]
+        return removed, kept
+    return removed, []
 
 
 def _stem(output: Path) -> str:
