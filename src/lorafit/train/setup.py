@@ -26,7 +26,7 @@ from lorafit.errors import DataError, InvalidConfig, TrainError
 from lorafit.models import ModelSpec, from_config_json
 from lorafit.plan import make_plan, resolve_seq_len, with_settings
 from lorafit.render import show_plan
-from lorafit.schema import Plan, PlanRequest, Settings
+from lorafit.schema import Device, Plan, PlanRequest, Settings
 from lorafit.train import build, distributed, examples, runfolder
 from lorafit.train.config import TrainConfig, check_batch_fits
 from lorafit.train.distributed import ONE_PROCESS, Processes, Topology
@@ -145,7 +145,11 @@ def prepare(
 
     on_cuda = torch.cuda.is_available()
     tokenizer, encoded, encoded_eval, profile = tokenized(config, inputs, console)
-    plan, asked = _plan(request, role, start, spec, profile, encoded.lengths, on_cuda, console, processes, plan)
+
+    def planned(saved: Plan | None) -> Plan:
+        return resolve_plan(config, spec, profile, encoded.lengths, saved_plan=saved, on_cuda=on_cuda, console=console)
+
+    plan, asked = _plan(request, role, start, processes, plan, planned, on_cuda)
     check_device(plan.settings, on_cuda, spec, launched=role is not Role.ONE_PROCESS)
     build.check_settings(spec, plan.settings)
     if role is not Role.WORKER:  # the launcher showed it
@@ -318,22 +322,20 @@ def _plan(
     request: RunRequest,
     role: Role,
     start: runfolder.RunStart,
-    spec: ModelSpec,
-    profile: TokenProfile,
-    lengths: list[int],
-    on_cuda: bool,
-    console: Console,
     processes: Processes,
     given: Plan | None,
+    planned: Callable[[Plan | None], Plan],
+    on_cuda: bool,
 ) -> tuple[Plan, Settings]:
     """The plan this role runs, and its settings before `for_processes`. A resumed run keeps its saved plan; a
-    worker takes the launcher's, and rank 0's is every worker's."""
+    worker takes the launcher's, and rank 0's is every worker's. `planned(saved)`: `resolve_plan` for this run's
+    model and data, given the saved plan or None."""
     if role is Role.WORKER and not processes.is_main:
         main_plan: Plan = processes.broadcast(None)
         return same_plan_everywhere(main_plan, given), main_plan.settings
     config = request.config
     saved = given or (runfolder.saved_plan(request.output_dir) if start.mode == "resume" else None)
-    plan = resolve_plan(config, spec, profile, lengths, saved_plan=saved, on_cuda=on_cuda, console=console)
+    plan = planned(saved)
     asked = plan.settings
     plan = for_processes(plan, config, on_cuda)
     if saved is not None and start.checkpoint is not None and role is not Role.WORKER:  # the launcher checked
@@ -359,7 +361,7 @@ def resolve_plan(
     the run's saved plan. Where a setting then differs from the plan's (a user override), the memory is
     estimated again by the planner (`plan.with_settings`)."""
     pinned = config.pinned_settings()
-    device = "cuda" if on_cuda else "cpu"
+    device: Device = "cuda" if on_cuda else "cpu"
     gpu = gpu if gpu is not None else (hardware.detected_gpu() if on_cuda else None)
     if saved_plan is not None:  # (a fresh plan checks the pinned settings itself)
         options.check_against(pinned, spec, gpu, on_cpu=not on_cuda)
