@@ -416,6 +416,7 @@ def _shard_and_step(rank: int, world: int, port: int, model_dir: str, out_dir: s
     gradients = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.requires_grad}
     if rank == 0:
         torch.save({"losses": torch.stack(losses), "gradients": gradients}, Path(out_dir, "sharded_step.pt"))
+    dist.barrier()  # no process tears its group down while another still uses it (an abort in gloo's threads)
     dist.destroy_process_group()
 
 
@@ -493,6 +494,7 @@ def _fsdp_checkpoint(rank: int, world: int, port: int, model_dir: str, out_dir: 
             whole[f"{key} {names[parameter]}"] = moments[key].full_tensor()
     if rank == 0:
         torch.save(whole, Path(out_dir, f"{mode}-{world}.pt"))
+    dist.barrier()  # as in _shard_and_step
     dist.destroy_process_group()
 
 
