@@ -2,10 +2,11 @@
 report a speed. Run: `make bench-throughput`.
 
 Each row's split comes from bench/calibration/measured_memory.csv (the same column as `make bench-memory`):
-"fit" rows set or were printed beside the constants of lorafit/timing.py (MAX_MFU from FMS-01..07, HALF_TOKENS from
-Qwen's sweep, LORA_BACKWARD_PASSES from FMS-03, QLORA_SLOWDOWN from FMS-06/07; the torchtune and fms-acceleration
-reference rows were looked at beside them), so their error only shows the fit; "check" rows were not used, and
-their summary is the test: overall, per GPU class, per stack, one GPU vs several, eager vs torch.compile.
+"fit" rows set or were printed beside the constants of lorafit/timing.py (MATMUL_SHAPE_SHARE from FMS-01/03/04,
+QUANT_MATMUL_SLOWDOWN from FMS-06/07; the torchtune and fms-acceleration reference rows were looked at beside
+them), so their error only shows the fit; the cards' matmul rates are published measurements (catalog/gpus.toml),
+not fitted to any row; "check" rows were not used, and their summary is the test: overall, per GPU class, per
+stack, one GPU vs several, eager vs torch.compile.
 
 Speeds are compared per GPU. A row's tokens/s is read as its source defines it (PER_JOB below); a row with only a
 step time is converted with the tokens of one step on one GPU (micro_batch x seq_len x grad_accum of its

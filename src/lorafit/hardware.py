@@ -34,6 +34,11 @@ class GpuSpec(BaseModel):
     bf16_tflops: float = Field(ge=0, description="dense bf16 tensor-core TFLOP/s (0: no bf16 support)")
     fp16_tflops: float = Field(gt=0, description="dense fp16 tensor-core TFLOP/s, fp32 accumulate")
     bandwidth_gbs: float = Field(gt=0, description="memory bandwidth, GB/s")
+    matmul_tflops: float | None = Field(
+        default=None,
+        gt=0,
+        description="sustained dense bf16 (fp16 without bf16) matmul TFLOP/s, measured; None: not published",
+    )
     host_link_gbs: float | None = Field(
         default=None, gt=0, description="link to host memory (PCIe, NVLink-C2C), GB/s per direction; None: unknown"
     )

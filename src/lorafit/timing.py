@@ -1,14 +1,17 @@
 """The time model: how long one optimizer step takes on a GPU, hence the run's throughput, hours and cost.
 
-A step is its micro-batches' compute (FLOPs at a measured share of the GPU's dense throughput), the host copies
-of the savers that use the host link, what the engine cannot hide of its collectives and offload copies, and the
-optimizer step. The planner (lorafit.plan) compares candidates by `tokens_per_second`; `make bench-throughput`
-prints its predictions beside published runs. Pure Python, like the memory model it sits beside.
+A micro-batch is the sum of its ops (micro_batch_time), each the slower of its FLOPs at the card's measured
+matmul rate and its bytes at the card's memory bandwidth, plus a cost per kernel: the base matmuls, attention by
+kernel, dequantising a 4/8-bit base, the LoRA paths, the bandwidth-bound norms, activations, rotary and
+residuals, the loss, and the savers' host copies. A step is its micro-batches, what the engine cannot hide of its
+collectives and offload copies, and the optimizer step. The planner (lorafit.plan) compares candidates by
+`tokens_per_second`; `make bench-throughput` prints its predictions beside published runs. Pure Python, like the
+memory model it sits beside.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from lorafit import hardware, memory
 from lorafit.hardware import GpuSpec
@@ -16,20 +19,306 @@ from lorafit.models import ModelSpec
 from lorafit.schema import Settings
 from lorafit.units import DTYPE_BYTES
 
-# --- one micro-batch on one GPU ---------------------------------------------------------------------------
-# Utilisation of the GPU's dense tensor throughput by the Hugging Face stack, as a function of tokens per
-# micro-batch (small matmuls leave the GPU idle): MAX_MFU x N / (N + HALF_TOKENS). Calibrated on published HF
-# Trainer runs (shared/calibration rows FMS-01..07, Mistral-7B on an A100, 16-32k tokens per micro-batch: 60-62%)
-# and Qwen's seq-len sweep (QW-09..13: 256 tokens run at 55% of the 8k rate); `make bench-throughput` prints the
-# predicted and published tokens/s side by side.
-MAX_MFU = 0.62
-HALF_TOKENS = 200
-# LoRA skips the weight-gradient matmuls of the base, but its fp32 adapter path (input casts, dropout, small
-# matmuls) costs about as much again: FMS-03 (LoRA) runs only 9% faster than FMS-01 (full) at the same batch.
-LORA_BACKWARD_PASSES = 0.75
-# bitsandbytes' 4-bit matmul (dequantise, then a bf16 matmul, in forward and backward) slows a step by ~13%
-# (FMS-06/07 vs FMS-03/04, same batch): more than its memory traffic alone explains, so it is a measured factor.
-QLORA_SLOWDOWN = 1.13
+# --- what one GPU sustains ----------------------------------------------------------------------------------
+# A card's matmul rate is its catalog `matmul_tflops` (a published PyTorch bf16 matmul measurement, source beside
+# each figure in catalog/gpus.toml) as a share of its dense peak; a card without one reaches DEFAULT_MATMUL_SHARE
+# of its peak. GeForce cards run above their spec's boost clock and measure 97-107 % of the catalog's fp32-
+# accumulate figure (RTX 3090, 4060, 4060 Ti, 4070 Super, 4090 in gpus.toml); datacenter and workstation parts sit
+# at 66-87 % (stas00/ml-engineering's MAMF table: A100 SXM 86.9 %, H100 SXM 80.3 %, B200 77.6 %), power-capped
+# ones lower (L4 47 %, T4 37 %).
+DEFAULT_MATMUL_SHARE = {"consumer": 1.0, "other": 0.8}
+# Streaming kernels (copies, elementwise ops) reach about 85 % of the memory's spec rate: an L40S validation
+# guide sets 83 % as its bar for a 40 GB copy (ai-hpc.github.io, "Benchmarks for L40S x12"), HBM parts reach
+# ~90 % in copy benchmarks. A typical figure, not measured by this project.
+BANDWIDTH_SHARE = 0.85
+# FlashAttention-2 reaches 50-73 % of an A100's peak in its forward and less in backward (Dao 2023, "Flash-
+# Attention-2", section 4.1); sdpa runs the same kernels on these GPUs. The share of the card's matmul rate the
+# attention kernels run at, from the paper, not fitted.
+ATTENTION_SHARE = 0.6
+# Each kernel costs a few microseconds beyond its work (launch latency, the tail of a wave, the queue refilling):
+# about 4 us a kernel, the order of the CUDA launch latency. A typical figure, not fitted; it matters only for
+# micro-batches of a few hundred tokens.
+KERNEL_SECONDS = 4e-6
+# The share of the best-shape rate (matmul_tflops) a training step's matmuls reach: their shapes are not the
+# best one, and a step's matmuls include the narrow ones (k and v projections under grouped-query attention).
+# Fitted: the fit rows FMS-01/03/04 (Mistral-7B on an A100, full and LoRA, 16-32k tokens a micro-batch) each ask
+# for 0.84-0.86 once every other op of the step is counted.
+MATMUL_SHAPE_SHARE = 0.85
+# bitsandbytes' 4-bit matmul runs the bf16 matmul on a freshly dequantised weight (and its transpose in
+# backward): slower than the same matmul on a resident weight by more than the dequantisation's traffic, which
+# dequant_seconds counts. Fitted: the fit rows FMS-06 and FMS-07 (QLoRA; FMS-03/04 are the same runs over a
+# 16-bit base) ask for 1.34 and 1.30 on the base matmuls; torchtune's fit rows TT-12 against TT-10 (QLoRA and
+# LoRA of one model, card and batch) show the same step 1.28 times slower.
+QUANT_MATMUL_SLOWDOWN = 1.32
+
+
+def achievable_matmul_flops(gpu: GpuSpec, precision: str) -> float:
+    """FLOP/s a large matmul sustains in `precision`: the dense peak scaled by the card's measured share."""
+    peak = gpu.tflops(precision)
+    if gpu.matmul_tflops is not None:
+        share = gpu.matmul_tflops / gpu.tflops("bf16" if gpu.supports_bf16 else "fp16")
+    else:
+        share = DEFAULT_MATMUL_SHARE["consumer" if gpu.kind == "consumer" else "other"]
+    return peak * share * 1e12
+
+
+def achievable_bytes_per_second(gpu: GpuSpec) -> float:
+    """Bytes/s a streaming kernel moves: BANDWIDTH_SHARE of the memory's spec rate."""
+    return gpu.bandwidth_gbs * 1e9 * BANDWIDTH_SHARE
+
+
+def roofline_seconds(flops: float, moved_bytes: float, flop_rate: float, byte_rate: float) -> float:
+    """An op takes as long as the slower of its arithmetic and its memory traffic."""
+    return max(flops / flop_rate, moved_bytes / byte_rate)
+
+
+# --- how often the step runs each op ------------------------------------------------------------------------
+def forward_passes(settings: Settings) -> int:
+    """The forward runs once, and again in backward under checkpointing (the recomputation)."""
+    return 2 if settings.grad_ckpt else 1
+
+
+# An elementwise op's backward reads the upstream gradient and what it saved and writes its input's gradient:
+# about twice its forward's traffic.
+BACKWARD_TRAFFIC = 2.0
+# FlashAttention's backward runs five matmuls to its forward's two (it recomputes the scores): 2.5 forwards.
+ATTENTION_BACKWARD_FLOPS = 2.5
+
+
+# --- the ops of one micro-batch -----------------------------------------------------------------------------
+def head_params(spec: ModelSpec) -> int:
+    """The LM head's weights, a matmul whether or not it is tied to the embeddings."""
+    return spec.vocab_size * spec.hidden_size
+
+
+def layer_matmul_params(spec: ModelSpec) -> int:
+    """Weights a token passes through in the decoder layers' matmuls: the active parameters less the embedding
+    and the head (and the norms, too few to count)."""
+    return spec.active_params - spec.embedding_params - spec.lm_head_params
+
+
+def base_matmul_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """The base model's matmuls: 2 x params FLOPs per token per pass, at MATMUL_SHAPE_SHARE of the card's matmul
+    rate, or its weights' read time if that is longer (a few tokens); QUANT_MATMUL_SLOWDOWN over a 4/8-bit base.
+
+    Passes: the forward, the input gradients, for full fine-tuning the weight gradients, and under checkpointing
+    the layers' forward again (not the head's: it runs after the last checkpoint). The chunked loss runs the
+    head's forward again in backward (chunked_loss_flops_per_token)."""
+    tokens = settings.tokens_per_micro_batch
+    head_passes = 2 + (1 if settings.method == "full" else 0)
+    layer_passes = head_passes + forward_passes(settings) - 1
+    params = layer_matmul_params(spec) * layer_passes + head_params(spec) * head_passes
+    flops = 2 * params * tokens + chunked_loss_flops_per_token(spec, settings) * tokens
+    weights = params * DTYPE_BYTES[settings.precision]
+    rate = achievable_matmul_flops(gpu, settings.precision) * MATMUL_SHAPE_SHARE
+    slowdown = QUANT_MATMUL_SLOWDOWN if settings.quant != "none" else 1.0
+    return roofline_seconds(flops, weights, rate, achievable_bytes_per_second(gpu)) * slowdown
+
+
+def chunked_loss_flops_per_token(spec: ModelSpec, settings: Settings) -> float:
+    """The chunked loss runs the LM head's forward again in backward: 2 x V x h more FLOPs per token."""
+    return 2 * spec.vocab_size * spec.hidden_size if settings.loss == "chunked" else 0.0
+
+
+def eager_score_bytes(c: int) -> int:
+    """Bytes an eager attention moves per score element in its forward (transformers' eager_attention_forward):
+    the QK^T matmul writes the scores (c), the scaling reads and writes them (2c), the causal mask reads them
+    and its own element and writes them (3c), the fp32 softmax reads c and writes 4, the cast back reads 4 and
+    writes c, and the PV matmul reads c: 9c + 8, 26 for bf16."""
+    return 9 * c + 8
+
+
+def attention_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """Attention by kernel. sdpa and flash: 2 x seq x q_size FLOPs per token and layer (QK^T and PV, causal
+    half), the backward 2.5 times that, at ATTENTION_SHARE of the matmul rate. eager: the whole square (twice the
+    FLOPs) at the matmul rate, plus the scores it materialises, heads x seq^2 per sequence and layer, moved
+    eager_score_bytes each in forward and twice that in backward."""
+    tokens, seq, layers = settings.tokens_per_micro_batch, settings.seq_len, spec.num_hidden_layers
+    passes = forward_passes(settings) + ATTENTION_BACKWARD_FLOPS
+    forward_flops = 2 * seq * spec.q_size * layers * tokens
+    rate = achievable_matmul_flops(gpu, settings.precision)
+    if settings.attn != "eager":
+        return forward_flops * passes / (rate * ATTENTION_SHARE)
+    c = DTYPE_BYTES[settings.precision]
+    scores = settings.micro_batch * spec.num_attention_heads * seq * seq * layers
+    score_passes = forward_passes(settings) + BACKWARD_TRAFFIC
+    moved = scores * eager_score_bytes(c) * score_passes
+    return roofline_seconds(2 * forward_flops * passes, moved, rate, achievable_bytes_per_second(gpu))
+
+
+def quantized_params(spec: ModelSpec) -> int:
+    """Weights bitsandbytes packs: every decoder block's nn.Linear (the embeddings and the head stay 16-bit)."""
+    return spec.layer_linear_params * spec.num_hidden_layers
+
+
+def dequant_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """A 4/8-bit base is dequantised to the compute dtype before every matmul that uses a weight: in the forward,
+    in the recomputation and for the input gradients. Each reads the packed weight and its state and writes a
+    16-bit copy: (packed + c) bytes per weight, once per pass and micro-batch, whatever the tokens - so it
+    weighs most at small micro-batches on cards with little bandwidth."""
+    if settings.quant == "none":
+        return 0.0
+    weights = quantized_params(spec)
+    per_pass = memory.quantized_weight_bytes(weights, settings) + weights * DTYPE_BYTES[settings.precision]
+    return per_pass * (forward_passes(settings) + 1) / achievable_bytes_per_second(gpu)
+
+
+def lora_bytes_per_element(settings: Settings, runtime: memory.Runtime) -> tuple[float, float]:
+    """(bytes per input element, bytes per output element) one adapted module's LoRA path moves in forward.
+
+    peft casts the module's input to the adapter dtype a (c + a, when a != c), drops it out (read a, write a
+    and a 1-byte mask, when lora_dropout > 0), autocast casts it back for the matmul (a + c) and lora_A reads it
+    (m, the matmul dtype); on the output side lora_B writes m, the scaling reads and writes it (2m), the sum
+    with the base output reads c and m and writes the wider (c + m + w), and the cast back reads w and writes c
+    (when w != c)."""
+    c = DTYPE_BYTES[settings.precision]
+    a = memory.trainable_dtype_bytes(settings, runtime)
+    m = c if runtime.autocast and settings.precision != "fp32" else a
+    cast_in = c + a if a != c else 0
+    dropout = 2 * a + 1 if settings.lora_dropout > 0 else 0
+    autocast_in = a + m if m != a else 0
+    w = max(c, m)
+    cast_out = w + c if w != c else 0
+    return cast_in + dropout + autocast_in + m, 3 * m + c + m + w + cast_out
+
+
+def lora_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """The LoRA path of every adapted module: its casts, dropout, scaling and sum move memory in proportion to
+    the tokens x the module's in and out widths (lora_bytes_per_element), in forward, recomputation and
+    (twice) backward; its rank-r matmuls (2 r (in + out) FLOPs per token, three times over with the gradients)
+    run at the adapter dtype's rate."""
+    if settings.method == "full":
+        return 0.0
+    runtime = memory.stack_runtime(settings)
+    per_in, per_out = lora_bytes_per_element(settings, runtime)
+    names = set(spec.lora_target_names(settings.lora_targets))
+    widths = [(i * n, o * n) for name, i, o, n in spec.layer_linears() if name in names]
+    tokens = settings.tokens_per_micro_batch * spec.num_hidden_layers
+    moved = tokens * sum(i * per_in + o * per_out for i, o in widths)
+    passes = forward_passes(settings) + BACKWARD_TRAFFIC
+    flops = 2 * settings.lora_r * sum(i + o for i, o in widths) * tokens * (forward_passes(settings) + 2)
+    fp32_matmuls = memory.trainable_dtype_bytes(settings, runtime) == 4 and not runtime.autocast
+    rate = achievable_matmul_flops(gpu, "fp32" if fp32_matmuls else settings.precision)
+    return roofline_seconds(flops, moved * passes, rate, achievable_bytes_per_second(gpu))
+
+
+# Bytes transformers' RMSNorm moves per element: it casts to fp32 (c + 4), squares (8), averages (4), scales by
+# the reciprocal root (8), casts back (4 + c) and multiplies by its weight (2c): 36 for bf16.
+NORM_BYTES = 36
+# Rotary embedding per element of q and k (apply_rotary_pos_emb): q x cos, rotate_half (two slices, a negation,
+# a concatenation), x sin, and the sum: about ten c-byte reads and writes.
+ROTARY_ELEMENT_PASSES = 10
+
+
+def elementwise_bytes_per_token(spec: ModelSpec, settings: Settings) -> float:
+    """Bytes the bandwidth-bound ops of one decoder layer move per token in forward: the norms (NORM_BYTES x h
+    each), two residual sums (3 s x h each, s the residual stream's dtype), rotary on q and k, SwiGLU's
+    activation and product (5c x the intermediate width, for each routed expert) and the attention output's
+    copy back to the token layout (2c x q_size)."""
+    runtime = memory.stack_runtime(settings)
+    c, s = DTYPE_BYTES[settings.precision], memory.stream_dtype_bytes(settings, runtime)
+    h = spec.hidden_size
+    experts = max(spec.num_experts_per_tok, 1)
+    return (
+        spec.norms_per_layer * NORM_BYTES * h
+        + 2 * 3 * s * h
+        + ROTARY_ELEMENT_PASSES * c * (spec.q_size + spec.kv_size)
+        + 5 * memory.swiglu_dtype_bytes(settings, runtime) * spec.intermediate_size * experts
+        + 2 * c * spec.q_size
+    )
+
+
+def elementwise_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """Norms, activations, rotary and residuals: bandwidth-bound, tokens x layers x elementwise_bytes_per_token,
+    in forward, recomputation and (twice) backward."""
+    passes = forward_passes(settings) + BACKWARD_TRAFFIC
+    per_token = elementwise_bytes_per_token(spec, settings) * spec.num_hidden_layers
+    return settings.tokens_per_micro_batch * per_token * passes / achievable_bytes_per_second(gpu)
+
+
+# Bytes the loss moves per logit: the fp32 upcast (c + 4) and log-softmax (4 + 4) in forward; in backward the
+# gradient of the gathered log-probabilities (4), log-softmax's backward (read 4 + 4, write 4) and the cast back
+# (4 + c): 36 for bf16. The chunked and fused losses move the same per logit, a chunk at a time.
+LOSS_BYTES_PER_LOGIT = 36
+
+
+def loss_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """The cross-entropy over tokens x vocabulary logits, bandwidth-bound."""
+    logits = settings.tokens_per_micro_batch * spec.vocab_size
+    return logits * LOSS_BYTES_PER_LOGIT / achievable_bytes_per_second(gpu)
+
+
+# Kernels one decoder layer launches in its forward beyond its linears: two norms of six, two residual sums,
+# rotary (about ten), SwiGLU (two), attention with its layout copies (about four).
+LAYER_KERNELS = 2 * 6 + 2 + 10 + 2 + 4
+# Kernels of one adapted module's LoRA path: cast, dropout, lora_A, lora_B, scaling, sum, cast back.
+LORA_KERNELS = 7
+
+
+def kernel_count(spec: ModelSpec, settings: Settings) -> int:
+    """Kernels of one micro-batch: per layer LAYER_KERNELS, one per linear, one more per dequantised linear and
+    LORA_KERNELS per adapted module, in forward (twice under checkpointing) and twice that in backward."""
+    linears = sum(n for _, _, _, n in spec.layer_linears())
+    per_layer = LAYER_KERNELS + linears
+    if settings.quant != "none":
+        per_layer += linears
+    if settings.method != "full":
+        per_layer += LORA_KERNELS * len(spec.lora_target_names(settings.lora_targets))
+    return round(per_layer * spec.num_hidden_layers * (forward_passes(settings) + BACKWARD_TRAFFIC))
+
+
+def launch_seconds(spec: ModelSpec, settings: Settings) -> float:
+    """What the kernels cost beyond their work: KERNEL_SECONDS each."""
+    return kernel_count(spec, settings) * KERNEL_SECONDS
+
+
+@dataclass(frozen=True)
+class MicroBatchTime:
+    """One micro-batch on one GPU, in seconds, op by op."""
+
+    matmul: float  # the base model's matmuls
+    attention: float  # the attention kernels
+    dequant: float  # dequantising a 4/8-bit base
+    lora: float  # the adapters' paths
+    elementwise: float  # norms, activations, rotary, residuals
+    loss: float  # the cross-entropy over the logits
+    launches: float  # what the kernels cost beyond their work
+    host_copies: float  # the savers' copies over the host link
+
+    @property
+    def total(self) -> float:
+        return (
+            self.matmul
+            + self.attention
+            + self.dequant
+            + self.lora
+            + self.elementwise
+            + self.loss
+            + self.launches
+            + self.host_copies
+        )
+
+
+def micro_batch_time(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> MicroBatchTime:
+    """Every op of one micro-batch, timed apart and summed in `total`: the GPU runs them one after another."""
+    ops = dict(
+        matmul=base_matmul_seconds(spec, settings, gpu),
+        attention=attention_seconds(spec, settings, gpu),
+        dequant=dequant_seconds(spec, settings, gpu),
+        lora=lora_seconds(spec, settings, gpu),
+        elementwise=elementwise_seconds(spec, settings, gpu),
+        loss=loss_seconds(spec, settings, gpu),
+        launches=launch_seconds(spec, settings),
+    )
+    return MicroBatchTime(**ops, host_copies=host_copy_seconds(spec, settings, gpu, sum(ops.values())))
+
+
+def step_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """One micro-batch on one GPU: the sum of its ops (micro_batch_time)."""
+    return micro_batch_time(spec, settings, gpu).total
+
+
+# --- host copies --------------------------------------------------------------------------------------------
 # offload_activations copies with torch.autograd.graph.save_on_cpu(pin_memory=True): both copies are queued on
 # the compute stream, so the GPU runs them between its kernels instead of beside them. None of the transfer is
 # hidden behind compute (OFFLOAD_OVERLAP 0): the cost is the whole transfer at the link's copy rate.
@@ -40,44 +329,6 @@ HOST_COPY_EFFICIENCY = 0.8
 # A GPU whose catalog entry gives no host link (a plan saved before the field existed): PCIe 3.0 x16, the
 # slowest link of the catalog's cards.
 DEFAULT_HOST_LINK_GBS = 15.75
-
-
-# --- time ---------------------------------------------------------------------------------------------------
-def flops_per_token(spec: ModelSpec, settings: Settings) -> float:
-    """Training FLOPs per token: 2 x active matmul parameters per forward pass, plus causal attention.
-
-    Backward costs one forward for the input gradients and, training the weights (full), one more for the weight
-    gradients (LoRA: see LORA_BACKWARD_PASSES); checkpointing recomputes the forward once."""
-    matmul_params = (
-        spec.active_params
-        - spec.embedding_params
-        + (spec.vocab_size * spec.hidden_size if spec.tie_word_embeddings else 0)
-    )
-    forward = 2 * matmul_params + 2 * settings.seq_len * spec.q_size * spec.num_hidden_layers
-    passes = 3.0 if settings.method == "full" else 2.0 + LORA_BACKWARD_PASSES
-    if settings.grad_ckpt:
-        passes += 1.0
-    return forward * passes + chunked_loss_flops_per_token(spec, settings)
-
-
-def chunked_loss_flops_per_token(spec: ModelSpec, settings: Settings) -> float:
-    """The chunked loss runs the LM head's forward again in backward: 2 x V x h more FLOPs per token."""
-    return 2 * spec.vocab_size * spec.hidden_size if settings.loss == "chunked" else 0.0
-
-
-def mfu(tokens_per_micro_batch: int) -> float:
-    """The share of the GPU's dense throughput a micro-batch of this many tokens reaches: small matmuls leave
-    the GPU idle, so the share grows with the tokens towards MAX_MFU (half of it at HALF_TOKENS)."""
-    return MAX_MFU * tokens_per_micro_batch / (tokens_per_micro_batch + HALF_TOKENS)
-
-
-def step_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
-    """One micro-batch on one GPU at the utilisation above; 4/8-bit bases pay the bitsandbytes factor, the
-    savers that copy over the host link pay their copies."""
-    tokens = settings.tokens_per_micro_batch
-    compute = flops_per_token(spec, settings) * tokens / (gpu.tflops(settings.precision) * 1e12 * mfu(tokens))
-    compute *= QLORA_SLOWDOWN if settings.quant != "none" else 1.0
-    return compute + host_copy_seconds(spec, settings, gpu, compute)
 
 
 def host_link_bytes_per_second(gpu: GpuSpec) -> float:
@@ -200,6 +451,15 @@ class StepTime:
     offload: float  # the offload copies and the CPU step not hidden
     optimizer: float  # the optimizer step on the GPU
     micro_batches: float  # micro-batches each GPU runs a step
+    # what `compute` is made of, op by op over the step's micro-batches (MicroBatchTime)
+    matmul: float = 0.0
+    attention: float = 0.0
+    dequant: float = 0.0
+    lora: float = 0.0
+    elementwise: float = 0.0
+    loss: float = 0.0
+    launches: float = 0.0
+    host_copies: float = 0.0
 
     @property
     def total(self) -> float:
@@ -211,7 +471,8 @@ def step_time(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> StepTime:
     """Compute, plus what the engine cannot hide of its communication and offload copies (COMM_OVERLAP of each
     micro-batch's compute hides the per-micro-batch part; the per-step part overlaps the last micro-batch's
     backward), plus the optimizer step. Over several nodes each GPU runs grad_accum / nodes micro-batches."""
-    micro = step_seconds(spec, settings, gpu)
+    ops = micro_batch_time(spec, settings, gpu)
+    micro = ops.total
     micro_batches = max(settings.grad_accum / settings.nodes, 1.0)
     overlap = COMM_OVERLAP[settings.shard] * micro
     rate = collective_bytes_per_second(settings, gpu)
@@ -228,6 +489,7 @@ def step_time(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> StepTime:
         offload=exposed_offload + off_step,
         optimizer=optimizer * memory.shard_factors(settings)[2],
         micro_batches=micro_batches,
+        **{name: micro_batches * seconds for name, seconds in asdict(ops).items()},
     )
 
 

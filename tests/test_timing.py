@@ -1,0 +1,187 @@
+"""The per-op time model (lorafit.timing), term by term, worked out by hand from each term's formula.
+
+llama-2-7b throughout: h 4096, intermediate 11008, 32 layers of 32 heads (no grouped-query attention), vocabulary
+32000, untied head. Its decoder layers hold 4 x 4096^2 + 3 x 4096 x 11008 = 202,375,168 linear weights and
+2 x 4096 norm weights each: 6,476,271,616 matmul weights with the final norm, plus a 131,072,000-weight head.
+The fitted constants (MATMUL_SHAPE_SHARE, QUANT_MATMUL_SLOWDOWN) are read by name; the catalog's figures are
+written out.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafit import hardware, models, timing
+from lorafit.schema import Settings
+
+LAYERS_WEIGHTS = 6_476_271_616  # the decoder layers' matmul weights (and norms), as above
+HEAD = 32000 * 4096
+LINEARS = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)  # what bitsandbytes packs: 6,476,005,376
+A100_BYTES = 2039e9 * 0.85  # spec bandwidth x BANDWIDTH_SHARE
+A100_MATMUL = 271.2e12  # catalog matmul_tflops (MAMF table)
+
+
+@pytest.fixture(scope="module")
+def spec() -> models.ModelSpec:
+    return models.resolve("llama-2-7b")
+
+
+@pytest.fixture(scope="module")
+def a100() -> hardware.GpuSpec:
+    return hardware.resolve("A100 80GB")
+
+
+def lora(**fields) -> Settings:
+    return Settings(**({"method": "lora", "quant": "none", "micro_batch": 1, "seq_len": 2048} | fields))
+
+
+def test_rates_come_from_measured_matmuls_or_a_share_of_the_peak() -> None:
+    a100 = hardware.resolve("A100 80GB")
+    assert timing.achievable_matmul_flops(a100, "bf16") == pytest.approx(271.2e12)
+    assert timing.achievable_matmul_flops(a100, "fp32") == pytest.approx(156e12 * 271.2 / 312)  # TF32, same share
+    # the L4's 72 W cap holds it to 57 of its 121 peak TFLOP/s
+    assert timing.achievable_matmul_flops(hardware.resolve("L4"), "bf16") == pytest.approx(57e12)
+    # no bf16 on the T4: its fp16 measurement
+    assert timing.achievable_matmul_flops(hardware.resolve("T4"), "fp16") == pytest.approx(24e12)
+    # no measurement: a GeForce card its whole fp32-accumulate peak, the others 80 % of theirs
+    assert timing.achievable_matmul_flops(hardware.resolve("RTX 4080"), "bf16") == pytest.approx(97.5e12)
+    assert timing.achievable_matmul_flops(hardware.resolve("A40"), "bf16") == pytest.approx(149.7e12 * 0.8)
+    assert timing.achievable_bytes_per_second(hardware.resolve("RTX 4060 Ti 16GB")) == pytest.approx(288e9 * 0.85)
+
+
+def test_base_matmuls_by_hand(spec, a100) -> None:
+    rate = A100_MATMUL * timing.MATMUL_SHAPE_SHARE
+    # LoRA with checkpointing: the layers run forward, input gradients and the recomputation; the head no
+    # recomputation
+    flops = 2 * (3 * LAYERS_WEIGHTS + 2 * HEAD) * 2048
+    assert timing.base_matmul_seconds(spec, lora(), a100) == pytest.approx(flops / rate)
+    # full fine-tuning adds the weight gradients of both
+    full = Settings(method="full", quant="none", micro_batch=1, seq_len=2048)
+    assert timing.base_matmul_seconds(spec, full, a100) == pytest.approx(
+        2 * (4 * LAYERS_WEIGHTS + 3 * HEAD) * 2048 / rate
+    )
+    # a 4-bit base runs the same matmuls QUANT_MATMUL_SLOWDOWN slower
+    qlora = lora(method="qlora", quant="nf4")
+    assert timing.base_matmul_seconds(spec, qlora, a100) == pytest.approx(flops / rate * timing.QUANT_MATMUL_SLOWDOWN)
+    # the chunked loss runs the head's forward again: 2 x V x h FLOPs per token more
+    chunked = lora(loss="chunked")
+    assert timing.base_matmul_seconds(spec, chunked, a100) == pytest.approx((flops + 2 * HEAD * 2048) / rate)
+    # eight tokens: reading the 16-bit weights in each pass takes longer than their FLOPs
+    few = lora(seq_len=8)
+    assert timing.base_matmul_seconds(spec, few, a100) == pytest.approx(
+        (3 * LAYERS_WEIGHTS + 2 * HEAD) * 2 / A100_BYTES
+    )
+
+
+def test_attention_by_kernel(spec, a100) -> None:
+    # sdpa / flash: 2 x seq x q_size FLOPs per token and layer; forward, recomputation and a 2.5-forward backward
+    flops = 2 * 2048 * 4096 * 32 * 2048 * (1 + 1 + 2.5)
+    sdpa = flops / (A100_MATMUL * 0.6)
+    assert timing.attention_seconds(spec, lora(attn="sdpa"), a100) == pytest.approx(sdpa)
+    assert timing.attention_seconds(spec, lora(attn="flash"), a100) == pytest.approx(sdpa)
+    # eager: the whole square at the matmul rate, or the scores it writes out, whichever is slower: 32 heads x
+    # 2048^2 scores a layer, 26 bytes each (bf16) in forward and in the recomputation, twice that in backward
+    moved = 32 * 2048 * 2048 * 32 * 26 * (1 + 1 + 2)
+    eager = timing.attention_seconds(spec, lora(attn="eager"), a100)
+    assert eager == pytest.approx(max(2 * flops / A100_MATMUL, moved / A100_BYTES))
+    assert eager == pytest.approx(moved / A100_BYTES) and eager > sdpa
+    assert timing.eager_score_bytes(4) == 44  # fp32 scores: 9 x 4 + 8
+
+
+def test_dequantisation_scales_with_the_weights_not_the_tokens(spec) -> None:
+    card = hardware.resolve("RTX 4060 Ti 16GB")
+    per_weight = 0.5 + 1 / 64 + 4 / (64 * 256) + 2  # nf4 with double quantisation read, a bf16 copy written
+    qlora = lora(method="qlora", quant="nf4")
+    expected = LINEARS * per_weight * 3 / (288e9 * 0.85)  # forward, recomputation, input gradients
+    assert timing.dequant_seconds(spec, qlora, card) == pytest.approx(expected)
+    assert timing.dequant_seconds(spec, qlora.model_copy(update={"micro_batch": 8}), card) == pytest.approx(expected)
+    no_ckpt = qlora.model_copy(update={"grad_ckpt": False})
+    assert timing.dequant_seconds(spec, no_ckpt, card) == pytest.approx(expected * 2 / 3)
+    assert timing.dequant_seconds(spec, lora(), card) == 0.0
+
+    # so it weighs most on a small micro-batch on a card with little bandwidth
+    def share(settings: Settings, gpu: hardware.GpuSpec) -> float:
+        ops = timing.micro_batch_time(spec, settings, gpu)
+        return ops.dequant / ops.total
+
+    small = qlora.model_copy(update={"seq_len": 512})
+    assert share(small, card) > share(qlora.model_copy(update={"micro_batch": 8}), card)
+    assert share(small, card) > share(small, hardware.resolve("RTX 4090"))
+
+
+def test_lora_path_bytes_by_hand(spec, a100) -> None:
+    # lorafit's trainer: fp32 adapters under bf16 autocast, dropout 0.05. Input side: cast to fp32 (2 + 4),
+    # dropout (4 + 4 + a 1-byte mask), autocast's cast back (4 + 2), lora_A's read (2) = 23; output side: lora_B
+    # writes 2, the scaling reads and writes 4, the sum reads 2 + 2 and writes 2 = 12
+    runtime = timing.memory.stack_runtime(lora())
+    assert timing.lora_bytes_per_element(lora(), runtime) == (23, 12)
+    assert timing.lora_bytes_per_element(lora(lora_dropout=0.0), runtime) == (14, 12)
+    # TRL over a 4-bit base keeps its adapters in bf16: no casts, a bf16 dropout (2 + 2 + 1) and the read
+    trl = lora(method="qlora", quant="nf4", stack="trl")
+    assert timing.lora_bytes_per_element(trl, timing.memory.stack_runtime(trl)) == (7, 12)
+    # without autocast the adapter matmuls run in fp32: lora_A reads 4; lora_B writes 4, the scaling 8, the sum
+    # reads 2 + 4 and writes 4, and the cast back reads 4 and writes 2
+    plain = lora(autocast=False)
+    assert timing.lora_bytes_per_element(plain, timing.memory.stack_runtime(plain)) == (19, 28)
+    # q and v (4096 -> 4096) of 32 layers, 2048 tokens, forward + recomputation + twice in backward
+    qv = lora(lora_targets="qv")
+    moved = 2048 * 32 * (2 * 4096 * 23 + 2 * 4096 * 12) * 4
+    assert timing.lora_seconds(spec, qv, a100) == pytest.approx(moved / A100_BYTES)
+    assert timing.lora_seconds(spec, Settings(method="full", quant="none"), a100) == 0.0
+
+
+def test_norms_activations_rotary_residuals_by_hand(spec, a100) -> None:
+    per_token = (
+        2 * 36 * 4096  # two RMSNorms
+        + 2 * 3 * 2 * 4096  # two residual sums
+        + 10 * 2 * (4096 + 4096)  # rotary on q and k
+        + 5 * 2 * 11008  # SwiGLU
+        + 2 * 2 * 4096  # attention output back to the token layout
+    )
+    assert timing.elementwise_bytes_per_token(spec, lora()) == per_token == 634_368
+    seconds = 2048 * 32 * per_token * (1 + 1 + 2) / A100_BYTES
+    assert timing.elementwise_seconds(spec, lora(), a100) == pytest.approx(seconds)
+    no_ckpt = lora(grad_ckpt=False)
+    assert timing.elementwise_seconds(spec, no_ckpt, a100) == pytest.approx(seconds * 3 / 4)
+
+
+def test_loss_and_kernels_by_hand(spec, a100) -> None:
+    assert timing.loss_seconds(spec, lora(), a100) == pytest.approx(2048 * 32000 * 36 / A100_BYTES)
+    # QLoRA on all 7 linears with checkpointing: 30 a layer (two norms of six kernels, two sums, ten for rotary,
+    # two for SwiGLU, four for attention) + 7 linears + 7 dequantisations + 7 x 7 LoRA kernels, in forward,
+    # recomputation and twice in backward
+    assert timing.kernel_count(spec, lora(method="qlora", quant="nf4")) == (30 + 7 + 7 + 49) * 32 * 4
+    full = Settings(method="full", quant="none", grad_ckpt=False)
+    assert timing.kernel_count(spec, full) == (30 + 7) * 32 * 3
+    assert timing.launch_seconds(spec, full) == pytest.approx(3552 * 4e-6)
+
+
+def test_a_micro_batch_is_the_sum_of_its_ops(spec) -> None:
+    gpu = hardware.resolve("RTX 4090")
+    settings = lora(method="qlora", quant="nf4", micro_batch=2, grad_accum=4)
+    ops = timing.micro_batch_time(spec, settings, gpu)
+    parts = (
+        timing.base_matmul_seconds(spec, settings, gpu),
+        timing.attention_seconds(spec, settings, gpu),
+        timing.dequant_seconds(spec, settings, gpu),
+        timing.lora_seconds(spec, settings, gpu),
+        timing.elementwise_seconds(spec, settings, gpu),
+        timing.loss_seconds(spec, settings, gpu),
+        timing.launch_seconds(spec, settings),
+    )
+    assert ops.total == pytest.approx(sum(parts)) == timing.step_seconds(spec, settings, gpu)
+    step = timing.step_time(spec, settings, gpu)
+    assert step.compute == pytest.approx(4 * ops.total)
+    assert step.dequant == pytest.approx(4 * parts[2]) and step.lora == pytest.approx(4 * parts[3])
+
+
+def test_cards_with_little_bandwidth_lose_more_than_their_tflops_say(spec) -> None:
+    """The RTX 4060 Ti has 27 % of the 4090's measured matmul rate but 29 % of its bandwidth; the L4 has a third
+    of the 4090's matmul rate. Both are slower than the 4090, and the L4 slower than its spec's peak would say."""
+    settings = lora(method="qlora", quant="nf4", micro_batch=2, seq_len=1024)
+    speed = {
+        name: timing.tokens_per_second(spec, settings, hardware.resolve(name))
+        for name in ("RTX 4090", "RTX 4060 Ti 16GB", "L4")
+    }
+    assert speed["RTX 4090"] > speed["L4"] > speed["RTX 4060 Ti 16GB"]
+    assert speed["L4"] / speed["RTX 4090"] < 121 / 165.2  # the peak ratio
