@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-throughput bench-train bench-data bench-exact bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-wheels clean
+.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-throughput bench-time-cpu bench-train bench-data bench-exact bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -82,6 +82,11 @@ bench-stacks: $(STAMP)
 
 bench-throughput: $(STAMP)
 	$(BIN)/python bench/throughput_accuracy.py
+
+# the time model's step-time ratios (QLoRA/LoRA, micro-batch, sequence, checkpointing) against real steps on this
+# CPU, with the CPU's measured rates as its card (lorafit.hostcard); writes bench/results/time-structure-cpu.json
+bench-time-cpu: $(STAMP)
+	$(BIN)/python bench/time_structure_cpu.py
 
 bench-train: $(STAMP)
 	$(BIN)/python bench/train_throughput.py

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +50,46 @@ def test_cpu_card_is_measured_once_and_plausible(fresh_card) -> None:
     ops = timing.micro_batch_time(spec, settings, card)
     assert math.isfinite(ops.total) and ops.matmul > 0 and ops.elementwise > 0
     assert timing.step_time(spec, settings, card).total >= ops.total
+
+
+# --- bench/time_structure_cpu.py: its prediction half, on a card with fixed rates (the timing is the bench's) ----
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "time_structure_cpu.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("time_structure_cpu", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def fixed_card(fresh_card, monkeypatch):
+    """A CPU card with fixed rates: 100 GFLOP/s fp32, 300 bf16, 20 GB/s."""
+    monkeypatch.setattr(hostcard, "matmul_flops_per_second", lambda dtype: {"fp32": 100e9, "bf16": 300e9}[dtype])
+    monkeypatch.setattr(hostcard, "copy_bytes_per_second", lambda: 20e9)
+    return fresh_card()
+
+
+def test_the_bench_predicts_each_pair_from_the_time_model(bench, fixed_card) -> None:
+    spec = models.resolve("smollm2-135m").scaled(num_hidden_layers=bench.LAYERS)
+    seconds = bench.predicted_seconds(spec, fixed_card)
+    assert set(seconds) == set(bench.CONFIGS)
+    assert seconds["lora"]["total"] == pytest.approx(timing.step_time(spec, bench.BASE, fixed_card).total)
+    predicted = bench.ratios({name: ops["total"] for name, ops in seconds.items()})
+    # the per-token work grows 8 times; what does not (the optimizer, the kernels' fixed cost) keeps it under 8
+    assert 6 < predicted["micro-batch 8 / 1"] < 8
+    # four times the tokens, and attention grows with the square of the sequence
+    assert predicted["sequence 1024 / 256"] > 4
+    # recomputing the layers' forward costs time; dequantising a 4-bit base too
+    assert predicted["checkpointing on / off"] > 1
+    assert predicted["QLoRA / LoRA"] > 1
+
+
+def test_the_verdict_is_the_prediction_within_25_percent_of_the_measurement(bench) -> None:
+    rows = bench.compare({"close": 2.0, "far": 2.0}, {"close": 2.4, "far": 1.4})
+    assert [(row["error"], row["passes"]) for row in rows] == [(0.2, True), (-0.3, False)]
+    printed = bench.table(rows)
+    assert "+20%" in printed and "-30%" in printed and "FAIL" in printed
