@@ -25,10 +25,22 @@ def test_the_time_model_reads_back_the_measured_rates(fresh_card, monkeypatch) -
     rates = {"fp32": 150e9, "bf16": 400e9}
     monkeypatch.setattr(hostcard, "matmul_flops_per_second", lambda dtype: rates[dtype])
     monkeypatch.setattr(hostcard, "copy_bytes_per_second", lambda: 30e9)
+    monkeypatch.setattr(hostcard, "quantized_rates", lambda: (8e9, 1.05))
     card = fresh_card()
     assert timing.achievable_matmul_flops(card, "fp32") == pytest.approx(150e9)
     assert timing.achievable_matmul_flops(card, "bf16") == pytest.approx(400e9)
     assert timing.achievable_bytes_per_second(card) == pytest.approx(30e9)
+    assert timing.dequant_bytes_per_second(card) == pytest.approx(8e9)
+    assert timing.quant_matmul_slowdown(card) == pytest.approx(1.05)
+
+
+def test_without_bitsandbytes_the_card_falls_back_to_the_time_models_figures(fresh_card, monkeypatch) -> None:
+    monkeypatch.setattr(hostcard, "matmul_flops_per_second", lambda dtype: 100e9)
+    monkeypatch.setattr(hostcard, "copy_bytes_per_second", lambda: 20e9)
+    monkeypatch.setattr(hostcard, "quantized_rates", lambda: None)
+    card = fresh_card()
+    assert timing.dequant_bytes_per_second(card) == pytest.approx(20e9)
+    assert timing.quant_matmul_slowdown(card) == timing.QUANT_MATMUL_SLOWDOWN
 
 
 def test_cpu_card_is_measured_once_and_plausible(fresh_card) -> None:
@@ -44,6 +56,9 @@ def test_cpu_card_is_measured_once_and_plausible(fresh_card) -> None:
     # DDR3 single channel to many-channel HBM CPUs
     assert 1e9 < timing.achievable_bytes_per_second(card) < 2e12
     assert card.memory_gib > 0.5
+    # bitsandbytes' CPU dequantisation: slower than nothing, not faster than a copy three times over
+    assert 0.1e9 < timing.dequant_bytes_per_second(card) < 3 * timing.achievable_bytes_per_second(card)
+    assert 1.0 <= timing.quant_matmul_slowdown(card) < 3
     # a small model's micro-batch on this card: every op positive and finite, fp32 as lorafit trains on the CPU
     spec = models.resolve("smollm2-135m")
     settings = Settings(method="lora", quant="none", precision="fp32", micro_batch=1, seq_len=256)
@@ -70,6 +85,7 @@ def fixed_card(fresh_card, monkeypatch):
     """A CPU card with fixed rates: 100 GFLOP/s fp32, 300 bf16, 20 GB/s."""
     monkeypatch.setattr(hostcard, "matmul_flops_per_second", lambda dtype: {"fp32": 100e9, "bf16": 300e9}[dtype])
     monkeypatch.setattr(hostcard, "copy_bytes_per_second", lambda: 20e9)
+    monkeypatch.setattr(hostcard, "quantized_rates", lambda: (5e9, 1.0))
     return fresh_card()
 
 

@@ -42,6 +42,18 @@ class GpuSpec(BaseModel):
     host_link_gbs: float | None = Field(
         default=None, gt=0, description="link to host memory (PCIe, NVLink-C2C), GB/s per direction; None: unknown"
     )
+    dequant_gbs: float | None = Field(
+        default=None,
+        gt=0,
+        description="GB/s a 4-bit dequantisation moves (packed weight and state in, compute-dtype weight out), "
+        "measured; None: the memory's streaming rate",
+    )
+    quant_matmul_slowdown: float | None = Field(
+        default=None,
+        gt=0,
+        description="a 4/8-bit base's matmul over the same matmul on a resident weight, beyond the "
+        "dequantisation, measured; None: timing.QUANT_MATMUL_SLOWDOWN",
+    )
     board_power_w: float = Field(gt=0)
     price_usd: float | None = Field(default=None, description="typical street or launch price")
     rent_usd_per_hour: float | None = Field(default=None, description="typical on-demand cloud price, USD")

@@ -11,6 +11,11 @@ The measured rates are stored so that the time model reads them back unchanged:
 - `timing.achievable_bytes_per_second(card)` is `bandwidth_gbs x BANDWIDTH_SHARE`, so `bandwidth_gbs` holds the
   measured copy rate over BANDWIDTH_SHARE. (`timing.optimizer_seconds` reads `bandwidth_gbs` without the share, so
   it sees a CPU about 1 / BANDWIDTH_SHARE faster than measured: a small term on the CPU.)
+- `dequant_gbs` and `quant_matmul_slowdown` hold bitsandbytes' 4-bit dequantisation rate and matmul slowdown as
+  measured here (timing.dequant_bytes_per_second, timing.quant_matmul_slowdown): the GPU's figures do not carry
+  over. A training step's profile (`python bench/time_structure_cpu.py --profile qlora`) shows the CPU's QLoRA
+  running the same aten::mm time as LoRA, plus the dequantisation at a fraction of the copy rate, where a GPU's
+  4-bit matmul runs QUANT_MATMUL_SLOWDOWN (1.32) times slower.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from collections.abc import Callable
 from datetime import date
 from functools import cache
 
-from lorafit import hardware, timing
+from lorafit import hardware, memory, timing
 from lorafit.hardware import GpuSpec
+from lorafit.schema import Settings
+from lorafit.units import DTYPE_BYTES
 
 # Side of the square matmuls timed: 2 x 1024^3 = 2.1 GFLOP, 5-20 ms on a few cores, large enough that the
 # rate is the kernel's, not the call's; a decoder's projections of a 0.1-1B model are of this order.
@@ -33,6 +40,14 @@ COPY_BYTES = 256 * 2**20
 # Repeats of each micro-benchmark after one warm-up; the fastest is kept (other processes on a shared host only
 # ever slow a run down, so the fastest is the closest to what the hardware sustains).
 REPEATS = 5
+# 4-bit weights dequantised in turn to time the dequantisation: 16 of 1024 x 1024 (8 MiB packed, 64 MiB out), as
+# a step dequantises its projections one after another, each read from memory rather than from the last call's
+# cache; and the tokens of the matmul timed on one of them with and without the 4-bit path.
+DEQUANT_WEIGHTS = 16
+QUANT_MATMUL_TOKENS = 256
+# lorafit's QLoRA on the CPU (NF4, double-quantised, fp32 compute): the bytes per weight the dequantisation rate
+# is counted in, as timing.dequant_seconds counts them.
+CPU_QLORA = Settings(method="qlora", quant="nf4", precision="fp32")
 # The CPU's board power is not measured; a desktop or one-socket-share figure, used only for the electricity
 # cost of a CPU run, which no comparison relies on.
 CPU_POWER_W = 65.0
@@ -68,6 +83,33 @@ def copy_bytes_per_second(size_bytes: int = COPY_BYTES) -> float:
     return 2 * size_bytes / _fastest(lambda: target.copy_(source))
 
 
+def quantized_rates(side: int = MATMUL_SIDE) -> tuple[float, float] | None:
+    """(bytes/s, slowdown) of bitsandbytes' 4-bit path in fp32 on this CPU, as lorafit's QLoRA runs it there:
+    the bytes per second its NF4 double-quantised dequantisation moves (what timing.dequant_seconds counts per
+    weight: packed weight and state in, the fp32 weight out), and its matmul (bitsandbytes' MatMul4Bit:
+    dequantise, then torch's linear) over a plain linear on the same weight, less the dequantisation, at least
+    1. None without bitsandbytes."""
+    try:
+        import bitsandbytes.functional as bnb_functional
+        from bitsandbytes import matmul_4bit
+    except ImportError:
+        return None
+    import torch
+
+    weights = [torch.randn(side, side) for _ in range(DEQUANT_WEIGHTS)]
+    packed = [bnb_functional.quantize_4bit(w, quant_type="nf4", compress_statistics=True) for w in weights]
+    for _, state in packed:
+        state.dtype = torch.float32  # the compute dtype (bitsandbytes sets it from the model's compute dtype)
+    seconds = _fastest(lambda: [bnb_functional.dequantize_4bit(p, s) for p, s in packed])
+    moved = memory.quantized_weight_bytes(side * side, CPU_QLORA) + side * side * DTYPE_BYTES["fp32"]
+    inputs = torch.randn(QUANT_MATMUL_TOKENS, side)
+    weight, (weight_4bit, state) = weights[0], packed[0]
+    plain = _fastest(lambda: torch.nn.functional.linear(inputs, weight))
+    quantized = _fastest(lambda: matmul_4bit(inputs, weight_4bit.t(), state))
+    one_dequant = _fastest(lambda: bnb_functional.dequantize_4bit(weight_4bit, state))
+    return DEQUANT_WEIGHTS * moved / seconds, max(1.0, (quantized - one_dequant) / plain)
+
+
 @cache
 def cpu_card() -> GpuSpec:
     """This CPU as a GpuSpec the time model (timing.micro_batch_time, step_time) divides by: its fp32 and bf16
@@ -79,6 +121,7 @@ def cpu_card() -> GpuSpec:
     fp32 = matmul_flops_per_second("fp32")
     bf16 = matmul_flops_per_second("bf16")
     bandwidth = copy_bytes_per_second()
+    quantized = quantized_rates()
     ram_gib = hardware.detect(use_torch=False).ram_gib or 1.0
     return GpuSpec(
         name=f"CPU ({threads} threads)",
@@ -90,10 +133,12 @@ def cpu_card() -> GpuSpec:
         fp16_tflops=2 * fp32 / 1e12,  # tflops("fp32") is fp16_tflops / 2: the measured fp32 rate
         matmul_tflops=bf16 / 1e12,  # a share of 1: the bf16 rate is the measurement itself
         bandwidth_gbs=bandwidth / 1e9 / timing.BANDWIDTH_SHARE,  # achievable_bytes_per_second gives `bandwidth`
+        dequant_gbs=quantized[0] / 1e9 if quantized else None,
+        quant_matmul_slowdown=quantized[1] if quantized else None,
         board_power_w=CPU_POWER_W,
         source=(
             f"measured by lorafit on this host: {threads} threads, {MATMUL_SIDE}-square fp32 and bf16 matmuls, "
-            f"a {COPY_BYTES // 2**20} MiB copy"
+            f"a {COPY_BYTES // 2**20} MiB copy, bitsandbytes' 4-bit dequantisation and matmul"
         ),
         as_of=date.today().isoformat(),
     )

@@ -67,6 +67,18 @@ def achievable_bytes_per_second(gpu: GpuSpec) -> float:
     return gpu.bandwidth_gbs * 1e9 * BANDWIDTH_SHARE
 
 
+def dequant_bytes_per_second(gpu: GpuSpec) -> float:
+    """Bytes/s dequantising a 4/8-bit weight moves: the card's measured rate (a CPU card measures it: its
+    dequantisation is far slower than a copy), else the streaming rate."""
+    return gpu.dequant_gbs * 1e9 if gpu.dequant_gbs is not None else achievable_bytes_per_second(gpu)
+
+
+def quant_matmul_slowdown(gpu: GpuSpec) -> float:
+    """A 4/8-bit base's matmuls over a resident weight's, beyond dequantising: the card's measured figure (a CPU
+    card measures it), else QUANT_MATMUL_SLOWDOWN."""
+    return gpu.quant_matmul_slowdown if gpu.quant_matmul_slowdown is not None else QUANT_MATMUL_SLOWDOWN
+
+
 def roofline_seconds(flops: float, moved_bytes: float, flop_rate: float, byte_rate: float) -> float:
     """An op takes as long as the slower of its arithmetic and its memory traffic."""
     return max(flops / flop_rate, moved_bytes / byte_rate)
@@ -111,7 +123,7 @@ def base_matmul_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> fl
     flops = 2 * params * tokens + chunked_loss_flops_per_token(spec, settings) * tokens
     weights = params * DTYPE_BYTES[settings.precision]
     rate = achievable_matmul_flops(gpu, settings.precision) * MATMUL_SHAPE_SHARE
-    slowdown = QUANT_MATMUL_SLOWDOWN if settings.quant != "none" else 1.0
+    slowdown = quant_matmul_slowdown(gpu) if settings.quant != "none" else 1.0
     return roofline_seconds(flops, weights, rate, achievable_bytes_per_second(gpu)) * slowdown
 
 
@@ -160,7 +172,7 @@ def dequant_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
         return 0.0
     weights = quantized_params(spec)
     per_pass = memory.quantized_weight_bytes(weights, settings) + weights * DTYPE_BYTES[settings.precision]
-    return per_pass * (forward_passes(settings) + 1) / achievable_bytes_per_second(gpu)
+    return per_pass * (forward_passes(settings) + 1) / dequant_bytes_per_second(gpu)
 
 
 def lora_bytes_per_element(settings: Settings, runtime: memory.Runtime) -> tuple[float, float]:
