@@ -221,7 +221,7 @@ def main() -> None:
     rows = compare(ratios(medians), ratios({name: p["total"] for name, p in predicted.items()}))
     print(table(rows))
     result = {
-        "card": card.model_dump(include={"name", "bf16_tflops", "fp16_tflops", "bandwidth_gbs", "source", "as_of"}),
+        "card": card.model_dump(mode="json", exclude={"aliases"}),
         "achievable_fp32_flops": timing.achievable_matmul_flops(card, "fp32"),
         "achievable_bytes_per_second": timing.achievable_bytes_per_second(card),
         "threads": torch.get_num_threads(),

@@ -29,6 +29,7 @@ from functools import cache
 from lorafit import hardware, memory, timing
 from lorafit.hardware import GpuSpec
 from lorafit.schema import Settings
+from lorafit.train import build
 from lorafit.units import DTYPE_BYTES
 
 # Side of the square matmuls timed: 2 x 1024^3 = 2.1 GFLOP, 5-20 ms on a few cores, large enough that the
@@ -89,6 +90,7 @@ def quantized_rates(side: int = MATMUL_SIDE) -> tuple[float, float] | None:
     weight: packed weight and state in, the fp32 weight out), and its matmul (bitsandbytes' MatMul4Bit:
     dequantise, then torch's linear) over a plain linear on the same weight, less the dequantisation, at least
     1. None without bitsandbytes."""
+    build.quiet_libraries()  # bitsandbytes logs, when imported, about a CPU kernel it would download
     try:
         import bitsandbytes.functional as bnb_functional
         from bitsandbytes import matmul_4bit
@@ -100,13 +102,18 @@ def quantized_rates(side: int = MATMUL_SIDE) -> tuple[float, float] | None:
     packed = [bnb_functional.quantize_4bit(w, quant_type="nf4", compress_statistics=True) for w in weights]
     for _, state in packed:
         state.dtype = torch.float32  # the compute dtype (bitsandbytes sets it from the model's compute dtype)
-    seconds = _fastest(lambda: [bnb_functional.dequantize_4bit(p, s) for p, s in packed])
+
+    def dequantise_each() -> None:
+        for weight_4bit, state in packed:  # each output freed before the next, as a step frees it after its matmul
+            bnb_functional.dequantize_4bit(weight_4bit, state)
+
+    seconds = _fastest(dequantise_each)
     moved = memory.quantized_weight_bytes(side * side, CPU_QLORA) + side * side * DTYPE_BYTES["fp32"]
     inputs = torch.randn(QUANT_MATMUL_TOKENS, side)
-    weight, (weight_4bit, state) = weights[0], packed[0]
+    weight, (first_4bit, first_state) = weights[0], packed[0]
     plain = _fastest(lambda: torch.nn.functional.linear(inputs, weight))
-    quantized = _fastest(lambda: matmul_4bit(inputs, weight_4bit.t(), state))
-    one_dequant = _fastest(lambda: bnb_functional.dequantize_4bit(weight_4bit, state))
+    quantized = _fastest(lambda: matmul_4bit(inputs, first_4bit.t(), first_state))
+    one_dequant = _fastest(lambda: bnb_functional.dequantize_4bit(first_4bit, first_state))
     return DEQUANT_WEIGHTS * moved / seconds, max(1.0, (quantized - one_dequant) / plain)
 
 
