@@ -40,7 +40,16 @@ TT_30B8 = dict(micro_batch=2, seq_len=2048, grad_accum=1, grad_ckpt=True)
 # A100, grad accum 1; each row adds its technique to the previous one (LoRA/QLoRA without the optimizer ones).
 TT_1814 = dict(micro_batch=2, seq_len=4096, grad_accum=1)
 # peft method_comparison/MetaMathQA default_training_params.json (results @5d602fdb and @bda9665b)
-PM = dict(quant="none", micro_batch=4, seq_len=210, grad_accum=1, grad_ckpt=False, attn="sdpa", lora_targets="qv")
+PM = dict(
+    quant="none",
+    micro_batch=4,
+    seq_len=210,
+    grad_accum=1,
+    grad_ckpt=False,
+    attn="sdpa",
+    lora_targets="qv",
+    fused_optimizer=False,
+)
 # philschmid fine-tune-llms-in-2025 recipe llama-3-1-8b-qlora.yaml @391f19b (per-row batch, accumulation, kernels)
 PS = dict(method="qlora", seq_len=1024, grad_ckpt=True, attn="flash", lora_r=16, lora_targets="all", stack="trl")
 ROWS: dict[str, tuple[str, str, dict]] = {
@@ -212,7 +221,8 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     ),
     # peft method_comparison/MetaMathQA on one L40S: a plain PyTorch loop, Llama-3.2-3B in bf16, batch 4 of
     # MetaMathQA bucketed by length (no packing; mean 209.9 tokens a sample, so 210 here), no checkpointing, sdpa,
-    # torch AdamW; the published rate counts unpadded tokens only
+    # torch AdamW (torch.optim.AdamW without `fused`: the multi-tensor foreach step); the published rate counts
+# unpadded tokens only
     "TP-PM-01": ("llama-3.2-3b", "L40S", dict(PM, method="lora", lora_r=32)),
     "TP-PM-02": ("llama-3.2-3b", "L40S", dict(PM, method="lora", lora_r=64)),
     "TP-PM-04": ("llama-3.2-3b", "L40S", dict(PM, method="full")),
@@ -228,7 +238,7 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     "TP-PS-06": ("llama-3.1-8b", "L4", dict(PS, micro_batch=8, grad_accum=2, loss="chunked", n_gpus=8, shard="zero3")),
 }
 
-# Rows run under torch.compile (their notes say so): lorafit times eager kernels, so they are summarised apart.
+# Rows run under torch.compile (their notes say so): timed with the torch_compile facet, and summarised apart.
 COMPILED = frozenset({"TT-01", *(f"TT-{n}" for n in (*range(10, 16), *range(18, 26)))})
 
 # Sources whose tokens/s is the whole job's, by row-id prefix. torchtune's README tables head the memory column
@@ -303,7 +313,37 @@ def grouped(errors: list[tuple[dict[str, str], float]], key: str) -> dict[str, d
     return {name: summary(members) for name, members in sorted(groups.items())}
 
 
-def main() -> dict[str, dict]:
+ACCURACY = Path(__file__).resolve().parents[1] / "src" / "lorafit" / "catalog" / "time_accuracy.toml"
+
+
+def accuracy_table(check: list[tuple[dict[str, str], float]]) -> dict[str, dict[str, float]]:
+    """Per GPU kind and over all check rows: how many, and the 10th and 90th percentiles of the signed error
+    (predicted - published) / published, which lorafit's plan turns into its hours range (timing.hours_range)."""
+    kinds: dict[str, list[float]] = {"all": [error for _, error in check]}
+    for facts, error in check:
+        kinds.setdefault(facts["kind"], []).append(error)
+    table = {}
+    for kind, errors in kinds.items():
+        cuts = statistics.quantiles(errors, n=10, method="inclusive") if len(errors) > 1 else errors * 9
+        table[kind] = {"rows": len(errors), "low": round(min(cuts[0], 0.0), 3), "high": round(max(cuts[-1], 0.0), 3)}
+    return table
+
+
+def write_accuracy(table: dict[str, dict[str, float]]) -> None:
+    """catalog/time_accuracy.toml, the file lorafit reads its hours range from."""
+    lines = [
+        "# The time model's signed error, (predicted - published) / published tokens/s, on the check rows of",
+        "# `make bench-throughput` (bench/throughput_accuracy.py, rows of bench/calibration/measured_memory.csv),",
+        "# by GPU kind (catalog/gpus.toml) and over all: rows, and the 10th (low) and 90th (high) percentiles, each",
+        "# bounded by 0. lorafit's plan shows hours x (1 + low) to hours x (1 + high). Written by that command; a test",
+        "# fails when it is stale.",
+    ]
+    for kind, entry in table.items():
+        lines += ["", f"[kind.{kind}]", *(f"{key} = {value}" for key, value in entry.items())]
+    ACCURACY.write_text("\n".join(lines) + "\n")
+
+
+def main(write: bool = True) -> dict[str, dict]:
     measured = published()
     errors: dict[str, list[tuple[dict[str, str], float]]] = {"fit": [], "check": []}
     print(
@@ -313,13 +353,14 @@ def main() -> dict[str, dict]:
     for row_id, (preset, gpu_name, fields) in ROWS.items():
         row = measured[row_id]
         spec, gpu = models.resolve(preset), hardware.resolve(gpu_name)
-        settings = Settings(**fields)
+        settings = Settings(**fields, torch_compile=row_id in COMPILED)
         gpus = memory.world_size(settings)
         predicted = tokens_per_second(spec, settings, gpu) / gpus
         truth = published_tokens_per_gpu(row, settings)
         error = (predicted - truth) / truth
         facts = {
             "gpu": gpu.name,
+            "kind": gpu.kind,
             "stack": row["stack"],
             "gpus": "one GPU" if gpus == 1 else "several GPUs",
             "kernels": "compile" if row_id in COMPILED else "eager",
@@ -335,17 +376,22 @@ def main() -> dict[str, dict]:
             print(f"{split} rows: none")
             continue
         overall = summary(errors[split])
-        result[split] = overall | {key: grouped(errors[split], key) for key in ("gpu", "stack", "gpus", "kernels")}
+        keys = ("gpu", "kind", "stack", "gpus", "kernels")
+        result[split] = overall | {key: grouped(errors[split], key) for key in keys}
         print(
             f"\n{split} rows: {overall['n']}, median |error| {overall['median_abs_pct']}%, "
             f"worst {overall['worst_abs_pct']}%"
         )
-        for key in ("gpu", "stack", "gpus", "kernels"):
+        for key in keys:
             for name, figures in result[split][key].items():
                 print(
                     f"  {key:8} {name:13} n={figures['n']:<3} median {figures['median_abs_pct']:5.1f}%  "
                     f"worst {figures['worst_abs_pct']:5.1f}%"
                 )
+    result["accuracy"] = accuracy_table(errors["check"])
+    if write:
+        write_accuracy(result["accuracy"])
+        print(f"\nwrote {ACCURACY.relative_to(ACCURACY.parents[3])}: the plan's hours range by GPU kind")
     result["skipped"] = dict(SKIPPED)
     print(f"\nskipped check rows ({len(SKIPPED)}):")
     for row_id, reason in SKIPPED.items():

@@ -597,3 +597,27 @@ def test_a_rental_price_of_ones_own_prices_the_rented_run() -> None:
     assert unlisted.cost_cloud_usd == round(unlisted.hours * 0.2, 2)
     with pytest.raises(LorafitError, match="--compare prices each card"):
         planner.compare(ask(rent_price=1.0))
+
+
+def test_the_plan_says_how_sure_its_time_is_and_what_it_is_for(capsys) -> None:
+    """--json: hours with their likely range around them and the basis ("model"); the text names the tokens the
+    hours are for and where they came from, and where the speed and the range come from."""
+    import json
+
+    from conftest import run_cli
+
+    code, out, _ = run_cli(["plan", "--model", "llama-3.1-8b", "--gpu", "RTX 4090", "--json"], capsys)
+    assert code == 0
+    plan = json.loads(out)
+    low, high = plan["hours_range"]
+    assert low < plan["hours"] < high and plan["time_basis"] == "model"
+    assert plan["tokens_per_epoch"] == DEFAULT_RUN_TOKENS // 3
+    assert plan["hours"] == pytest.approx(DEFAULT_RUN_TOKENS / plan["tokens_per_s"] / 3600, rel=1e-3)
+
+    code, out, _ = run_cli(
+        ["plan", "--model", "llama-3.1-8b", "--gpu", "RTX 4090", "--tokens-per-epoch", "2000000"], capsys
+    )
+    text = " ".join(out.split())
+    assert code == 0 and "of 2,000,000 tokens (--tokens-per-epoch)" in text
+    assert f"({low:.1f}-{high:.1f} h)" not in text  # another run, another range
+    assert "published runs on" in text and "lorafit measure" in text

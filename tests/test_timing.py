@@ -185,3 +185,86 @@ def test_cards_with_little_bandwidth_lose_more_than_their_tflops_say(spec) -> No
     }
     assert speed["RTX 4090"] > speed["L4"] > speed["RTX 4060 Ti 16GB"]
     assert speed["L4"] / speed["RTX 4090"] < 121 / 165.2  # the peak ratio
+
+
+def full(**fields) -> Settings:
+    return Settings(**({"method": "full", "quant": "none", "micro_batch": 1, "seq_len": 2048} | fields))
+
+
+def test_optimizer_traffic_by_implementation(spec, a100) -> None:
+    """Per trainable parameter, p = g = s = 2 bytes in pure bf16: fused 2p + g + 4s = 14, torch's foreach
+    loop 4p + 3g + 12s = 38, bitsandbytes' 32-bit paged kernel keeps fp32 moments (2p + g + 16 = 22), each
+    plus clipping's 3g = 6."""
+    runtime = timing.memory.stack_runtime(full())
+    assert timing.optimizer_traffic_bytes(full(), runtime) == 14 + 6
+    assert (
+        timing.optimizer_traffic_bytes(
+            full(fused_optimizer=False), runtime.model_copy(update={"fused_optimizer": False})
+        )
+        == 38 + 6
+    )
+    assert timing.optimizer_traffic_bytes(full(optimizer="paged_adamw_32bit"), runtime) == 22 + 6
+    fused = timing.optimizer_seconds(spec, full(), a100)
+    assert fused == pytest.approx(spec.num_params * 20 / A100_BYTES)
+    assert timing.optimizer_seconds(spec, full(fused_optimizer=False), a100) == pytest.approx(fused * 44 / 20)
+
+
+def test_paged_states_that_do_not_fit_cross_the_host_link_every_step(spec) -> None:
+    """7B full fine-tuning with bitsandbytes' paged 32-bit AdamW: 54 GB of fp32 moments cannot sit beside the
+    bf16 weights on a 24 GB card, so what does not fit is migrated in and out each step; a 3B model's fit on an
+    80 GB card and nothing pages."""
+    paged = full(micro_batch=4, grad_ckpt=True, optimizer="paged_adamw_32bit")
+    rtx4090, a100 = hardware.resolve("RTX 4090"), hardware.resolve("A100 80GB")
+    estimate = timing.memory.estimate(spec, paged, rtx4090)
+    overflow = (estimate.peak_device_gib - rtx4090.memory_gib) * 1024**3
+    moments = 2 * 4 * spec.num_params  # fp32, whatever the parameters' dtype
+    assert overflow > moments  # the card is so full that every paged moment moves
+    assert timing.paging_seconds(spec, paged, rtx4090) == pytest.approx(
+        2 * moments / timing.host_link_bytes_per_second(rtx4090)
+    )
+    assert timing.paging_seconds(models.resolve("llama-3.2-3b"), paged, a100) == 0.0
+    assert timing.paging_seconds(spec, full(micro_batch=4, grad_ckpt=True), rtx4090) == 0.0
+    assert timing.step_time(spec, paged, rtx4090).optimizer > timing.paging_seconds(spec, paged, rtx4090)
+
+
+def test_torch_compile_fuses_the_elementwise_ops_not_the_matmuls(spec, a100) -> None:
+    """Compiled, a residual sum and its norm read the stream and the block output and write the new stream and
+    the normed input (3s + c); rotary reads and writes q and k once (2c), SwiGLU reads two and writes one (3c);
+    the LoRA path is two fused kernels; the matmuls and attention are cuBLAS's and flash's either way."""
+    eager, compiled = lora(), lora(torch_compile=True)
+    h, c = 4096, 2
+    per_token = 2 * (3 * c + c) * h + 2 * c * (h + h) + 3 * c * 11008 + 2 * c * h
+    assert timing.elementwise_bytes_per_token(spec, compiled) == per_token
+    assert timing.elementwise_bytes_per_token(spec, eager) > 2 * per_token
+    runtime = timing.memory.stack_runtime(compiled)
+    assert timing.lora_bytes_per_element(compiled, runtime) == (c + 2 * c, 2 * c + 2 * c)
+    eager_ops, compiled_ops = timing.micro_batch_time(spec, eager, a100), timing.micro_batch_time(spec, compiled, a100)
+    assert compiled_ops.matmul == eager_ops.matmul and compiled_ops.attention == eager_ops.attention
+    assert compiled_ops.launches < eager_ops.launches and compiled_ops.loss < eager_ops.loss
+    assert compiled_ops.total < eager_ops.total
+
+
+def test_the_hours_range_is_the_check_rows_error_of_the_gpus_kind(a100) -> None:
+    """hours x (1 + the 10th and 90th percentile errors); a kind with too few check rows takes all rows'."""
+    table = timing.time_accuracy()
+    kind, entry = timing.accuracy_of(a100)
+    assert kind == ("datacenter" if table["datacenter"]["rows"] >= timing.MIN_KIND_ROWS else "all")
+    low, high = timing.hours_range(a100, 10.0)
+    assert low == pytest.approx(10 * (1 + entry["low"]), abs=1e-3) and high == pytest.approx(
+        10 * (1 + entry["high"]), abs=1e-3
+    )
+    assert low <= 10.0 <= high
+    assert timing.hours_range(None, 10.0) is None and timing.hours_range(a100, 0.0) is None
+
+
+def test_the_stored_accuracy_is_what_the_throughput_bench_computes_now(capsys) -> None:
+    """catalog/time_accuracy.toml is written by `make bench-throughput`: a change to the time model or the
+    calibration rows without re-running it fails here."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "throughput_accuracy.py"
+    loaded = importlib.util.spec_from_file_location("throughput_accuracy", path)
+    bench = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(bench)
+    assert bench.main(write=False)["accuracy"] == timing.time_accuracy()

@@ -11,7 +11,10 @@ memory model it sits beside.
 
 from __future__ import annotations
 
+import functools
+import tomllib
 from dataclasses import asdict, dataclass
+from importlib import resources
 
 from lorafit import hardware, memory
 from lorafit.hardware import GpuSpec
@@ -170,10 +173,14 @@ def lora_bytes_per_element(settings: Settings, runtime: memory.Runtime) -> tuple
     and a 1-byte mask, when lora_dropout > 0), autocast casts it back for the matmul (a + c) and lora_A reads it
     (m, the matmul dtype); on the output side lora_B writes m, the scaling reads and writes it (2m), the sum
     with the base output reads c and m and writes the wider (c + m + w), and the cast back reads w and writes c
-    (when w != c)."""
+    (when w != c). Under torch.compile the casts, dropout, scaling and sum fuse into two kernels."""
     c = DTYPE_BYTES[settings.precision]
     a = memory.trainable_dtype_bytes(settings, runtime)
     m = c if runtime.autocast and settings.precision != "fp32" else a
+    if runtime.compiled:
+        # one kernel casts and drops out the input (read c, write m) for lora_A to read (m); lora_B writes m and
+        # one kernel scales it, adds the base output and casts the sum (read m and c, write c)
+        return c + 2 * m, 2 * m + 2 * c
     cast_in = c + a if a != c else 0
     dropout = 2 * a + 1 if settings.lora_dropout > 0 else 0
     autocast_in = a + m if m != a else 0
@@ -219,11 +226,28 @@ def elementwise_bytes_per_token(spec: ModelSpec, settings: Settings) -> float:
     c, s = DTYPE_BYTES[settings.precision], memory.stream_dtype_bytes(settings, runtime)
     h = spec.hidden_size
     experts = max(spec.num_experts_per_tok, 1)
+    if runtime.compiled:
+        return compiled_elementwise_bytes_per_token(spec, settings, runtime)
     return (
         spec.norms_per_layer * NORM_BYTES * h
         + 2 * 3 * s * h
         + ROTARY_ELEMENT_PASSES * c * (spec.q_size + spec.kv_size)
         + 5 * memory.swiglu_dtype_bytes(settings, runtime) * spec.intermediate_size * experts
+        + 2 * c * spec.q_size
+    )
+
+
+def compiled_elementwise_bytes_per_token(spec: ModelSpec, settings: Settings, runtime: memory.Runtime) -> float:
+    """The same ops fused by torch.compile, each fused kernel reading its inputs and writing its outputs once:
+    each residual sum with the norm after it (read the stream and the block's output, write the new stream and the
+    normed input: 3s + c per element, twice a layer), rotary (read and write q and k), SwiGLU (read gate and up,
+    write their product) and the attention output's copy."""
+    c, s = DTYPE_BYTES[settings.precision], memory.stream_dtype_bytes(settings, runtime)
+    experts = max(spec.num_experts_per_tok, 1)
+    return (
+        spec.norms_per_layer * (3 * s + c) * spec.hidden_size
+        + 2 * c * (spec.q_size + spec.kv_size)
+        + 3 * memory.swiglu_dtype_bytes(settings, runtime) * spec.intermediate_size * experts
         + 2 * c * spec.q_size
     )
 
@@ -242,10 +266,18 @@ def elementwise_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> fl
 LOSS_BYTES_PER_LOGIT = 36
 
 
+# Compiled, the upcast, log-softmax and their backward fuse: the logits are read in forward, read again and their
+# gradient written in backward, in the compute dtype (3c), with fp32 reductions in registers.
+COMPILED_LOSS_PASSES = 3
+
+
 def loss_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     """The cross-entropy over tokens x vocabulary logits, bandwidth-bound."""
     logits = settings.tokens_per_micro_batch * spec.vocab_size
-    return logits * LOSS_BYTES_PER_LOGIT / achievable_bytes_per_second(gpu)
+    per_logit = LOSS_BYTES_PER_LOGIT
+    if memory.stack_runtime(settings).compiled:
+        per_logit = COMPILED_LOSS_PASSES * DTYPE_BYTES[settings.precision]
+    return logits * per_logit / achievable_bytes_per_second(gpu)
 
 
 # Kernels one decoder layer launches in its forward beyond its linears: two norms of six, two residual sums,
@@ -253,17 +285,23 @@ def loss_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
 LAYER_KERNELS = 2 * 6 + 2 + 10 + 2 + 4
 # Kernels of one adapted module's LoRA path: cast, dropout, lora_A, lora_B, scaling, sum, cast back.
 LORA_KERNELS = 7
+# Compiled: two fused residual-and-norm kernels, rotary, SwiGLU and the attention with its layout copy (about 6);
+# the LoRA path's two matmuls and two fused kernels.
+COMPILED_LAYER_KERNELS = 6
+COMPILED_LORA_KERNELS = 4
 
 
 def kernel_count(spec: ModelSpec, settings: Settings) -> int:
     """Kernels of one micro-batch: per layer LAYER_KERNELS, one per linear, one more per dequantised linear and
     LORA_KERNELS per adapted module, in forward (twice under checkpointing) and twice that in backward."""
+    compiled = memory.stack_runtime(settings).compiled
     linears = sum(n for _, _, _, n in spec.layer_linears())
-    per_layer = LAYER_KERNELS + linears
+    per_layer = (COMPILED_LAYER_KERNELS if compiled else LAYER_KERNELS) + linears
     if settings.quant != "none":
         per_layer += linears
     if settings.method != "full":
-        per_layer += LORA_KERNELS * len(spec.lora_target_names(settings.lora_targets))
+        lora_kernels = COMPILED_LORA_KERNELS if compiled else LORA_KERNELS
+        per_layer += lora_kernels * len(spec.lora_target_names(settings.lora_targets))
     return round(per_layer * spec.num_hidden_layers * (forward_passes(settings) + BACKWARD_TRAFFIC))
 
 
@@ -355,16 +393,59 @@ def host_copy_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec, compute
     return seconds
 
 
-# Bytes the optimizer step reads and writes per trainable parameter: parameter, gradient and two moments.
-OPTIMIZER_TRAFFIC_BYTES = {"adamw": 24, "paged_adamw_32bit": 24, "adamw_8bit": 12, "paged_adamw_8bit": 12, "sgd": 8}
+# Gradient clipping (max_grad_norm 1.0, the HF Trainer's and lorafit's default) reads every gradient for the
+# norm and reads and writes it again to scale it: three passes over the gradients.
+CLIP_GRADIENT_PASSES = 3
+
+
+def optimizer_traffic_bytes(settings: Settings, runtime: memory.Runtime) -> float:
+    """Bytes the optimizer step moves per trainable parameter, p the parameter's bytes, g the gradient's, s one
+    moment's, counted from the kernels each implementation runs:
+
+    fused AdamW (adamw_torch_fused, bitsandbytes' 8-bit and paged kernels, DeepSpeed's): one kernel reads p, g
+    and both moments and writes p and both moments, 2p + g + 4s.
+    torch's default multi-tensor AdamW (foreach, when `fused` is not set): weight decay on p (read, write), lerp
+    of the first moment (read m and g, write m), the second moment scaled (read, write) and addcmul'd (read v and
+    g twice, write v), its square root into a temporary (read v, write t), divided and shifted by eps (two
+    read-writes of t), and addcdiv into p (read p, m, t, write p): 4p + 3g + 12s.
+    SGD without momentum: read p and g, write p. Plus gradient clipping, CLIP_GRADIENT_PASSES x g.
+
+    bitsandbytes' 32-bit optimizers keep fp32 moments whatever the parameter's dtype (get_state_buffer); its
+    8-bit ones one byte a moment. ZeRO steps an fp32 master copy with fp32 moments and writes the 16-bit
+    parameter back (2 more bytes)."""
+    p = g = memory.trainable_dtype_bytes(settings, runtime)
+    cast_back = 0.0
+    if settings.shard in ("zero2", "zero3"):
+        p, cast_back = 4, DTYPE_BYTES[settings.precision]
+    clip = CLIP_GRADIENT_PASSES * g
+    if settings.optimizer == "sgd":
+        return 2 * p + g + cast_back + clip
+    s = 1 if settings.optimizer.endswith("8bit") else (4 if settings.optimizer == "paged_adamw_32bit" else p)
+    fused = runtime.fused_optimizer or settings.optimizer != "adamw" or settings.shard in ("zero2", "zero3")
+    step = 2 * p + g + 4 * s if fused else 4 * p + 3 * g + 12 * s
+    return step + cast_back + clip
 
 
 def optimizer_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
-    """The optimizer step is memory-bound: it streams every trainable parameter's state once."""
-    trainable = (
-        spec.num_params if settings.method == "full" else spec.lora_params(settings.lora_r, settings.lora_targets)
-    )
-    return trainable * OPTIMIZER_TRAFFIC_BYTES[settings.optimizer] / (gpu.bandwidth_gbs * 1e9)
+    """The optimizer step is memory-bound: it streams every trainable parameter's state
+    (optimizer_traffic_bytes) at the card's bandwidth."""
+    runtime = memory.stack_runtime(settings)
+    trainable = memory.trainable_params(spec, settings)
+    return trainable * optimizer_traffic_bytes(settings, runtime) / achievable_bytes_per_second(gpu)
+
+
+def paging_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """A paged optimizer whose states do not fit beside the rest of the step (bitsandbytes keeps them in CUDA
+    managed memory) has the part that does not fit migrated in before its update and evicted after it, every
+    step: twice the overflow over the host link. Zero when everything fits, or for other optimizers."""
+    if not memory.paged(settings):
+        return 0.0
+    estimate = memory.estimate(spec, settings, gpu)
+    gib = 1024**3
+    runtime = memory.stack_runtime(settings)
+    paged_state = memory.optimizer_bytes(spec, settings, runtime) * memory.shard_factors(settings)[2]
+    overflow = min(max(0.0, (estimate.peak_device_gib - gpu.memory_gib) * gib), paged_state)
+    return 2 * overflow / host_link_bytes_per_second(gpu)
 
 
 # --- several GPUs: communication and offload ----------------------------------------------------------------
@@ -487,7 +568,7 @@ def step_time(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> StepTime:
         compute=micro_batches * micro,
         communication=exposed_comm,
         offload=exposed_offload + off_step,
-        optimizer=optimizer * memory.shard_factors(settings)[2],
+        optimizer=optimizer * memory.shard_factors(settings)[2] + paging_seconds(spec, settings, gpu),
         micro_batches=micro_batches,
         **{name: micro_batches * seconds for name, seconds in asdict(ops).items()},
     )
@@ -514,15 +595,48 @@ def costs(
     return cloud, local, break_even
 
 
+# --- how far off the time is -------------------------------------------------------------------------------
+# A kind of GPU needs this many check rows of its own for its range; with fewer, the range is all check rows'.
+MIN_KIND_ROWS = 5
+
+
+@functools.cache
+def time_accuracy() -> dict[str, dict]:
+    """catalog/time_accuracy.toml: the time model's signed error on the check rows of `make bench-throughput`,
+    by GPU kind and over all of them ("all"), as that command wrote it."""
+    text = resources.files("lorafit").joinpath("catalog/time_accuracy.toml").read_text()
+    return dict(tomllib.loads(text)["kind"])
+
+
+def accuracy_of(gpu: GpuSpec) -> tuple[str, dict]:
+    """(kind, its entry): the GPU's kind when it has MIN_KIND_ROWS check rows, else "all"."""
+    table = time_accuracy()
+    entry = table.get(gpu.kind)
+    if entry is not None and entry["rows"] >= MIN_KIND_ROWS:
+        return gpu.kind, entry
+    return "all", table["all"]
+
+
+def hours_range(gpu: GpuSpec | None, hours: float) -> tuple[float, float] | None:
+    """The likely hours, low to high. A row's error e is (predicted - measured) / measured tokens/s, so the run
+    takes hours x (1 + e): the 10th and 90th percentiles of e over the GPU's kind (accuracy_of) bound it."""
+    if gpu is None or not hours:
+        return None
+    _, entry = accuracy_of(gpu)
+    return round(hours * max(1 + entry["low"], 0.05), 3), round(hours * (1 + entry["high"]), 3)
+
+
 def time_and_cost(
     gpu: GpuSpec | None, n_gpus: int, speed: float, total_tokens: float, kwh_price: float
-) -> dict[str, float | None]:
-    """The Plan's speed, hours and costs for `total_tokens` at `speed` tokens/s, rounded as a Plan shows them."""
+) -> dict[str, float | tuple[float, float] | None]:
+    """The Plan's speed, hours (with their likely range) and costs for `total_tokens` at `speed` tokens/s,
+    rounded as a Plan shows them."""
     hours = total_tokens / speed / 3600 if speed else 0.0
     cloud, local, break_even = costs(gpu, n_gpus, hours, kwh_price)
     return {
         "tokens_per_s": round(speed, 1),
         "hours": round(hours, 3),
+        "hours_range": hours_range(gpu, hours),
         "cost_cloud_usd": None if cloud is None else round(cloud, 2),
         "cost_local_usd": None if local is None else round(local, 2),
         "break_even_runs": None if break_even is None else round(break_even, 1),
