@@ -52,6 +52,15 @@ PM = dict(
 )
 # philschmid fine-tune-llms-in-2025 recipe llama-3-1-8b-qlora.yaml @391f19b (per-row batch, accumulation, kernels)
 PS = dict(method="qlora", seq_len=1024, grad_ckpt=True, attn="flash", lora_r=16, lora_targets="all", stack="trl")
+# fms-acceleration l40_40gb.csv @8af8fa7d: the A100 file's scenario (FMS above) with torch_dtype float16
+FL = dict(FMS, precision="fp16")
+# AnswerDotAI/fsdp_qlora benchmarks_03_2024.md: train.py's template command and defaults (2024-03): dummy rows filled
+# to the context length, reentrant checkpointing, grad accum 1, pure bf16, AdamW, LoRA r64 on q,k,v,gate,up,down
+# (lorafit's 'all' adds o), sdpa, 2 GPUs with FSDP FULL_SHARD ('ddp' rows: replicated, shard none; 'CPU offload'
+# rows: FSDP parameter offload, offload params). Its own loop: no lorafit stack.
+AQ = dict(
+    seq_len=2048, grad_ckpt=True, attn="sdpa", lora_r=64, lora_targets="all", grad_accum=1, n_gpus=2, shard="fsdp"
+)
 ROWS: dict[str, tuple[str, str, dict]] = {
     "FMS-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="full", quant="none", micro_batch=4)),
     "FMS-03": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="lora", quant="none", micro_batch=4)),
@@ -236,6 +245,107 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     "TP-PS-04": ("llama-3.1-8b", "L4", dict(PS, micro_batch=4, grad_accum=4, loss="chunked")),
     "TP-PS-05": ("llama-3.1-8b", "L4", dict(PS, micro_batch=8, grad_accum=2, loss="chunked", n_gpus=4, shard="zero3")),
     "TP-PS-06": ("llama-3.1-8b", "L4", dict(PS, micro_batch=8, grad_accum=2, loss="chunked", n_gpus=8, shard="zero3")),
+    # fine-tune-llms-in-2024-with-trl @10ad907 on one L4: TRL QLoRA r256 all-linear, packed 2048, batch 1 x accum 8,
+    # checkpointing, flash-attention 2, adamw_torch_fused
+    "TP-PS-07": (
+        "llama-3.1-8b",
+        "L4",
+        dict(
+            method="qlora",
+            micro_batch=1,
+            grad_accum=8,
+            seq_len=2048,
+            grad_ckpt=True,
+            attn="flash",
+            lora_r=256,
+            lora_targets="all",
+            fused_optimizer=True,
+            stack="trl",
+        ),
+    ),
+    # peft method_comparison on one L40S: rsLoRA r64 on q,v (the same matmuls as LoRA r64), the PM loop and data
+    "TP-PM-06": ("llama-3.2-3b", "L40S", dict(PM, method="lora", lora_r=64)),
+    # fms-acceleration on L40s (@8af8fa7d): LoRA r16 q,k,v,o in fp16 weights, packed 4096, checkpointing, flash
+    # attention; 2 GPUs under accelerate's FSDP FULL_SHARD
+    "TP-FL-01": ("mistral-7b-v0.1", "L40", dict(FL, method="lora", quant="none", micro_batch=4)),
+    "TP-FL-02": ("mistral-7b-v0.1", "L40", dict(FL, method="lora", quant="none", micro_batch=8)),
+    "TP-FL-03": (
+        "mistral-7b-v0.1",
+        "L40",
+        dict(FL, method="lora", quant="none", micro_batch=2, n_gpus=2, shard="fsdp"),
+    ),
+    "TP-FL-04": (
+        "mistral-7b-v0.1",
+        "L40",
+        dict(FL, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+    ),
+    # accelerated-peft-bnb: bitsandbytes nf4 through the fms plugin, fp16=True
+    "TP-FL-05": ("mistral-7b-v0.1", "L40", dict(FL, method="qlora", micro_batch=4)),
+    "TP-FL-06": ("mistral-7b-v0.1", "L40", dict(FL, method="qlora", micro_batch=8)),
+    # accelerated-peft-autogptq: GPTQ 4-bit Mistral-7B (lorafit times a 4-bit base as bitsandbytes nf4, as FMS-08)
+    "TP-FL-07": ("mistral-7b-v0.1", "L40", dict(FL, method="qlora", micro_batch=4)),
+    "TP-FL-08": ("mixtral-8x7b", "L40", dict(FL, method="qlora", micro_batch=4)),
+    # full fine-tuning (pure fp16 weights and AdamW states) on 2 GPUs, FSDP FULL_SHARD
+    "TP-FL-09": (
+        "mistral-7b-v0.1",
+        "L40",
+        dict(FL, method="full", quant="none", micro_batch=2, n_gpus=2, shard="fsdp"),
+    ),
+    "TP-FL-10": (
+        "mistral-7b-v0.1",
+        "L40",
+        dict(FL, method="full", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+    ),
+    # fms-acceleration a100_80gb.csv @24bdadb lines the FMS rows do not use: the same scenario (FMS), bf16; 2 GPUs
+    # under accelerate's FSDP FULL_SHARD; baseline-peft-bnb is HF's bitsandbytes nf4
+    "TP-FA-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="full", quant="none", micro_batch=8)),
+    "TP-FA-02": (
+        "mistral-7b-v0.1",
+        "A100 80GB",
+        dict(FMS, method="full", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+    ),
+    "TP-FA-03": (
+        "mistral-7b-v0.1",
+        "A100 80GB",
+        dict(FMS, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+    ),
+    "TP-FA-04": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=2, n_gpus=2, shard="fsdp")),
+    "TP-FA-05": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=4, n_gpus=2, shard="fsdp")),
+    "TP-FA-06": (
+        "mixtral-8x7b",
+        "A100 80GB",
+        dict(FMS, method="lora", quant="none", micro_batch=2, n_gpus=2, shard="fsdp"),
+    ),
+    "TP-FA-07": (
+        "mixtral-8x7b",
+        "A100 80GB",
+        dict(FMS, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+    ),
+    "TP-FA-08": ("mixtral-8x7b", "A100 80GB", dict(FMS, method="qlora", micro_batch=2, n_gpus=2, shard="fsdp")),
+    "TP-FA-09": ("mixtral-8x7b", "A100 80GB", dict(FMS, method="qlora", micro_batch=8)),
+    "TP-FA-10": ("mixtral-8x7b", "A100 80GB", dict(FMS, method="qlora", micro_batch=4, n_gpus=2, shard="fsdp")),
+    # fsdp_qlora on two RTX 3090s (power limited to 280 W, older PCIe: the catalog's 3090 is the 350 W card)
+    "TP-AQ-01": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=1, seq_len=512)),
+    "TP-AQ-02": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=1)),
+    "TP-AQ-03": ("llama-2-7b", "RTX 3090", dict(AQ, method="lora", quant="none", micro_batch=1, seq_len=512)),
+    "TP-AQ-04": ("llama-2-7b", "RTX 3090", dict(AQ, method="lora", quant="none", micro_batch=1)),
+    "TP-AQ-05": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=4)),
+    "TP-AQ-06": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=10)),
+    "TP-AQ-07": ("llama-2-7b", "RTX 3090", dict(AQ, method="lora", quant="none", micro_batch=4)),
+    "TP-AQ-08": ("llama-2-7b", "RTX 3090", dict(AQ, method="lora", quant="none", micro_batch=6)),
+    "TP-AQ-09": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=8, shard="none")),
+    "TP-AQ-10": ("llama-2-7b", "RTX 3090", dict(AQ, method="lora", quant="none", micro_batch=4, shard="none")),
+    "TP-AQ-13": ("llama-2-70b", "RTX 3090", dict(AQ, method="qlora", micro_batch=2, offload="params")),
+    # fsdp_qlora on two RTX 4090s, each on PCIe 4.0 x16
+    "TP-AQ-14": ("llama-2-7b", "RTX 4090", dict(AQ, method="lora", quant="none", micro_batch=4, shard="none")),
+    "TP-AQ-15": ("llama-2-7b", "RTX 4090", dict(AQ, method="lora", quant="none", micro_batch=6)),
+    "TP-AQ-16": ("llama-2-7b", "RTX 4090", dict(AQ, method="lora", quant="none", micro_batch=10, offload="params")),
+    "TP-AQ-17": ("llama-2-7b", "RTX 4090", dict(AQ, method="qlora", micro_batch=8, shard="none")),
+    "TP-AQ-18": ("llama-2-7b", "RTX 4090", dict(AQ, method="qlora", micro_batch=10)),
+    "TP-AQ-19": ("llama-2-7b", "RTX 4090", dict(AQ, method="qlora", micro_batch=12, offload="params")),
+    "TP-AQ-22": ("llama-2-70b", "RTX 4090", dict(AQ, method="qlora", micro_batch=2, offload="params")),
+    # Mistral-7B-v0.2 base: v0.1's shapes (no sliding window; irrelevant at 2048)
+    "TP-AQ-23": ("mistral-7b-v0.1", "RTX 4090", dict(AQ, method="qlora", micro_batch=12, offload="params")),
 }
 
 # Rows run under torch.compile (their notes say so): timed with the torch_compile facet, and summarised apart.
@@ -273,7 +383,17 @@ SKIPPED = {
     "time; and Qwen v1 is not in the catalog",
     "QW-15": "LoRA (emb), as QW-14",
     "TP-PM-03": "LoRA on the MLP projections only (up, gate, down): lorafit's targets are all, attn or qv",
-    **{f"TP-FL-{n:02d}": "the L40 (48 GB) is not in lorafit's GPU catalog (`lorafit gpus`)" for n in range(1, 11)},
+    **{
+        f"TP-AQ-{n}": "Yi-34B (a Llama-shaped 34B) is not in lorafit's catalog (`lorafit models`)"
+        for n in (11, 12, 20, 21)
+    },
+    "TP-AQ-24": "24,576-token context: a dummy row (alpaca prompt + 'output' x 10000) may be shorter than that, so "
+    "the tokens of a step are not known",
+    **{
+        f"TP-AQ-{n}": "the fastest settings found per accelerator: the row's sharding strategy, checkpointing and "
+        "gradient accumulation are not stated"
+        for n in range(25, 34)
+    },
     "TP-PS-01": "not packed: the tokens of a step are not stated (the row has a step time only)",
 }
 
