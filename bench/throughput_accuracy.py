@@ -39,7 +39,8 @@ TT_30B8 = dict(micro_batch=2, seq_len=2048, grad_accum=1, grad_ckpt=True)
 # torchtune README @1814feb 'Optimization flags': full_finetune_single_device, Llama 3.2 3B, batch 2 x 4096, bf16,
 # A100, grad accum 1; each row adds its technique to the previous one (LoRA/QLoRA without the optimizer ones).
 TT_1814 = dict(micro_batch=2, seq_len=4096, grad_accum=1)
-# peft method_comparison/MetaMathQA default_training_params.json (results @5d602fdb and @bda9665b)
+# peft method_comparison/MetaMathQA default_training_params.json (results @5d602fdb and @bda9665b): LoRA dropout
+# 0, use_amp false (no autocast: the fp32 adapters' matmuls run in fp32), torch.optim.AdamW without `fused`
 PM = dict(
     quant="none",
     micro_batch=4,
@@ -48,6 +49,8 @@ PM = dict(
     grad_ckpt=False,
     attn="sdpa",
     lora_targets="qv",
+    lora_dropout=0.0,
+    autocast=False,
     fused_optimizer=False,
 )
 # philschmid fine-tune-llms-in-2025 recipe llama-3-1-8b-qlora.yaml @391f19b (per-row batch, accumulation, kernels)
