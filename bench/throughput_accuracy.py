@@ -234,7 +234,7 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     # peft method_comparison/MetaMathQA on one L40S: a plain PyTorch loop, Llama-3.2-3B in bf16, batch 4 of
     # MetaMathQA bucketed by length (no packing; mean 209.9 tokens a sample, so 210 here), no checkpointing, sdpa,
     # torch AdamW (torch.optim.AdamW without `fused`: the multi-tensor foreach step); the published rate counts
-# unpadded tokens only
+    # unpadded tokens only
     "TP-PM-01": ("llama-3.2-3b", "L40S", dict(PM, method="lora", lora_r=32)),
     "TP-PM-02": ("llama-3.2-3b", "L40S", dict(PM, method="lora", lora_r=64)),
     "TP-PM-04": ("llama-3.2-3b", "L40S", dict(PM, method="full")),
