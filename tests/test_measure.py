@@ -150,9 +150,12 @@ def test_a_model_too_big_for_the_gpu_is_not_built(tiny_model, tmp_path, monkeypa
     run.check_plan(plan, "cuda", tmp_path)  # room enough: no refusal
 
 
-def test_cpu_with_a_gpu_named_and_export_with_settings_are_refused(tiny_model, cache, tmp_path, capsys) -> None:
+def test_what_measure_cannot_compare_is_refused(tiny_model, cache, tmp_path, capsys) -> None:
+    """A named GPU on the CPU, another trainer's step, several GPUs, and --export beside settings."""
     err = refused(["measure", "--cpu", "--model", str(tiny_model), "--gpu", "RTX 4090"], capsys, cache)
     assert "drop --gpu" in err
+    err = refused(["measure", "--cpu", "--model", str(tiny_model), "--stack", "trl"], capsys, cache)
+    assert "--stack lorafit" in err
     target = tmp_path / "rows.csv"
     err = refused(["measure", "--export", str(target), "--model", str(tiny_model)], capsys, cache)
     assert "pass it alone" in err and not target.exists()

@@ -133,12 +133,21 @@ def resident_bytes() -> int | None:
         return None
 
 
+def load_libraries() -> None:
+    """Import what the measurement runs (torch, transformers, peft), so that a figure taken after this leaves
+    their code out. The libraries are quietened first: bitsandbytes logs when it is imported."""
+    build.quiet_libraries()
+    import peft  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+
 class HostMemory:
     """The CPU's stand-in for the device figure: the process's resident memory less its value before the model
     was built, so that it counts what the measurement added, as the device figure counts what the process
     holds on the GPU. Only where /proc/self/statm is readable (`available`)."""
 
-    source = "CPU: resident memory (RSS, /proc/self/statm) less its value before the model was built"
+    source = "CPU: resident memory (RSS, /proc/self/statm) less its value before the model was built (libraries loaded)"
     interval_s = SAMPLE_INTERVAL_S
 
     def __init__(self) -> None:

@@ -44,6 +44,7 @@ def open_device(cpu: bool) -> tuple[Device, engine.Probe | None]:
     """The device to measure on and its memory probe, made first: the device figure's baseline is taken before
     this process starts CUDA, the CPU's before the model is built."""
     if cpu:
+        engine.load_libraries()  # their code in memory is not the measurement's: the baseline comes after it
         return "cpu", engine.HostMemory() if engine.HostMemory.available() else None
     if not cuda_available():
         raise InvalidConfig(
@@ -103,11 +104,16 @@ def check_plan(plan: Plan, device: Device, workdir: Path) -> None:
             f"`lorafit measure` runs one process on one device; the plan uses {settings.n_gpus * settings.nodes} "
             f"GPU(s) with shard {settings.shard} and offload {settings.offload}: pass --n-gpus 1 --offload none"
         )
-    if not plan.fits:
-        reason = plan.reasons[0] if plan.reasons else f"{plan.estimate.peak_device_gib:.1f} GiB needed"
+    if settings.stack != "lorafit":
         raise InvalidConfig(
-            f"the plan does not fit {card} ({reason}); measure only what fits: `lorafit plan` lists the smallest "
-            "changes that do"
+            f"`lorafit measure` runs lorafit's own training step; the plan is for {settings.stack}'s: add "
+            "--stack lorafit to measure lorafit's step at these settings"
+        )
+    if not plan.fits:
+        room = f" and {card} has {plan.gpu.usable_gib(plan.estimate.headroom):.1f} GiB" if plan.gpu else ""
+        raise InvalidConfig(
+            f"the plan does not fit {card}: its smallest configuration needs {plan.estimate.peak_device_gib:.1f} "
+            f"GiB{room}; measure only what fits (`lorafit plan` lists the smallest changes that do)"
         )
     if device == "cuda":
         free = free_gpu_gib()
