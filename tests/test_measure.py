@@ -161,6 +161,17 @@ def test_what_measure_cannot_compare_is_refused(tiny_model, cache, tmp_path, cap
     assert "pass it alone" in err and not target.exists()
 
 
+def test_running_out_of_memory_is_one_line_and_records_nothing(tiny_model, cache, capsys, monkeypatch) -> None:
+    import torch
+
+    def out_of_memory(*args: object, **kwargs: object) -> list[float]:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(engine, "train_steps", out_of_memory)
+    err = refused(["measure", "--cpu", "--model", str(tiny_model), *SMALL_RUN], capsys, cache)
+    assert "ran out of memory" in err and "nothing recorded" in err
+
+
 # --- the engine's memory readers (shared with make gpu-check) -------------------------------------------------
 def test_host_figure_counts_memory_the_process_takes() -> None:
     if not engine.HostMemory.available():

@@ -161,31 +161,39 @@ def measure(
     plan: Plan, device: Device, probe: engine.Probe | None, steps: int, workdir: Path | None = None
 ) -> dict[str, Any]:
     """The plan's step run for a warm-up and `steps` timed steps on `device` (`open_device`); the record
-    `lorafit measure` prints and stores. An out-of-memory error ends it in one line (nothing is recorded)."""
-    spec, settings = plan.model, plan.settings
-    on_cuda = device == "cuda"
+    `lorafit measure` prints and stores. Running out of memory ends it in one line (nothing is recorded)."""
     workdir = workdir or Path(tempfile.gettempdir())
     check_plan(plan, device, workdir)
-    savers.use_allocator_settings(settings, on_cuda)  # before the model takes any CUDA memory
+    savers.use_allocator_settings(plan.settings, device == "cuda")  # before the model takes any CUDA memory
+    try:
+        seconds, figures = steps_measured(plan, device, probe, steps, workdir)
+    except Exception as error:
+        if not guard.is_out_of_memory(error):
+            raise
+        raise LorafitError(
+            f"{plan.model.name} ran out of memory on {device_name(device)}, where the estimate is "
+            f"{plan.estimate.peak_device_gib:.2f} GiB on the device; nothing recorded"
+        ) from None
+    return record(plan, device, steps, figures, engine.measured_speed(plan.settings, seconds))
+
+
+def steps_measured(
+    plan: Plan, device: Device, probe: engine.Probe | None, steps: int, workdir: Path
+) -> tuple[list[float], dict[str, Any]]:
+    """Build the random model in a temporary folder, load and prepare it as `lorafit train` does, and run the
+    steps with the memory sampled: (seconds of each step, the memory figures)."""
+    spec, settings, on_cuda = plan.model, plan.settings, device == "cuda"
     where = build_device(plan, device)
     with engine.process_settings(on_cuda), tempfile.TemporaryDirectory(prefix="lorafit-measure-", dir=workdir) as tmp:
         folder = Path(tmp) / "model"
         engine.build_random_model(spec, settings, folder, where)
         model = engine.prepare(engine.load_base(folder, settings, device), spec, settings)
-        try:
-            with engine.sampled(probe) as sampler:
-                seconds = engine.train_steps(model, spec, settings, engine.WARMUP_STEPS + steps, device, Path(tmp))
-        except Exception as error:
-            if not guard.is_out_of_memory(error):
-                raise
-            raise LorafitError(
-                f"{spec.name} ran out of memory on {device_name(device)} where the estimate is "
-                f"{plan.estimate.peak_device_gib:.2f} GiB; nothing recorded"
-            ) from None
+        with engine.sampled(probe) as sampler:
+            seconds = engine.train_steps(model, spec, settings, engine.WARMUP_STEPS + steps, device, Path(tmp))
         figures = engine.measured_memory(probe, sampler.peak if sampler else None)
         del model
         engine.free_memory(on_cuda)
-    return record(plan, device, steps, figures, engine.measured_speed(settings, seconds))
+    return seconds, figures
 
 
 def record(plan: Plan, device: Device, steps: int, figures: dict[str, Any], speed: dict[str, Any]) -> dict[str, Any]:
