@@ -84,7 +84,7 @@ def show(measured: dict[str, Any], path: Path) -> None:
         ("peak allocated", "peak_allocated_gib", " GiB"),
         ("peak reserved", "peak_reserved_gib", " GiB"),
         ("peak device", "peak_device_gib", " GiB"),
-        (f"run of {measured['run_tokens']:,} tokens", "hours", " h"),
+        (f"run of {measured['run_tokens'] / 1e6:,.1f}M tokens", "hours", " h"),
         ("cost rented", "cost_cloud_usd", " USD"),
         ("cost own card (power)", "cost_local_usd", " USD"),
     ]

@@ -23,7 +23,7 @@ from lorafit.timing import time_and_cost
 from lorafit.train import guard, savers
 from lorafit.units import gib
 
-DEFAULT_STEPS = 5  # timed steps after the warm-up: a median-free mean over 5 steps is steady to a few percent
+DEFAULT_STEPS = 5  # timed steps after the warm-up: the "a few"; make gpu-check times 3 per row
 BYTES_PER_BUILT_WEIGHT = 2  # the random model is built and saved in bf16, as checkpoints are published
 LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate")
 
