@@ -127,7 +127,8 @@ serve: $(STAMP)
 	$(BIN)/lorafit serve --open
 
 # Real training steps of 7-8B models on this machine's CUDA GPU against the estimate and the time model, and the
-# plan's 24/16/8 GB verdicts under a memory cap; writes bench/results/gpu-check-<gpu>.json (bench/results/README.md)
+# plan's 24/16/8 GB verdicts under a memory cap; writes bench/results/gpu-check-<gpu>.json (bench/results/README.md).
+# It measures with lorafit.measure.engine, the code of `lorafit measure` (one plan on any user's GPU).
 #
 # A GPU machine that cannot reach a package registry but has torch, transformers and peft: run there
 #   make gpu-check GPU_PYTHON=python3
