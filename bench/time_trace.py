@@ -86,7 +86,8 @@ def show(row: dict) -> None:
         )
     total = row["total"]
     print(
-        f"  {'total':<12} {total['closed_s'] * 1e3:>10.2f} {total['traced_s'] * 1e3:>10.2f} {percent(total['relative']):>8}"
+        f"  {'total':<12} {total['closed_s'] * 1e3:>10.2f} {total['traced_s'] * 1e3:>10.2f}"
+        f" {percent(total['relative']):>8}"
     )
     print(f"  kernels: closed form {row['kernels']['closed']}, trace {row['kernels']['traced']}")
 

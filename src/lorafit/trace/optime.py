@@ -17,7 +17,6 @@ residuals, the embedding lookup) is `elementwise`.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -235,6 +234,8 @@ class OpListTime:
     flops: dict[str, float]
     moved_bytes: dict[str, float]
 
+    FIELDS = ("seconds", "kernels", "flops", "moved_bytes")
+
     @property
     def launches(self) -> float:
         return sum(self.kernels.values()) * timing.KERNEL_SECONDS
@@ -245,13 +246,13 @@ class OpListTime:
 
 
 def time_ops(ops: list[Op], gpu: GpuSpec) -> OpListTime:
-    sums: dict[str, Counter[str]] = {key: Counter() for key in ("seconds", "kernels", "flops", "moved_bytes")}
+    sums: dict[str, dict[str, float]] = {key: dict.fromkeys(CATEGORIES, 0.0) for key in OpListTime.FIELDS}
     for op in ops:
         sums["seconds"][op.category] += op_seconds(op, gpu)
         sums["kernels"][op.category] += 1
         sums["flops"][op.category] += op.flops
         sums["moved_bytes"][op.category] += op.moved_bytes
-    return OpListTime(**{key: {c: float(counts[c]) for c in CATEGORIES} for key, counts in sums.items()})
+    return OpListTime(**sums)
 
 
 @dataclass(frozen=True)
@@ -271,8 +272,7 @@ class TracedOps:
         def line(at_a: dict[str, float], at_b: dict[str, float]) -> dict[str, float]:
             return {c: at_a[c] + (at_b[c] - at_a[c]) * (self.num_layers - a) / (b - a) for c in CATEGORIES}
 
-        fields = ("seconds", "kernels", "flops", "moved_bytes")
-        return OpListTime(**{key: line(getattr(small, key), getattr(large, key)) for key in fields})
+        return OpListTime(**{key: line(getattr(small, key), getattr(large, key)) for key in OpListTime.FIELDS})
 
 
 def trace_micro_batch(spec: ModelSpec, settings: Settings, *, autocast: bool = True) -> TracedOps:

@@ -1,0 +1,131 @@
+"""The op timer of a traced step (lorafit.trace.optime): what it records, how it files and sums it.
+
+Expected counts come from the tiny model itself (its nn.Linear weights counted on the meta device) and from
+hand calculation, not from the time model the op timer checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafit import hardware, timing
+from lorafit.models import ModelSpec, resolve
+from lorafit.schema import Settings
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("bitsandbytes")
+pytest.importorskip("peft")
+
+from lorafit.trace.optime import CATEGORIES, OpTimer, op_seconds, time_ops, trace_micro_batch, trace_ops  # noqa: E402
+from lorafit.trace.tracker import Phase  # noqa: E402
+from lorafit.train import build  # noqa: E402
+
+TOKENS = 2 * 32  # micro-batch 2 of 32 tokens
+RANK = 4  # no dimension of the tiny model is 4, so a matmul with a 4 in its shape is a LoRA one
+
+
+def tiny(layers: int = 2) -> ModelSpec:
+    return resolve("llama-3.1-8b").scaled(
+        num_hidden_layers=layers,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=512,
+    )
+
+
+def settings(**changes: object) -> Settings:
+    base = {"method": "lora", "quant": "none", "micro_batch": 2, "seq_len": 32, "lora_r": RANK}
+    return Settings(**(base | changes))
+
+
+def linear_weights(spec: ModelSpec, s: Settings) -> tuple[int, int, int]:
+    """(the decoder layers' nn.Linear weights, the LM head's, the first layer's q, k and v projections'),
+    counted on a meta-device model."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(build.hf_config(spec, s))
+    head = model.get_output_embeddings()
+    layers = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    attention = model.model.layers[0].self_attn
+    qkv = sum(getattr(attention, name).weight.numel() for name in ("q_proj", "k_proj", "v_proj"))
+    return layers, head.weight.numel(), qkv
+
+
+def flops(ops: list, category: str) -> float:
+    return sum(op.flops for op in ops if op.category == category)
+
+
+@pytest.mark.parametrize(
+    ("changes", "layer_passes", "head_passes", "first_qkv_skipped"),
+    [
+        # forward and the input gradients; the first layer's q, k and v need none for LoRA: their input
+        # (the embeddings') needs no gradient without checkpointing
+        ({"grad_ckpt": False}, 2, 2, True),
+        # + the layers' recomputation (the head runs after the last checkpoint); checkpointing makes the
+        # embeddings' output require a gradient
+        ({"grad_ckpt": True}, 3, 2, False),
+        ({"method": "full", "grad_ckpt": False}, 3, 3, False),  # + the weight gradients
+        ({"method": "qlora", "quant": "nf4", "grad_ckpt": True}, 3, 2, False),
+    ],
+)
+def test_base_matmul_flops_are_two_per_weight_per_token_per_pass(
+    changes: dict, layer_passes: int, head_passes: int, first_qkv_skipped: bool
+) -> None:
+    spec, s = tiny(), settings(**changes)
+    layers, head, qkv = linear_weights(spec, s)
+    ops = trace_ops(spec, s)
+    weights = layers * layer_passes + head * head_passes - (qkv if first_qkv_skipped else 0)
+    assert flops(ops, "matmul") == 2 * TOKENS * weights
+
+
+def test_lora_ops_are_filed_apart_and_4bit_weights_dequantised_once_a_pass() -> None:
+    spec, s = tiny(), settings(method="qlora", quant="nf4", grad_ckpt=True)
+    ops = trace_ops(spec, s)
+    rank_matmuls = [op for op in ops if op.name == "aten.mm" and op.flops % (2 * RANK) == 0 and op.category == "lora"]
+    assert rank_matmuls and flops(ops, "lora") == sum(op.flops for op in rank_matmuls)
+    assert not [op for op in ops if op.category == "matmul" and not op.flops]
+    # 7 linears a layer, each dequantised in forward, recomputation and backward; each of those matmuls is on a
+    # dequantised weight (the 16-bit LM head is not)
+    dequantised = [op for op in ops if op.name == "bitsandbytes.dequantize_4bit"]
+    assert len(dequantised) == 7 * spec.num_hidden_layers * 3
+    assert sum(op.quantized for op in ops) == len(dequantised)
+    assert not [op for op in trace_ops(spec, settings(method="full")) if op.category == "lora"]
+
+
+def test_views_move_nothing_and_each_kernel_its_inputs_and_outputs() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    timer = OpTimer(lambda: Phase(1, 1, "forward: layer", 0), seq_len=8)
+    with FakeTensorMode(), timer:
+        x = torch.empty(8, 16, dtype=torch.bfloat16)
+        w = torch.empty(16, 32, dtype=torch.bfloat16)
+        x.view(16, 8).t()
+        x.reshape(-1).unsqueeze(0).detach()
+        x[:, :4].expand(2, 8, 4)
+        y = x + x  # reads two, writes one
+        z = y @ w
+    assert [op.name for op in timer.ops] == ["aten.add", "aten.mm"]
+    add, mm = timer.ops
+    assert add.moved_bytes == 3 * 8 * 16 * 2 and add.flops == 0 and add.category == "elementwise"
+    assert mm.moved_bytes == (8 * 16 + 16 * 32 + 8 * 32) * 2 and mm.flops == 2 * 8 * 16 * 32
+    assert z.shape == (8, 32)
+
+
+def test_categories_sum_to_the_total_and_the_depth_line_matches_a_full_trace() -> None:
+    gpu = hardware.resolve("L4")
+    spec, s = tiny(layers=4), settings(method="qlora", quant="nf4")
+    ops = trace_ops(spec, s)
+    timed = time_ops(ops, gpu)
+    assert set(op.category for op in ops) <= set(CATEGORIES)
+    assert timed.total == pytest.approx(sum(op_seconds(op, gpu) for op in ops) + len(ops) * timing.KERNEL_SECONDS)
+    traced = trace_micro_batch(spec, s)  # traced at 2 and 3 layers, extended to 4
+    assert [n for n, _ in traced.traces] == [2, 3]
+    line = traced.time(gpu)
+    for category in CATEGORIES:
+        assert line.kernels[category] == pytest.approx(timed.kernels[category])
+        assert line.moved_bytes[category] == pytest.approx(timed.moved_bytes[category])
+        assert line.seconds[category] == pytest.approx(timed.seconds[category])
