@@ -75,6 +75,35 @@ def compare(label: str, settings: Settings, traced, gpu_name: str) -> dict:  # n
     }
 
 
+def layer_profile(traced, tokens: int) -> dict:  # noqa: ANN001
+    """What one decoder layer adds (the deeper trace less the shallower): per category and pass, kernels and
+    bytes per token - the units of the closed form's per-layer counts. Plus the loss's bytes per logit."""
+    (a, small), (b, large) = traced.traces
+    profile: dict = {}
+    for sign, ops in ((-1, small), (1, large)):
+        for op in ops:
+            cell = profile.setdefault(op.category, {}).setdefault("backward" if op.backward else "forward", [0, 0.0])
+            cell[0] += sign / (b - a)
+            cell[1] += sign * op.moved_bytes / tokens / (b - a)
+    loss = sum(op.moved_bytes for op in large if op.category == "loss")
+    return {
+        "per_layer": {
+            category: {pass_: {"kernels": round(k), "bytes_per_token": round(m)} for pass_, (k, m) in passes.items()}
+            for category, passes in profile.items()
+            if category != "loss"
+        },
+        "loss_bytes_per_logit": loss / tokens / resolve(MODEL).vocab_size,
+    }
+
+
+def show_profile(profile: dict) -> None:
+    print("  one decoder layer, traced (kernels, bytes per token), forward | backward (recomputation included):")
+    for category, passes in profile["per_layer"].items():
+        cells = [passes.get(p, {"kernels": 0, "bytes_per_token": 0}) for p in ("forward", "backward")]
+        print(f"    {category:<12}" + " | ".join(f"{c['kernels']:>4} {c['bytes_per_token']:>10,}" for c in cells))
+    print(f"  loss: {profile['loss_bytes_per_logit']:.1f} bytes per logit")
+
+
 def show(row: dict) -> None:
     print(f"\n{row['case']} on {row['gpu']}")
     print(f"  {'category':<12} {'closed ms':>10} {'trace ms':>10} {'diff':>8} {'trace kernels':>14}")
@@ -114,8 +143,10 @@ def main() -> None:
         started = time.perf_counter()
         traced = trace_micro_batch(resolve(MODEL), settings)
         print(f"\n[{label}: traced in {time.perf_counter() - started:.0f} s]")
+        profile = layer_profile(traced, settings.tokens_per_micro_batch)
+        show_profile(profile)
         for gpu_name in CARDS:
-            rows.append(compare(label, settings, traced, gpu_name))
+            rows.append(compare(label, settings, traced, gpu_name) | {"traced_layer": profile})
             show(rows[-1])
     flagged = [
         (row["case"], row["gpu"], category, cell["relative"])

@@ -64,6 +64,11 @@ NO_KERNEL = {
     aten.is_same_size,
     aten.set_,
 }
+# Gathers: the kernel reads only the indexed rows of one argument (the embedding table, the log-probabilities
+# the loss picks from), as many bytes as it writes; that argument is counted as the output's size.
+GATHERED_ARGUMENT = {aten.embedding: 0, aten.nll_loss_forward: 0}
+# An argument whose shape alone the kernel uses: nll_loss's backward writes the gradient without reading `self`.
+UNREAD_ARGUMENT = {aten.nll_loss_backward: 1}
 DEQUANT_OPS = ("bitsandbytes.dequantize_4bit", "bitsandbytes.dequantize_blockwise")
 PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -79,6 +84,7 @@ class Op:
     precision: str  # the dtype its matmul runs in ("bf16", "fp16", "fp32")
     causal: bool = False  # a fused attention kernel that skips the masked half
     quantized: bool = False  # a matmul on a freshly dequantised 4-bit weight
+    backward: bool = False  # run by the backward pass (the checkpoint's recomputation included)
 
 
 class OpTimer(TorchDispatchMode):
@@ -119,6 +125,10 @@ class OpTimer(TorchDispatchMode):
             return None
         inputs, outputs = _tensors((args, kwargs)), _tensors(out)
         moved = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
+        if packet in GATHERED_ARGUMENT:
+            moved += _nbytes(outputs[0]) - _nbytes(args[GATHERED_ARGUMENT[packet]])
+        if packet in UNREAD_ARGUMENT:
+            moved -= _nbytes(args[UNREAD_ARGUMENT[packet]])
         flops = _flops(packet, args, kwargs, out)
         precision = PRECISION.get(inputs[0].dtype if inputs else outputs[0].dtype, "fp32")
         category = self._category(func, packet, inputs + outputs, stage)
@@ -132,7 +142,7 @@ class OpTimer(TorchDispatchMode):
             quantized = any(sorted(t.shape) == sorted(self._dequantised) for t in inputs)
             self._dequantised = None if quantized else self._dequantised
         causal = packet in FUSED_ATTENTION and bool(_argument(func, args, kwargs, "is_causal"))
-        return Op(str(packet), category, flops, moved, precision, causal, quantized)
+        return Op(str(packet), category, flops, moved, precision, causal, quantized, in_backward())
 
     def _category(self, func, packet, tensors: list[torch.Tensor], stage: str) -> str:  # noqa: ANN001
         if str(packet) in DEQUANT_OPS:
