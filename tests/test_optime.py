@@ -55,6 +55,15 @@ def linear_weights(spec: ModelSpec, s: Settings) -> tuple[int, int, int]:
     return layers, head.weight.numel(), qkv
 
 
+def linear_shapes(spec: ModelSpec, s: Settings) -> list[tuple[int, int]]:
+    """(in, out) of every nn.Linear in the decoder layers, from a meta-device model."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(build.hf_config(spec, s))
+    return [(m.in_features, m.out_features) for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+
+
 def flops(ops: list, category: str) -> float:
     return sum(op.flops for op in ops if op.category == category)
 
@@ -69,6 +78,9 @@ def flops(ops: list, category: str) -> float:
         # embeddings' output require a gradient
         ({"grad_ckpt": True}, 3, 2, False),
         ({"method": "full", "grad_ckpt": False}, 3, 3, False),  # + the weight gradients
+        # the recomputation stops after the last tensor backward needs (checkpoint's early stop): without an
+        # adapter after it, each layer's down_proj is not run again
+        ({"method": "full", "grad_ckpt": True}, 4, 3, False),
         ({"method": "qlora", "quant": "nf4", "grad_ckpt": True}, 3, 2, False),
     ],
 )
@@ -79,14 +91,20 @@ def test_base_matmul_flops_are_two_per_weight_per_token_per_pass(
     layers, head, qkv = linear_weights(spec, s)
     ops = trace_ops(spec, s)
     weights = layers * layer_passes + head * head_passes - (qkv if first_qkv_skipped else 0)
+    if s.method == "full" and s.grad_ckpt:
+        weights -= spec.hidden_size * spec.intermediate_size * spec.num_hidden_layers
     assert flops(ops, "matmul") == 2 * TOKENS * weights
 
 
 def test_lora_ops_are_filed_apart_and_4bit_weights_dequantised_once_a_pass() -> None:
     spec, s = tiny(), settings(method="qlora", quant="nf4", grad_ckpt=True)
     ops = trace_ops(spec, s)
-    rank_matmuls = [op for op in ops if op.name == "aten.mm" and op.flops % (2 * RANK) == 0 and op.category == "lora"]
-    assert rank_matmuls and flops(ops, "lora") == sum(op.flops for op in rank_matmuls)
+    # lora_A (in x r) and lora_B (r x out) of every linear: forward, recomputation, input and weight gradients;
+    # the recomputation stops after the last tensor backward needs (checkpoint's early stop), so each layer's
+    # last lora_B (down_proj's, r x hidden), whose output nothing saves, is not run again
+    adapter_weights = sum(RANK * (i + o) for i, o in linear_shapes(spec, s))
+    not_recomputed = RANK * spec.hidden_size * spec.num_hidden_layers
+    assert flops(ops, "lora") == 2 * TOKENS * (adapter_weights * 4 - not_recomputed)
     assert not [op for op in ops if op.category == "matmul" and not op.flops]
     # 7 linears a layer, each dequantised in forward, recomputation and backward; each of those matmuls is on a
     # dequantised weight (the 16-bit LM head is not)
@@ -99,7 +117,7 @@ def test_lora_ops_are_filed_apart_and_4bit_weights_dequantised_once_a_pass() -> 
 def test_views_move_nothing_and_each_kernel_its_inputs_and_outputs() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    timer = OpTimer(lambda: Phase(1, 1, "forward: layer", 0), seq_len=8)
+    timer = OpTimer(lambda: Phase(1, 1, "forward: layer", 0))
     with FakeTensorMode(), timer:
         x = torch.empty(8, 16, dtype=torch.bfloat16)
         w = torch.empty(16, 32, dtype=torch.bfloat16)
@@ -129,3 +147,19 @@ def test_categories_sum_to_the_total_and_the_depth_line_matches_a_full_trace() -
         assert line.kernels[category] == pytest.approx(timed.kernels[category])
         assert line.moved_bytes[category] == pytest.approx(timed.moved_bytes[category])
         assert line.seconds[category] == pytest.approx(timed.seconds[category])
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_attention_is_the_fused_kernel_or_every_op_on_the_eager_scores(attn: str) -> None:
+    spec, s = tiny(), settings(attn=attn, grad_ckpt=False, seq_len=48)  # not the head width (32)
+    ops = [op for op in trace_ops(spec, s) if op.category == "attention"]
+    heads, seq = spec.num_attention_heads, s.seq_len
+    # QK^T and PV over the whole square: 2 x 2 x heads x seq^2 x head_dim per sequence and layer
+    forward_flops = 4 * s.micro_batch * heads * seq * seq * spec.head_size * spec.num_hidden_layers
+    forward = [op for op in ops if not op.backward]
+    assert sum(op.flops for op in forward) == forward_flops
+    if attn == "sdpa":
+        assert len(forward) == spec.num_hidden_layers and all(op.causal for op in forward)
+    else:  # two batched matmuls, scaling, mask, fp32 softmax and the casts around it, all on the scores
+        assert {op.name for op in forward} >= {"aten.bmm", "aten._softmax", "aten.add", "aten.mul"}
+        assert not any(op.causal for op in ops)

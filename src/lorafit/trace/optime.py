@@ -91,9 +91,10 @@ class OpTimer(TorchDispatchMode):
     """Record the ops of one micro-batch (step `step`, micro-batch `micro_batch` by the tracker's `phase()`),
     each with its category; `watch(model)` first, so LoRA modules are told apart."""
 
-    def __init__(self, phase: Callable[[], Phase], seq_len: int, step: int = 1, micro_batch: int = 1) -> None:
+    def __init__(self, phase: Callable[[], Phase], scores_len: int = 0, step: int = 1, micro_batch: int = 1) -> None:
         super().__init__()
-        self.phase, self.seq_len, self.step, self.micro_batch = phase, seq_len, step, micro_batch
+        self.phase, self.step, self.micro_batch = phase, step, micro_batch
+        self.scores_len = scores_len  # eager attention's sequence length (0: no eager scores to look for)
         self.ops: list[Op] = []
         self.context: list[str] = []  # "lora" / "base" while a LoRA module's forward runs
         self.lora_nodes: set[Any] = set()  # autograd nodes the LoRA paths created
@@ -167,8 +168,11 @@ class OpTimer(TorchDispatchMode):
         return False
 
     def _on_scores(self, tensors: list[torch.Tensor]) -> bool:
-        """An op on eager attention's (batch, heads, seq, seq) scores."""
-        return any(t.dim() == 4 and t.shape[-1] == t.shape[-2] == self.seq_len for t in tensors)
+        """An op on eager attention's (batch, heads, seq, seq) scores (told apart by shape: a sequence as long
+        as a head is wide would look the same as q and k)."""
+        return bool(self.scores_len) and any(
+            t.dim() == 4 and t.shape[-1] == t.shape[-2] == self.scores_len for t in tensors
+        )
 
     # --- LoRA modules ----------------------------------------------------------------------------------------
     def watch(self, model: torch.nn.Module) -> None:
@@ -212,7 +216,7 @@ def trace_ops(spec: ModelSpec, settings: Settings, num_layers: int | None = None
     model, _ = fake_model(depth_spec, settings, fake_mode)
     optimizer = build.build_optimizer(model, settings, fused=True)
     tracker = LiveTensorTracker()
-    timer = OpTimer(lambda: tracker.phase, settings.seq_len)
+    timer = OpTimer(lambda: tracker.phase, settings.seq_len if settings.attn == "eager" else 0)
     timer.watch(model)
     make_batch = token_batch(spec.vocab_size, settings.micro_batch, settings.seq_len)
     # the timer goes under the tracker, so it sees the ops the tracker expands bitsandbytes' 4-bit matmul into
