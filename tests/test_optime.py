@@ -6,6 +6,8 @@ hand calculation, not from the time model the op timer checks.
 
 from __future__ import annotations
 
+from functools import cache
+
 import pytest
 
 from lorafit import hardware, timing
@@ -20,7 +22,7 @@ from lorafit.trace.optime import CATEGORIES, OpTimer, op_seconds, time_ops, trac
 from lorafit.trace.tracker import Phase  # noqa: E402
 from lorafit.train import build  # noqa: E402
 
-TOKENS = 2 * 32  # micro-batch 2 of 32 tokens
+TOKENS = 2 * 48  # micro-batch 2 of 48 tokens (not the head width, 32: eager scores are told apart by shape)
 RANK = 4  # no dimension of the tiny model is 4, so a matmul with a 4 in its shape is a LoRA one
 
 
@@ -37,7 +39,7 @@ def tiny(layers: int = 2) -> ModelSpec:
 
 
 def settings(**changes: object) -> Settings:
-    base = {"method": "lora", "quant": "none", "micro_batch": 2, "seq_len": 32, "lora_r": RANK}
+    base = {"method": "lora", "quant": "none", "micro_batch": 2, "seq_len": 48, "lora_r": RANK}
     return Settings(**(base | changes))
 
 
@@ -62,6 +64,12 @@ def linear_shapes(spec: ModelSpec, s: Settings) -> list[tuple[int, int]]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(build.hf_config(spec, s))
     return [(m.in_features, m.out_features) for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+
+
+@cache
+def traced(s: Settings) -> list:
+    """The tiny model's op list under `s` (traced once: several tests read the same one)."""
+    return trace_ops(tiny(), s)
 
 
 def flops(ops: list, category: str) -> float:
@@ -89,7 +97,7 @@ def test_base_matmul_flops_are_two_per_weight_per_token_per_pass(
 ) -> None:
     spec, s = tiny(), settings(**changes)
     layers, head, qkv = linear_weights(spec, s)
-    ops = trace_ops(spec, s)
+    ops = traced(s)
     weights = layers * layer_passes + head * head_passes - (qkv if first_qkv_skipped else 0)
     if s.method == "full" and s.grad_ckpt:
         weights -= spec.hidden_size * spec.intermediate_size * spec.num_hidden_layers
@@ -98,7 +106,7 @@ def test_base_matmul_flops_are_two_per_weight_per_token_per_pass(
 
 def test_lora_ops_are_filed_apart_and_4bit_weights_dequantised_once_a_pass() -> None:
     spec, s = tiny(), settings(method="qlora", quant="nf4", grad_ckpt=True)
-    ops = trace_ops(spec, s)
+    ops = traced(s)
     # lora_A (in x r) and lora_B (r x out) of every linear: forward, recomputation, input and weight gradients;
     # the recomputation stops after the last tensor backward needs (checkpoint's early stop), so each layer's
     # last lora_B (down_proj's, r x hidden), whose output nothing saves, is not run again
@@ -111,7 +119,7 @@ def test_lora_ops_are_filed_apart_and_4bit_weights_dequantised_once_a_pass() -> 
     dequantised = [op for op in ops if op.name == "bitsandbytes.dequantize_4bit"]
     assert len(dequantised) == 7 * spec.num_hidden_layers * 3
     assert sum(op.quantized for op in ops) == len(dequantised)
-    assert not [op for op in trace_ops(spec, settings(method="full")) if op.category == "lora"]
+    assert not [op for op in traced(settings(method="full", grad_ckpt=False)) if op.category == "lora"]
 
 
 def test_views_move_nothing_and_each_kernel_its_inputs_and_outputs() -> None:
@@ -140,9 +148,9 @@ def test_categories_sum_to_the_total_and_the_depth_line_matches_a_full_trace() -
     timed = time_ops(ops, gpu)
     assert set(op.category for op in ops) <= set(CATEGORIES)
     assert timed.total == pytest.approx(sum(op_seconds(op, gpu) for op in ops) + len(ops) * timing.KERNEL_SECONDS)
-    traced = trace_micro_batch(spec, s)  # traced at 2 and 3 layers, extended to 4
-    assert [n for n, _ in traced.traces] == [2, 3]
-    line = traced.time(gpu)
+    depths = trace_micro_batch(spec, s)  # traced at 2 and 3 layers, extended to 4
+    assert [n for n, _ in depths.traces] == [2, 3]
+    line = depths.time(gpu)
     for category in CATEGORIES:
         assert line.kernels[category] == pytest.approx(timed.kernels[category])
         assert line.moved_bytes[category] == pytest.approx(timed.moved_bytes[category])
@@ -151,8 +159,8 @@ def test_categories_sum_to_the_total_and_the_depth_line_matches_a_full_trace() -
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_attention_is_the_fused_kernel_or_every_op_on_the_eager_scores(attn: str) -> None:
-    spec, s = tiny(), settings(attn=attn, grad_ckpt=False, seq_len=48)  # not the head width (32)
-    ops = [op for op in trace_ops(spec, s) if op.category == "attention"]
+    spec, s = tiny(), settings(attn=attn, grad_ckpt=False)
+    ops = [op for op in traced(s) if op.category == "attention"]
     heads, seq = spec.num_attention_heads, s.seq_len
     # QK^T and PV over the whole square: 2 x 2 x heads x seq^2 x head_dim per sequence and layer
     forward_flops = 4 * s.micro_batch * heads * seq * seq * spec.head_size * spec.num_hidden_layers
