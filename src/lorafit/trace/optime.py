@@ -104,10 +104,9 @@ class OpTimer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
-        if (
-            func.namespace == "aten" and func._overloadpacket not in flop_registry
-        ):  # linear, matmul: into the kernels they launch, as
-            with self:  # FlopCounterMode does
+        # composite ops (linear, matmul) are opened into the kernels they launch, as FlopCounterMode does
+        if func.namespace == "aten" and func._overloadpacket not in flop_registry:
+            with self:
                 decomposed = func.decompose(*args, **kwargs)
             if decomposed is not NotImplemented:
                 return decomposed
