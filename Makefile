@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-throughput bench-train bench-data bench-exact bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-wheels clean
+.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-throughput bench-train bench-data bench-exact bench-time-trace bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -91,6 +91,11 @@ bench-data: $(STAMP)
 
 bench-exact: $(STAMP)
 	$(BIN)/python bench/exact_speed.py
+
+# the time model's closed form (timing.micro_batch_time) beside its roofline run over the --exact trace's op list,
+# per category, for Llama-3.1-8B on an RTX 4090 and an L4; writes bench/results/time-trace.json
+bench-time-trace: $(STAMP)
+	$(BIN)/python bench/time_trace.py
 
 # the caching allocator simulated over full-depth traces of 72 steps, and memory.reserved_bytes' fit to it;
 # writes bench/results/allocator-fit.json (docs/memory-model.md, section 5)
