@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from lorafit import hardware, memory, models
+from lorafit import hardware, memory, models, timing
 from lorafit.schema import Settings
 from lorafit.timing import tokens_per_second
 
@@ -419,6 +419,38 @@ def published_tokens_per_gpu(row: dict[str, str], settings: Settings) -> float:
     return step_tokens / float(row["step_time_s"])
 
 
+# The fitted constants of lorafit/timing.py and the fit rows each is solved on (the 16-bit rows first, then the
+# 4-bit ones with the share in place).
+FITTED = {"MATMUL_SHAPE_SHARE": ("FMS-01", "FMS-03", "FMS-04"), "QUANT_MATMUL_SLOWDOWN": ("FMS-06", "FMS-07")}
+
+
+def asked_for(name: str, row_id: str, low: float = 0.2, high: float = 3.0) -> float:
+    """The value of timing's constant `name` at which the row's prediction equals its published speed."""
+    preset, gpu_name, fields = ROWS[row_id]
+    spec, gpu, settings = models.resolve(preset), hardware.resolve(gpu_name), Settings(**fields)
+    truth = published_tokens_per_gpu(published()[row_id], settings)
+    kept = getattr(timing, name)
+    try:
+        for _ in range(60):  # bisection: speed falls as the slowdown rises and rises with the share
+            middle = (low + high) / 2
+            setattr(timing, name, middle)
+            faster = timing.tokens_per_second(spec, settings, gpu) / memory.world_size(settings) > truth
+            low, high = (low, middle) if faster == (name == "MATMUL_SHAPE_SHARE") else (middle, high)
+    finally:
+        setattr(timing, name, kept)
+    return round((low + high) / 2, 3)
+
+
+def fit_report() -> dict[str, dict[str, float]]:
+    """What each fit row asks of each fitted constant, beside the value timing.py uses (their median)."""
+    report = {}
+    for name, row_ids in FITTED.items():
+        asks = {row_id: asked_for(name, row_id) for row_id in row_ids if row_id in ROWS}
+        report[name] = asks
+        print(f"  {name} = {getattr(timing, name)}; fit rows ask " + ", ".join(f"{r} {v}" for r, v in asks.items()))
+    return report
+
+
 def summary(errors: list[tuple[dict[str, str], float]]) -> dict:
     """n, median and worst |error| (percent) of (row facts, error) pairs."""
     values = [abs(error) for _, error in errors]
@@ -511,6 +543,8 @@ def main(write: bool = False) -> dict[str, dict]:
                     f"  {key:8} {name:13} n={figures['n']:<3} median {figures['median_abs_pct']:5.1f}%  "
                     f"worst {figures['worst_abs_pct']:5.1f}%"
                 )
+    print("\nfitted constants (lorafit/timing.py):")
+    result["fitted"] = fit_report()
     result["accuracy"] = accuracy_table(errors["check"])
     if write:
         write_accuracy(result["accuracy"])
