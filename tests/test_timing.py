@@ -258,16 +258,21 @@ def test_torch_compile_fuses_the_elementwise_ops_not_the_matmuls(spec, a100) -> 
     assert compiled_ops.total < eager_ops.total
 
 
-def test_the_hours_range_is_the_check_rows_error_of_the_gpus_kind(a100) -> None:
-    """hours x (1 + the 10th and 90th percentile errors); a kind with too few check rows takes all rows'."""
+def test_the_hours_range_is_the_check_rows_error_of_the_narrowest_class_with_rows(a100) -> None:
+    """hours x (1 + the 10th and 90th percentile errors) of the run's class: GPU kind and count, else count,
+    else all check rows, whichever first has MIN_KIND_ROWS rows."""
     table = timing.time_accuracy()
-    kind, entry = timing.accuracy_of(a100)
-    assert kind == ("datacenter" if table["datacenter"]["rows"] >= timing.MIN_KIND_ROWS else "all")
-    low, high = timing.hours_range(a100, 10.0)
-    assert low == pytest.approx(10 * (1 + entry["low"]), abs=1e-3) and high == pytest.approx(
-        10 * (1 + entry["high"]), abs=1e-3
-    )
-    assert low <= 10.0 <= high
+    for gpu, n_gpus in ((a100, 1), (a100, 8), (hardware.resolve("RTX 4090"), 1), (hardware.resolve("RTX 4090"), 2)):
+        name, entry = timing.accuracy_of(gpu, n_gpus)
+        narrower = timing.run_classes(gpu.kind, n_gpus)
+        assert name in narrower and entry == table[name]
+        skipped = narrower[: narrower.index(name)]
+        assert all(table.get(other, {"rows": 0})["rows"] < timing.MIN_KIND_ROWS for other in skipped)
+        assert name == "all" or entry["rows"] >= timing.MIN_KIND_ROWS
+        low, high = timing.hours_range(gpu, 10.0, n_gpus)
+        assert low == pytest.approx(10 * (1 + entry["low"]), abs=1e-3)
+        assert high == pytest.approx(10 * (1 + entry["high"]), abs=1e-3)
+        assert low <= 10.0 <= high
     assert timing.hours_range(None, 10.0) is None and timing.hours_range(a100, 0.0) is None
 
 

@@ -178,11 +178,13 @@ def time_basis_line(plan: Plan) -> str:
     """Where the speed comes from and what the range means."""
     if plan.time_basis == "measured":
         return "speed measured on this device (lorafit measure); range: the spread of the timed steps"
-    kind, entry = timing.accuracy_of(plan.gpu) if plan.gpu else ("all", {"rows": 0})
-    cards = "GPUs" if kind == "all" else f"{kind} GPUs"
+    runs = "runs"
+    if plan.gpu:
+        name, entry = timing.accuracy_of(plan.gpu, plan.estimate.world_size)
+        runs = f"{entry['rows']} published runs ({name})"
     return (
-        f"speed from the time model (every token counted, no padding); range: its error on {entry['rows']} "
-        f"published runs on {cards} (make bench-throughput); `lorafit measure` times it on your GPU"
+        f"speed from the time model (every token counted, no padding); range: its error on {runs}, "
+        "make bench-throughput; `lorafit measure` times it on your GPU"
     )
 
 

@@ -659,33 +659,40 @@ def costs(
 
 
 # --- how far off the time is -------------------------------------------------------------------------------
-# A kind of GPU needs this many check rows of its own for its range; with fewer, the range is all check rows'.
+# A class of runs needs this many check rows of its own for its range; with fewer, the next wider class's.
 MIN_KIND_ROWS = 5
 
 
 @functools.cache
 def time_accuracy() -> dict[str, dict]:
     """catalog/time_accuracy.toml: the time model's signed error on the check rows of `make bench-throughput`,
-    by GPU kind and over all of them ("all"), as that command wrote it."""
+    by class of run ("consumer, one GPU", "one GPU", "all", ...), as that command wrote it."""
     text = resources.files("lorafit").joinpath("catalog/time_accuracy.toml").read_text()
     return dict(tomllib.loads(text)["kind"])
 
 
-def accuracy_of(gpu: GpuSpec) -> tuple[str, dict]:
-    """(kind, its entry): the GPU's kind when it has MIN_KIND_ROWS check rows, else "all"."""
+def run_classes(kind: str, n_gpus: int) -> tuple[str, str, str]:
+    """The classes a run's error is read from, narrowest first: its GPU kind and GPU count, its GPU count, all."""
+    scope = "one GPU" if n_gpus == 1 else "several GPUs"
+    return f"{kind}, {scope}", scope, "all"
+
+
+def accuracy_of(gpu: GpuSpec, n_gpus: int = 1) -> tuple[str, dict]:
+    """(class, its entry): the narrowest of run_classes with MIN_KIND_ROWS check rows."""
     table = time_accuracy()
-    entry = table.get(gpu.kind)
-    if entry is not None and entry["rows"] >= MIN_KIND_ROWS:
-        return gpu.kind, entry
+    for name in run_classes(gpu.kind, n_gpus):
+        entry = table.get(name)
+        if entry is not None and entry["rows"] >= MIN_KIND_ROWS:
+            return name, entry
     return "all", table["all"]
 
 
-def hours_range(gpu: GpuSpec | None, hours: float) -> tuple[float, float] | None:
+def hours_range(gpu: GpuSpec | None, hours: float, n_gpus: int = 1) -> tuple[float, float] | None:
     """The likely hours, low to high. A row's error e is (predicted - measured) / measured tokens/s, so the run
-    takes hours x (1 + e): the 10th and 90th percentiles of e over the GPU's kind (accuracy_of) bound it."""
+    takes hours x (1 + e): the 10th and 90th percentiles of e over the run's class (accuracy_of) bound it."""
     if gpu is None or not hours:
         return None
-    _, entry = accuracy_of(gpu)
+    _, entry = accuracy_of(gpu, n_gpus)
     return round(hours * max(1 + entry["low"], 0.05), 3), round(hours * (1 + entry["high"]), 3)
 
 
@@ -699,7 +706,7 @@ def time_and_cost(
     return {
         "tokens_per_s": round(speed, 1),
         "hours": round(hours, 3),
-        "hours_range": hours_range(gpu, hours),
+        "hours_range": hours_range(gpu, hours, n_gpus),
         "cost_cloud_usd": None if cloud is None else round(cloud, 2),
         "cost_local_usd": None if local is None else round(local, 2),
         "break_even_runs": None if break_even is None else round(break_even, 1),
