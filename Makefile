@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-throughput bench-time-cpu bench-train bench-data bench-exact bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-wheels clean
+.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-throughput bench-time-cpu bench-train bench-data bench-exact bench-time-trace bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -97,6 +97,11 @@ bench-data: $(STAMP)
 bench-exact: $(STAMP)
 	$(BIN)/python bench/exact_speed.py
 
+# the time model's closed form (timing.micro_batch_time) beside its roofline run over the --exact trace's op list,
+# per category, for Llama-3.1-8B on an RTX 4090 and an L4; writes bench/results/time-trace.json
+bench-time-trace: $(STAMP)
+	$(BIN)/python bench/time_trace.py
+
 # the caching allocator simulated over full-depth traces of 72 steps, and memory.reserved_bytes' fit to it;
 # writes bench/results/allocator-fit.json (docs/memory-model.md, section 5)
 bench-allocator: $(STAMP)
@@ -132,7 +137,8 @@ serve: $(STAMP)
 	$(BIN)/lorafit serve --open
 
 # Real training steps of 7-8B models on this machine's CUDA GPU against the estimate and the time model, and the
-# plan's 24/16/8 GB verdicts under a memory cap; writes bench/results/gpu-check-<gpu>.json (bench/results/README.md)
+# plan's 24/16/8 GB verdicts under a memory cap; writes bench/results/gpu-check-<gpu>.json (bench/results/README.md).
+# It measures with lorafit.measure.engine, the code of `lorafit measure` (one plan on any user's GPU).
 #
 # A GPU machine that cannot reach a package registry but has torch, transformers and peft: run there
 #   make gpu-check GPU_PYTHON=python3

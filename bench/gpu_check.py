@@ -6,8 +6,9 @@
    method by `lorafit.train.build.load_model`, as `lorafit train` loads it, and each row prepares it with
    `build.checked_prepare` (peft's unload takes the adapters off again after the row), builds the optimizer with
    `build.build_optimizer` and runs transformers' Trainer under the arguments of `train/hf_args.py` for a warm-up
-   step and three timed steps on random tokens. Measured: torch.cuda.max_memory_allocated, max_memory_reserved,
-   the device figure (what nvidia-smi shows for the process) and tokens/s over the timed steps; printed beside
+   step and three timed steps on random tokens, all by `lorafit.measure.engine`, the code `lorafit measure` runs.
+   Measured: torch.cuda.max_memory_allocated, max_memory_reserved, the device figure (what nvidia-smi shows for
+   the process) and tokens/s over the timed steps; printed beside
    `lorafit.memory.estimate` and the plan's time model (`timing.tokens_per_second` for the detected GPU), with the
    relative error (predicted - measured) / measured of each.
 2. "Fits" really fits: `lorafit.plan.make_plan`'s choice for Llama-3.1-8B QLoRA at 2048 tokens on a 24, a 16 and
@@ -30,8 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import gc
-import importlib.metadata
 import json
 import math
 import os
@@ -42,7 +41,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -57,18 +55,32 @@ for _variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator  # noqa: E402
 
 from lorafit import hardware, memory, models  # noqa: E402
 from lorafit.errors import LorafitError  # noqa: E402
 from lorafit.files import write_atomic  # noqa: E402
 from lorafit.hardware import GpuSpec  # noqa: E402
+from lorafit.measure import engine  # noqa: E402
+from lorafit.measure.engine import (  # noqa: E402
+    WARMUP_STEPS,
+    DeviceMemory,
+    build_random_model,
+    free_memory,
+    load_base,
+    measured_memory,
+    measured_speed,
+    nvml_handle,
+    package_version,
+    prepare,
+    process_settings,
+    train_steps,
+    unprepare,
+)
 from lorafit.models import ModelSpec  # noqa: E402
 from lorafit.plan import make_plan  # noqa: E402
 from lorafit.schema import PlanRequest, Settings, default_quant  # noqa: E402
 from lorafit.timing import tokens_per_second  # noqa: E402
-from lorafit.train import build, guard, hf_args  # noqa: E402
-from lorafit.train.config import TrainConfig  # noqa: E402
+from lorafit.train import build, guard  # noqa: E402
 from lorafit.units import BYTES_PER_GIB, gib  # noqa: E402
 
 MODELS = ("llama-2-7b", "llama-3.1-8b", "qwen2.5-7b")
@@ -77,7 +89,6 @@ FITS_CARDS = ("RTX 4090", "RTX 4060 Ti 16GB", "RTX 4060")  # 24, 16 and 8 GB
 SEQ_LEN = 2048
 TINY_SEQ_LEN = 32
 MICRO_BATCHES = (1, 2)
-WARMUP_STEPS = 1  # the first step loads kernels and creates the optimizer states: not timed
 TIMED_STEPS = 3
 TINY_TIMED_STEPS = 1  # tiny models check the code path, not the speed
 # A fits row runs the plan's accumulation capped at 2: from the second micro-batch on, a step holds the same
@@ -207,233 +218,6 @@ class Budget:
             self.longest[kind] = max(self.longest.get(kind, 0.0), self.clock() - start)
 
 
-# --- the device figure ----------------------------------------------------------------------------------------
-class DeviceMemory:
-    """What nvidia-smi shows for this process: the device's used memory less what was used before this process
-    started CUDA, so that the CUDA context counts as it does in nvidia-smi. Read through NVML (pynvml), else
-    through the nvidia-smi command, else through torch.cuda.mem_get_info, whose baseline can only be taken once CUDA
-    has started and so leaves out the context created then; `source` says which."""
-
-    def __init__(self) -> None:
-        read, self.source, self.interval_s = reader_without_cuda()
-        self.includes_context = read is not None
-        if read is not None:
-            self.baseline = read()
-        torch.cuda.init()
-        torch.cuda.synchronize()
-        if read is None:
-            read, self.source, self.interval_s = mem_used, MEM_GET_INFO, 0.02
-            self.baseline = read()
-        self.read: Callable[[], int] = read
-
-    def now(self) -> int:
-        return self.read() - self.baseline
-
-    def outside_allocator(self) -> int:
-        """The process's device memory that torch's allocator does not hold: the CUDA context, loaded kernels."""
-        return max(self.now() - int(torch.cuda.memory_reserved()), 0)
-
-
-BASELINE = "device memory used less its value before this process started CUDA"
-MEM_GET_INFO = "torch.cuda.mem_get_info: used memory less its value at CUDA start-up (no CUDA context)"
-
-
-def reader_without_cuda() -> tuple[Callable[[], int] | None, str, float]:
-    """A reading of the GPU's used memory that needs no CUDA context, so that the baseline comes before this
-    process's: NVML (every 20 ms), else the nvidia-smi command (every 0.5 s); (None, "", 0) without either."""
-    handle = nvml_handle()
-    if handle is not None:
-        import pynvml
-
-        return (lambda: int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)), "nvml: " + BASELINE, 0.02
-    smi = shutil.which("nvidia-smi")
-    if smi is not None and nvidia_smi_used(smi) is not None:
-        return (lambda: nvidia_smi_used(smi) or 0), "nvidia-smi memory.used: " + BASELINE, 0.5
-    return None, "", 0.0
-
-
-def mem_used() -> int:
-    free, total = torch.cuda.mem_get_info()
-    return int(total - free)
-
-
-def visible_index() -> int:
-    """The physical index of the GPU this process uses (the first of CUDA_VISIBLE_DEVICES)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
-    return int(visible) if visible.isdigit() else 0
-
-
-def nvml_handle() -> Any:
-    """NVML's handle of the GPU this process uses, None without pynvml or a driver."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-        return pynvml.nvmlDeviceGetHandleByIndex(visible_index())
-    except Exception:  # pynvml raises its own error types (no driver, no such device)
-        return None
-
-
-def nvidia_smi_used(command: str) -> int | None:
-    """The GPU's used memory in bytes as nvidia-smi prints it (MiB), None where it answers nothing readable."""
-    query = [command, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", str(visible_index())]
-    try:
-        done = subprocess.run(query, capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    text = done.stdout.strip()
-    return int(float(text.splitlines()[0]) * 2**20) if done.returncode == 0 and text and text[0].isdigit() else None
-
-
-class PeakSampler:
-    """The highest value `read` returns while the block runs: sampled from a thread and once more at the end."""
-
-    def __init__(self, read: Callable[[], int], interval_s: float = 0.02) -> None:
-        self.read = read
-        self.interval_s = interval_s
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.read())
-            self._stop.wait(self.interval_s)
-
-    def __enter__(self) -> PeakSampler:
-        self.peak = self.read()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.read())
-
-
-# --- building and loading the models ------------------------------------------------------------------------
-def quiet_libraries() -> None:
-    """The table and a line per row: no progress bars or advice from the libraries."""
-    import logging
-    import warnings
-
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
-
-
-def free_memory(on_cuda: bool) -> None:
-    """Give the GPU back what the last run left: the Trainer and accelerate hold the optimizer in reference
-    cycles, so a collection comes first (fast: main freezes what the imports made)."""
-    if on_cuda:
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def build_random_model(spec: ModelSpec, settings: Settings, folder: Path, device: str) -> None:
-    """Random weights at `spec`'s shapes, saved as safetensors. Built on the GPU (initialising 8B parameters on
-    the CPU takes minutes), in bf16 as checkpoints are published."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(build.hf_config(spec, settings), dtype=torch.bfloat16)
-    model.save_pretrained(folder)
-    del model
-    free_memory(device == "cuda")
-
-
-def load_base(folder: Path, settings: Settings, device: str) -> Any:
-    """`build.load_model` as `lorafit train` calls it: a quantised base goes straight to the GPU, a 16-bit one is
-    loaded on the CPU and moved by the Trainer (here: before the optimizer is built, which the Trainer also does)."""
-    on_cuda = device == "cuda"
-    device_map = {"": torch.cuda.current_device()} if on_cuda and settings.quant != "none" else None
-    model = build.load_model(folder, settings, device_map=device_map)
-    if on_cuda and settings.quant == "none":
-        model.to("cuda")
-    return model
-
-
-def prepare(base: Any, spec: ModelSpec, settings: Settings) -> Any:
-    """`build.checked_prepare` (checkpointing, LoRA adapters) on a loaded base, with the adapters' seed fixed."""
-    from transformers import set_seed
-
-    set_seed(0)
-    base.gradient_checkpointing_disable()  # a base reused from a checkpointed row; prepare enables it again
-    return build.checked_prepare(base, spec, settings)
-
-
-def unprepare(model: Any) -> Any:
-    """The base back without its adapters (peft's unload), to prepare it again for another row."""
-    return model.unload()
-
-
-# --- one run of lorafit train's step --------------------------------------------------------------------------
-class StepTimer(TrainerCallback):
-    """Seconds of each optimizer step (all its micro-batches, clipping, the optimizer and zero_grad)."""
-
-    def __init__(self, on_cuda: bool) -> None:
-        self.on_cuda = on_cuda
-        self.seconds: list[float] = []
-        self._start = 0.0
-
-    def _now(self) -> float:
-        if self.on_cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._start = self._now()
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.seconds.append(self._now() - self._start)
-
-
-def random_tokens(vocab_size: int, settings: Settings, steps: int) -> list[dict[str, torch.Tensor]]:
-    """Rows of seq_len random tokens, labels a copy (the causal-LM collators' layout), enough for `steps` steps."""
-    generator = torch.Generator().manual_seed(0)
-    count = steps * settings.micro_batch * settings.grad_accum
-    ids = torch.randint(0, vocab_size, (count, settings.seq_len), generator=generator)
-    return [{"input_ids": row, "labels": row.clone()} for row in ids]
-
-
-def train_steps(model: Any, spec: ModelSpec, settings: Settings, steps: int, device: str, workdir: Path) -> list[float]:
-    """`steps` optimizer steps of transformers' Trainer with the arguments `lorafit train` gives it
-    (hf_args.training_kwargs) and the optimizer build.build_optimizer makes; no checkpoint is written."""
-    from transformers.trainer_callback import PrinterCallback
-
-    on_cuda = device == "cuda"
-    config = TrainConfig(max_steps=steps)
-    arguments = hf_args.training_kwargs(config, settings, output_dir=str(workdir), on_cuda=on_cuda, eval_steps=None)
-    optimizer = build.build_optimizer(
-        model, settings, learning_rate=config.learning_rate, weight_decay=config.weight_decay
-    )
-    timer = StepTimer(on_cuda)
-    trainer = Trainer(
-        model=model,
-        args=TrainingArguments(**(arguments | {"save_strategy": "no"})),
-        train_dataset=random_tokens(spec.vocab_size, settings, steps),
-        data_collator=default_data_collator,
-        optimizers=(optimizer, None),
-        callbacks=[timer],
-    )
-    trainer.remove_callback(PrinterCallback)
-    try:
-        trainer.train()
-    finally:
-        model.zero_grad(set_to_none=True)
-        trainer.optimizer = trainer.lr_scheduler = None
-        del trainer, optimizer
-    return timer.seconds
-
-
 # --- measurements -------------------------------------------------------------------------------------------
 @dataclass
 class Context:
@@ -519,37 +303,9 @@ def fsdp_host_loading(context: Context) -> dict[str, Any]:
         "peak_bytes_while_sharding": peak,
         "model_bytes": model_bytes,
         "largest_layer_bytes": layer_bytes,
-        "loss": float(loss),
+        "loss": float(loss.detach()),
         "adapters_with_gradients": graded,
-        "ok": after_load < layer_bytes and within is not False and math.isfinite(float(loss)) and graded > 0,
-    }
-
-
-def measured_speed(settings: Settings, seconds: list[float]) -> dict[str, Any]:
-    """tokens/s over the timed steps (those after the warm-up)."""
-    timed = seconds[WARMUP_STEPS:]
-    tokens = settings.micro_batch * settings.seq_len * settings.grad_accum
-    return {
-        "tokens_per_s": round(tokens * len(timed) / sum(timed), 1) if timed and sum(timed) > 0 else None,
-        "step_seconds": [round(value, 4) for value in seconds],
-    }
-
-
-def measured_memory(probe: DeviceMemory | None, device_peak: int | None) -> dict[str, Any]:
-    """The allocator's peaks since the row's reset and the device figure's sampled peak, in GiB."""
-    if probe is None:
-        return {
-            "allocated_gib": None,
-            "reserved_gib": None,
-            "device_gib": None,
-            "note": "not measured: the run is on the CPU, which has no CUDA allocator or device memory to read",
-        }
-    torch.cuda.synchronize()
-    return {
-        "allocated_gib": round(gib(torch.cuda.max_memory_allocated()), 4),
-        "reserved_gib": round(gib(torch.cuda.max_memory_reserved()), 4),
-        "device_gib": round(gib(device_peak), 4) if device_peak is not None else None,
-        "device_source": probe.source,
+        "ok": after_load < layer_bytes and within is not False and math.isfinite(float(loss.detach())) and graded > 0,
     }
 
 
@@ -580,7 +336,8 @@ def relative_errors(measured: dict[str, Any], predicted: dict[str, Any], speed: 
 
 
 def run_row(model: Any, spec: ModelSpec, row: Row, context: Context) -> dict[str, Any]:
-    """Train the row's steps and measure it; a fits row runs under its card's memory cap."""
+    """Train the row's steps and measure it (lorafit.measure.engine, as `lorafit measure` does); a fits row runs
+    under its card's memory cap."""
     on_cuda = context.device == "cuda"
     cap = None
     free_memory(on_cuda)
@@ -588,13 +345,12 @@ def run_row(model: Any, spec: ModelSpec, row: Row, context: Context) -> dict[str
         if row.card is not None:
             cap = memory_cap(hardware.resolve(row.card), context.probe)
             torch.cuda.set_per_process_memory_fraction(cap["fraction"])
-        torch.cuda.reset_peak_memory_stats()
         outside_before = context.probe.outside_allocator()
-    sampler = PeakSampler(context.probe.now, context.probe.interval_s) if on_cuda else None
     seconds: list[float] = []
+    sampler = None
     status = "ran"
     try:
-        with sampler or contextlib.nullcontext():
+        with engine.sampled(context.probe) as sampler:
             seconds = train_steps(
                 model, spec, row.settings, WARMUP_STEPS + context.timed_steps, context.device, context.workdir
             )
@@ -642,13 +398,6 @@ def fits_verdict(row: Row, status: str, cap: dict[str, Any] | None, context: Con
 # --- the whole check ----------------------------------------------------------------------------------------
 def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def driver_version() -> str | None:
@@ -888,25 +637,6 @@ def time_model_gpu(args: argparse.Namespace) -> GpuSpec:
     )
 
 
-@contextlib.contextmanager
-def process_settings(on_cuda: bool) -> Iterator[None]:
-    """Quiet libraries; on a GPU, the imports' objects frozen (never garbage, so each row's collection skips
-    them); on the CPU, denormals flushed and one thread, as tiny matmuls run 10x slower when their threads wait
-    on a busy machine's other processes. What is changed is put back (the tests run this in their process)."""
-    quiet_libraries()
-    threads = torch.get_num_threads()
-    if on_cuda:
-        gc.freeze()
-    else:
-        torch.set_flush_denormal(True)  # as `lorafit train` on the CPU: unflushed tiny values are 10-100x slower
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        gc.unfreeze()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     budget = Budget(args.time_budget * 60)
@@ -925,7 +655,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = all_rows(args.tiny, args.device)
     tiny = " (tiny models)" if args.tiny else ""
     print(f"gpu-check: {len(rows)} rows on {name}{tiny}, time budget {args.time_budget:g} min", flush=True)
-    with process_settings(on_cuda), tempfile.TemporaryDirectory(prefix="gpu-check-", dir=args.workdir) as workdir:
+    with (
+        process_settings(on_cuda, one_thread=True),
+        tempfile.TemporaryDirectory(prefix="gpu-check-", dir=args.workdir) as workdir,
+    ):
         timed = TINY_TIMED_STEPS if args.tiny else TIMED_STEPS
         context = Context(args.device, args.tiny, gpu, probe, Path(workdir), timed)
         env = environment(context)

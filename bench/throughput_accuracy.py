@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from lorafit import hardware, memory, models
+from lorafit import hardware, memory, models, timing
 from lorafit.schema import Settings
 from lorafit.timing import tokens_per_second
 
@@ -39,10 +39,31 @@ TT_30B8 = dict(micro_batch=2, seq_len=2048, grad_accum=1, grad_ckpt=True)
 # torchtune README @1814feb 'Optimization flags': full_finetune_single_device, Llama 3.2 3B, batch 2 x 4096, bf16,
 # A100, grad accum 1; each row adds its technique to the previous one (LoRA/QLoRA without the optimizer ones).
 TT_1814 = dict(micro_batch=2, seq_len=4096, grad_accum=1)
-# peft method_comparison/MetaMathQA default_training_params.json (results @5d602fdb and @bda9665b)
-PM = dict(quant="none", micro_batch=4, seq_len=210, grad_accum=1, grad_ckpt=False, attn="sdpa", lora_targets="qv")
+# peft method_comparison/MetaMathQA default_training_params.json (results @5d602fdb and @bda9665b): LoRA dropout
+# 0, use_amp false (no autocast: the fp32 adapters' matmuls run in fp32), torch.optim.AdamW without `fused`
+PM = dict(
+    quant="none",
+    micro_batch=4,
+    seq_len=210,
+    grad_accum=1,
+    grad_ckpt=False,
+    attn="sdpa",
+    lora_targets="qv",
+    lora_dropout=0.0,
+    autocast=False,
+    fused_optimizer=False,
+)
 # philschmid fine-tune-llms-in-2025 recipe llama-3-1-8b-qlora.yaml @391f19b (per-row batch, accumulation, kernels)
 PS = dict(method="qlora", seq_len=1024, grad_ckpt=True, attn="flash", lora_r=16, lora_targets="all", stack="trl")
+# fms-acceleration l40_40gb.csv @8af8fa7d: the A100 file's scenario (FMS above) with torch_dtype float16
+FL = dict(FMS, precision="fp16")
+# AnswerDotAI/fsdp_qlora benchmarks_03_2024.md: train.py's template command and defaults (2024-03): dummy rows filled
+# to the context length, reentrant checkpointing, grad accum 1, pure bf16, AdamW, LoRA r64 on q,k,v,gate,up,down
+# (lorafit's 'all' adds o), sdpa, 2 GPUs with FSDP FULL_SHARD ('ddp' rows: replicated, shard none; 'CPU offload'
+# rows: FSDP parameter offload, offload params). Its own loop: no lorafit stack.
+AQ = dict(
+    seq_len=2048, grad_ckpt=True, attn="sdpa", lora_r=64, lora_targets="all", grad_accum=1, n_gpus=2, shard="fsdp"
+)
 ROWS: dict[str, tuple[str, str, dict]] = {
     "FMS-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="full", quant="none", micro_batch=4)),
     "FMS-03": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="lora", quant="none", micro_batch=4)),
@@ -212,7 +233,8 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     ),
     # peft method_comparison/MetaMathQA on one L40S: a plain PyTorch loop, Llama-3.2-3B in bf16, batch 4 of
     # MetaMathQA bucketed by length (no packing; mean 209.9 tokens a sample, so 210 here), no checkpointing, sdpa,
-    # torch AdamW; the published rate counts unpadded tokens only
+    # torch AdamW (torch.optim.AdamW without `fused`: the multi-tensor foreach step); the published rate counts
+    # unpadded tokens only
     "TP-PM-01": ("llama-3.2-3b", "L40S", dict(PM, method="lora", lora_r=32)),
     "TP-PM-02": ("llama-3.2-3b", "L40S", dict(PM, method="lora", lora_r=64)),
     "TP-PM-04": ("llama-3.2-3b", "L40S", dict(PM, method="full")),
@@ -226,9 +248,110 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     "TP-PS-04": ("llama-3.1-8b", "L4", dict(PS, micro_batch=4, grad_accum=4, loss="chunked")),
     "TP-PS-05": ("llama-3.1-8b", "L4", dict(PS, micro_batch=8, grad_accum=2, loss="chunked", n_gpus=4, shard="zero3")),
     "TP-PS-06": ("llama-3.1-8b", "L4", dict(PS, micro_batch=8, grad_accum=2, loss="chunked", n_gpus=8, shard="zero3")),
+    # fine-tune-llms-in-2024-with-trl @10ad907 on one L4: TRL QLoRA r256 all-linear, packed 2048, batch 1 x accum 8,
+    # checkpointing, flash-attention 2, adamw_torch_fused
+    "TP-PS-07": (
+        "llama-3.1-8b",
+        "L4",
+        dict(
+            method="qlora",
+            micro_batch=1,
+            grad_accum=8,
+            seq_len=2048,
+            grad_ckpt=True,
+            attn="flash",
+            lora_r=256,
+            lora_targets="all",
+            fused_optimizer=True,
+            stack="trl",
+        ),
+    ),
+    # peft method_comparison on one L40S: rsLoRA r64 on q,v (the same matmuls as LoRA r64), the PM loop and data
+    "TP-PM-06": ("llama-3.2-3b", "L40S", dict(PM, method="lora", lora_r=64)),
+    # fms-acceleration on L40s (@8af8fa7d): LoRA r16 q,k,v,o in fp16 weights, packed 4096, checkpointing, flash
+    # attention; 2 GPUs under accelerate's FSDP FULL_SHARD
+    "TP-FL-01": ("mistral-7b-v0.1", "L40", dict(FL, method="lora", quant="none", micro_batch=4)),
+    "TP-FL-02": ("mistral-7b-v0.1", "L40", dict(FL, method="lora", quant="none", micro_batch=8)),
+    "TP-FL-03": (
+        "mistral-7b-v0.1",
+        "L40",
+        dict(FL, method="lora", quant="none", micro_batch=2, n_gpus=2, shard="fsdp"),
+    ),
+    "TP-FL-04": (
+        "mistral-7b-v0.1",
+        "L40",
+        dict(FL, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+    ),
+    # accelerated-peft-bnb: bitsandbytes nf4 through the fms plugin, fp16=True
+    "TP-FL-05": ("mistral-7b-v0.1", "L40", dict(FL, method="qlora", micro_batch=4)),
+    "TP-FL-06": ("mistral-7b-v0.1", "L40", dict(FL, method="qlora", micro_batch=8)),
+    # accelerated-peft-autogptq: GPTQ 4-bit Mistral-7B (lorafit times a 4-bit base as bitsandbytes nf4, as FMS-08)
+    "TP-FL-07": ("mistral-7b-v0.1", "L40", dict(FL, method="qlora", micro_batch=4)),
+    "TP-FL-08": ("mixtral-8x7b", "L40", dict(FL, method="qlora", micro_batch=4)),
+    # full fine-tuning (pure fp16 weights and AdamW states) on 2 GPUs, FSDP FULL_SHARD
+    "TP-FL-09": (
+        "mistral-7b-v0.1",
+        "L40",
+        dict(FL, method="full", quant="none", micro_batch=2, n_gpus=2, shard="fsdp"),
+    ),
+    "TP-FL-10": (
+        "mistral-7b-v0.1",
+        "L40",
+        dict(FL, method="full", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+    ),
+    # fms-acceleration a100_80gb.csv @24bdadb lines the FMS rows do not use: the same scenario (FMS), bf16; 2 GPUs
+    # under accelerate's FSDP FULL_SHARD; baseline-peft-bnb is HF's bitsandbytes nf4
+    "TP-FA-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="full", quant="none", micro_batch=8)),
+    "TP-FA-02": (
+        "mistral-7b-v0.1",
+        "A100 80GB",
+        dict(FMS, method="full", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+    ),
+    "TP-FA-03": (
+        "mistral-7b-v0.1",
+        "A100 80GB",
+        dict(FMS, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+    ),
+    "TP-FA-04": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=2, n_gpus=2, shard="fsdp")),
+    "TP-FA-05": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=4, n_gpus=2, shard="fsdp")),
+    "TP-FA-06": (
+        "mixtral-8x7b",
+        "A100 80GB",
+        dict(FMS, method="lora", quant="none", micro_batch=2, n_gpus=2, shard="fsdp"),
+    ),
+    "TP-FA-07": (
+        "mixtral-8x7b",
+        "A100 80GB",
+        dict(FMS, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+    ),
+    "TP-FA-08": ("mixtral-8x7b", "A100 80GB", dict(FMS, method="qlora", micro_batch=2, n_gpus=2, shard="fsdp")),
+    "TP-FA-09": ("mixtral-8x7b", "A100 80GB", dict(FMS, method="qlora", micro_batch=8)),
+    "TP-FA-10": ("mixtral-8x7b", "A100 80GB", dict(FMS, method="qlora", micro_batch=4, n_gpus=2, shard="fsdp")),
+    # fsdp_qlora on two RTX 3090s (power limited to 280 W, older PCIe: the catalog's 3090 is the 350 W card)
+    "TP-AQ-01": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=1, seq_len=512)),
+    "TP-AQ-02": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=1)),
+    "TP-AQ-03": ("llama-2-7b", "RTX 3090", dict(AQ, method="lora", quant="none", micro_batch=1, seq_len=512)),
+    "TP-AQ-04": ("llama-2-7b", "RTX 3090", dict(AQ, method="lora", quant="none", micro_batch=1)),
+    "TP-AQ-05": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=4)),
+    "TP-AQ-06": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=10)),
+    "TP-AQ-07": ("llama-2-7b", "RTX 3090", dict(AQ, method="lora", quant="none", micro_batch=4)),
+    "TP-AQ-08": ("llama-2-7b", "RTX 3090", dict(AQ, method="lora", quant="none", micro_batch=6)),
+    "TP-AQ-09": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=8, shard="none")),
+    "TP-AQ-10": ("llama-2-7b", "RTX 3090", dict(AQ, method="lora", quant="none", micro_batch=4, shard="none")),
+    "TP-AQ-13": ("llama-2-70b", "RTX 3090", dict(AQ, method="qlora", micro_batch=2, offload="params")),
+    # fsdp_qlora on two RTX 4090s, each on PCIe 4.0 x16
+    "TP-AQ-14": ("llama-2-7b", "RTX 4090", dict(AQ, method="lora", quant="none", micro_batch=4, shard="none")),
+    "TP-AQ-15": ("llama-2-7b", "RTX 4090", dict(AQ, method="lora", quant="none", micro_batch=6)),
+    "TP-AQ-16": ("llama-2-7b", "RTX 4090", dict(AQ, method="lora", quant="none", micro_batch=10, offload="params")),
+    "TP-AQ-17": ("llama-2-7b", "RTX 4090", dict(AQ, method="qlora", micro_batch=8, shard="none")),
+    "TP-AQ-18": ("llama-2-7b", "RTX 4090", dict(AQ, method="qlora", micro_batch=10)),
+    "TP-AQ-19": ("llama-2-7b", "RTX 4090", dict(AQ, method="qlora", micro_batch=12, offload="params")),
+    "TP-AQ-22": ("llama-2-70b", "RTX 4090", dict(AQ, method="qlora", micro_batch=2, offload="params")),
+    # Mistral-7B-v0.2 base: v0.1's shapes (no sliding window; irrelevant at 2048)
+    "TP-AQ-23": ("mistral-7b-v0.1", "RTX 4090", dict(AQ, method="qlora", micro_batch=12, offload="params")),
 }
 
-# Rows run under torch.compile (their notes say so): lorafit times eager kernels, so they are summarised apart.
+# Rows run under torch.compile (their notes say so): timed with the torch_compile facet, and summarised apart.
 COMPILED = frozenset({"TT-01", *(f"TT-{n}" for n in (*range(10, 16), *range(18, 26)))})
 
 # Sources whose tokens/s is the whole job's, by row-id prefix. torchtune's README tables head the memory column
@@ -263,7 +386,17 @@ SKIPPED = {
     "time; and Qwen v1 is not in the catalog",
     "QW-15": "LoRA (emb), as QW-14",
     "TP-PM-03": "LoRA on the MLP projections only (up, gate, down): lorafit's targets are all, attn or qv",
-    **{f"TP-FL-{n:02d}": "the L40 (48 GB) is not in lorafit's GPU catalog (`lorafit gpus`)" for n in range(1, 11)},
+    **{
+        f"TP-AQ-{n}": "Yi-34B (a Llama-shaped 34B) is not in lorafit's catalog (`lorafit models`)"
+        for n in (11, 12, 20, 21)
+    },
+    "TP-AQ-24": "24,576-token context: a dummy row (alpaca prompt + 'output' x 10000) may be shorter than that, so "
+    "the tokens of a step are not known",
+    **{
+        f"TP-AQ-{n}": "the fastest settings found per accelerator: the row's sharding strategy, checkpointing and "
+        "gradient accumulation are not stated"
+        for n in range(25, 34)
+    },
     "TP-PS-01": "not packed: the tokens of a step are not stated (the row has a step time only)",
 }
 
@@ -286,6 +419,38 @@ def published_tokens_per_gpu(row: dict[str, str], settings: Settings) -> float:
     return step_tokens / float(row["step_time_s"])
 
 
+# The fitted constants of lorafit/timing.py and the fit rows each is solved on (the 16-bit rows first, then the
+# 4-bit ones with the share in place).
+FITTED = {"MATMUL_SHAPE_SHARE": ("FMS-01", "FMS-03", "FMS-04"), "QUANT_MATMUL_SLOWDOWN": ("FMS-06", "FMS-07")}
+
+
+def asked_for(name: str, row_id: str, low: float = 0.2, high: float = 3.0) -> float:
+    """The value of timing's constant `name` at which the row's prediction equals its published speed."""
+    preset, gpu_name, fields = ROWS[row_id]
+    spec, gpu, settings = models.resolve(preset), hardware.resolve(gpu_name), Settings(**fields)
+    truth = published_tokens_per_gpu(published()[row_id], settings)
+    kept = getattr(timing, name)
+    try:
+        for _ in range(60):  # bisection: speed falls as the slowdown rises and rises with the share
+            middle = (low + high) / 2
+            setattr(timing, name, middle)
+            faster = timing.tokens_per_second(spec, settings, gpu) / memory.world_size(settings) > truth
+            low, high = (low, middle) if faster == (name == "MATMUL_SHAPE_SHARE") else (middle, high)
+    finally:
+        setattr(timing, name, kept)
+    return round((low + high) / 2, 3)
+
+
+def fit_report() -> dict[str, dict[str, float]]:
+    """What each fit row asks of each fitted constant, beside the value timing.py uses (their median)."""
+    report = {}
+    for name, row_ids in FITTED.items():
+        asks = {row_id: asked_for(name, row_id) for row_id in row_ids if row_id in ROWS}
+        report[name] = asks
+        print(f"  {name} = {getattr(timing, name)}; fit rows ask " + ", ".join(f"{r} {v}" for r, v in asks.items()))
+    return report
+
+
 def summary(errors: list[tuple[dict[str, str], float]]) -> dict:
     """n, median and worst |error| (percent) of (row facts, error) pairs."""
     values = [abs(error) for _, error in errors]
@@ -303,7 +468,39 @@ def grouped(errors: list[tuple[dict[str, str], float]], key: str) -> dict[str, d
     return {name: summary(members) for name, members in sorted(groups.items())}
 
 
-def main() -> dict[str, dict]:
+ACCURACY = Path(__file__).resolve().parents[1] / "src" / "lorafit" / "catalog" / "time_accuracy.toml"
+
+
+def accuracy_table(check: list[tuple[dict[str, str], float]]) -> dict[str, dict[str, float]]:
+    """Per class of run (timing.run_classes: GPU kind and count, count, all): how many check rows, and the 10th
+    and 90th percentiles of the signed error
+    (predicted - published) / published, which lorafit's plan turns into its hours range (timing.hours_range)."""
+    kinds: dict[str, list[float]] = {"all": [error for _, error in check]}
+    for facts, error in check:
+        for name in timing.run_classes(facts["kind"], 1 if facts["gpus"] == "one GPU" else 2)[:2]:
+            kinds.setdefault(name, []).append(error)
+    table = {}
+    for kind, errors in kinds.items():
+        cuts = statistics.quantiles(errors, n=10, method="inclusive") if len(errors) > 1 else errors * 9
+        table[kind] = {"rows": len(errors), "low": round(min(cuts[0], 0.0), 3), "high": round(max(cuts[-1], 0.0), 3)}
+    return table
+
+
+def write_accuracy(table: dict[str, dict[str, float]]) -> None:
+    """catalog/time_accuracy.toml, the file lorafit reads its hours range from."""
+    lines = [
+        "# The time model's signed error, (predicted - published) / published tokens/s, on the check rows of",
+        "# `make bench-throughput` (bench/throughput_accuracy.py, rows of bench/calibration/measured_memory.csv),",
+        "# by class of run (GPU kind of catalog/gpus.toml and GPU count, GPU count, all): rows, and the 10th (low)",
+        "# and 90th (high) percentiles, each bounded by 0. lorafit's plan shows hours x (1 + low) to hours x",
+        "# (1 + high) for the narrowest class with 5 rows. Written by that command; a test fails when it is stale.",
+    ]
+    for kind, entry in table.items():
+        lines += ["", f'[kind."{kind}"]', *(f"{key} = {value}" for key, value in entry.items())]
+    ACCURACY.write_text("\n".join(lines) + "\n")
+
+
+def main(write: bool = False) -> dict[str, dict]:
     measured = published()
     errors: dict[str, list[tuple[dict[str, str], float]]] = {"fit": [], "check": []}
     print(
@@ -313,13 +510,14 @@ def main() -> dict[str, dict]:
     for row_id, (preset, gpu_name, fields) in ROWS.items():
         row = measured[row_id]
         spec, gpu = models.resolve(preset), hardware.resolve(gpu_name)
-        settings = Settings(**fields)
+        settings = Settings(**fields, **({"torch_compile": True} if row_id in COMPILED else {}))
         gpus = memory.world_size(settings)
         predicted = tokens_per_second(spec, settings, gpu) / gpus
         truth = published_tokens_per_gpu(row, settings)
         error = (predicted - truth) / truth
         facts = {
             "gpu": gpu.name,
+            "kind": gpu.kind,
             "stack": row["stack"],
             "gpus": "one GPU" if gpus == 1 else "several GPUs",
             "kernels": "compile" if row_id in COMPILED else "eager",
@@ -335,17 +533,24 @@ def main() -> dict[str, dict]:
             print(f"{split} rows: none")
             continue
         overall = summary(errors[split])
-        result[split] = overall | {key: grouped(errors[split], key) for key in ("gpu", "stack", "gpus", "kernels")}
+        keys = ("gpu", "kind", "stack", "gpus", "kernels")
+        result[split] = overall | {key: grouped(errors[split], key) for key in keys}
         print(
             f"\n{split} rows: {overall['n']}, median |error| {overall['median_abs_pct']}%, "
             f"worst {overall['worst_abs_pct']}%"
         )
-        for key in ("gpu", "stack", "gpus", "kernels"):
+        for key in keys:
             for name, figures in result[split][key].items():
                 print(
                     f"  {key:8} {name:13} n={figures['n']:<3} median {figures['median_abs_pct']:5.1f}%  "
                     f"worst {figures['worst_abs_pct']:5.1f}%"
                 )
+    print("\nfitted constants (lorafit/timing.py):")
+    result["fitted"] = fit_report()
+    result["accuracy"] = accuracy_table(errors["check"])
+    if write:
+        write_accuracy(result["accuracy"])
+        print(f"\nwrote {ACCURACY.relative_to(ACCURACY.parents[3])}: the plan's hours range by GPU kind")
     result["skipped"] = dict(SKIPPED)
     print(f"\nskipped check rows ({len(SKIPPED)}):")
     for row_id, reason in SKIPPED.items():
@@ -354,4 +559,4 @@ def main() -> dict[str, dict]:
 
 
 if __name__ == "__main__":
-    main()
+    main(write=True)

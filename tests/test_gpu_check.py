@@ -7,8 +7,6 @@ import importlib
 import json
 import math
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -129,21 +127,6 @@ def test_budget_starts_work_only_while_the_longest_of_its_kind_fits(gpu_check) -
     assert not budget.allows("row")
 
 
-def test_device_peak_keeps_a_reading_from_the_middle_of_the_run(gpu_check) -> None:
-    readings = []
-    lock = threading.Lock()
-
-    def read() -> int:
-        with lock:
-            readings.append(None)
-            return 7 if len(readings) == 2 else 2  # one high reading, low before and after
-
-    with gpu_check.PeakSampler(read, interval_s=0.001) as sampler:
-        while len(readings) < 4:
-            time.sleep(0.001)
-    assert sampler.peak == 7
-
-
 def test_relative_error_is_lorafit_against_the_measurement(gpu_check) -> None:
     measured = {"allocated_gib": 10.0, "reserved_gib": 12.0, "device_gib": None, "tokens_per_s": 1000.0}
     predicted = {"allocated_gib": 11.0, "reserved_gib": 9.0, "device_gib": 13.0, "tokens_per_s": 1500.0}
@@ -170,19 +153,6 @@ def test_fits_check_runs_first_and_the_paged_optimizer_last_of_it(gpu_check) -> 
     assert fits == list(range(fits[0], len(first_model)))
     paged = [index for index, row in enumerate(order) if row.settings.optimizer.startswith("paged")]
     assert all(index > max(set(range(len(first_model))) - set(paged)) for index in paged)
-
-
-def test_device_figure_reads_nvidia_smi_in_mib(gpu_check, tmp_path: Path) -> None:
-    """Without pynvml the device figure comes from the nvidia-smi command; what it prints is MiB, per GPU."""
-    command = tmp_path / "nvidia-smi"
-    command.write_text('#!/bin/sh\necho "$@" > "$(dirname "$0")/args"\ncat "$(dirname "$0")/answer"\n')
-    command.chmod(0o755)
-    (tmp_path / "answer").write_text("143771\n")
-    assert gpu_check.nvidia_smi_used(str(command)) == 143771 * 2**20
-    assert "--query-gpu=memory.used" in (tmp_path / "args").read_text()
-    (tmp_path / "answer").write_text("No devices were found\n")
-    assert gpu_check.nvidia_smi_used(str(command)) is None
-    assert gpu_check.nvidia_smi_used(str(tmp_path / "missing")) is None
 
 
 def test_the_fsdp_host_loading_check_runs_the_sharded_step(gpu_check, tmp_path: Path) -> None:

@@ -210,6 +210,7 @@ def test_a_gpu_resolves_by_the_names_people_type(asked: str, found: str) -> None
         ("NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition", 97887),
         ("NVIDIA A10G", 23028),
         ("NVIDIA L4", 23034),
+        ("NVIDIA L40", 46068),
         ("NVIDIA L40S", 46068),
         ("Tesla T4", 15360),
         ("Tesla V100-SXM2-16GB", 16160),

@@ -228,20 +228,24 @@ def test_time_model_by_hand() -> None:
     tokens, seq, layers = 8 * 2048, 2048, 32
     layer_weights, head = 6738415616 - 2 * 32000 * 4096, 32000 * 4096  # llama-2-7b less embedding and head
     flops_rate, byte_rate = 165e12, 1008e9 * 0.85
-    # forward, input gradients, recomputation (not of the head); 4-bit matmuls QUANT_MATMUL_SLOWDOWN slower
-    matmul = 2 * (3 * layer_weights + 2 * head) * tokens / (flops_rate * timing.MATMUL_SHAPE_SHARE)
-    matmul *= timing.QUANT_MATMUL_SLOWDOWN
+    # forward, input gradients, recomputation (not of the head); the 4-bit layers QUANT_MATMUL_SLOWDOWN slower
+    matmul = 2 * 3 * layer_weights * tokens / (flops_rate * timing.MATMUL_SHAPE_SHARE) * timing.QUANT_MATMUL_SLOWDOWN
+    matmul += 2 * 2 * head * tokens / (flops_rate * timing.MATMUL_SHAPE_SHARE)
     attention = 2 * seq * 4096 * layers * tokens * (2 + 2.5) / (flops_rate * 0.6)  # sdpa, causal
     linears = layers * (4 * 4096 * 4096 + 3 * 4096 * 11008)
-    dequant = linears * (0.5 + 1 / 64 + 4 / (64 * 256) + 2) * 3 / byte_rate  # nf4 read, bf16 written, 3 passes
+    # nf4 read, bf16 written, the nested absmax's fp32 traffic (15/64), 3 passes
+    dequant = linears * (0.5 + 1 / 64 + 4 / (64 * 256) + 2 + 15 / 64) * 3 / byte_rate
     in_widths, out_widths = 6 * 4096 + 11008, 4 * 4096 + 2 * 11008 + 4096  # the 7 adapted linears of a layer
-    adapters = tokens * layers * (23 * in_widths + 12 * out_widths) * 4 / byte_rate  # fp32 adapters, dropout
-    elementwise = tokens * layers * 634368 * 4 / byte_rate  # norms, residuals, rotary, SwiGLU
-    loss = tokens * 32000 * 36 / byte_rate
-    launches = (30 + 7 + 7 + 49) * layers * 4 * 4e-6
+    # fp32 adapters, dropout, peft's clone of the 4-bit output (4 bytes) in the two forwards; backward as the forward
+    adapters = tokens * layers * (2 * (23 * in_widths + 16 * out_widths) + 23 * in_widths + 12 * out_widths)
+    adapters /= byte_rate
+    elementwise = tokens * layers * 634368 * (2 + 3) / byte_rate  # norms, residuals, rotary, SwiGLU
+    loss = tokens * 32000 * 42 / byte_rate  # with accelerate's fp32 copy of the logits
+    launches = ((30 + 1 + 7 + 21 + 70) * 2 + 60 + 7 + 21 + 77) * layers * 4e-6
     compute = matmul + attention + dequant + adapters + elementwise + loss + launches
     lora_params = 32 * 16 * (4 * 8192 + 3 * (4096 + 11008))  # r=16 on q, k, v, o (4096 -> 4096) and the MLP
-    optimizer = lora_params * 24 / 1008e9  # param, grad, two fp32 moments, read + written
+    # fused AdamW on fp32 adapters: read param, grad, two moments, write param and moments (28), clipping 3 x 4
+    optimizer = lora_params * (28 + 12) / byte_rate
     expected = tokens / (compute + optimizer / 2)  # one optimizer step per 2 accumulated micro-batches
     assert on_4090.tokens_per_s == pytest.approx(expected, rel=1e-3)
 
@@ -555,9 +559,9 @@ def test_time_of_each_saver_by_hand() -> None:
     spec, gpu = models.resolve("llama-2-7b"), hardware.resolve("RTX 4060 Ti 16GB")  # PCIe 4.0 x8: 15.75 GB/s
     step = Settings(method="qlora", micro_batch=1, seq_len=2048, grad_ckpt=True)
     # the chunked loss runs the head's forward again: 2 x V x h FLOPs per token, at the card's measured 42.6
-    # TFLOP/s and the 4-bit base's slowdown
+    # TFLOP/s (the head stays 16-bit over a 4-bit base)
     chunked = step.model_copy(update={"loss": "chunked"})
-    head_again = 2 * 32000 * 4096 * 2048 / (42.6e12 * timing.MATMUL_SHAPE_SHARE) * timing.QUANT_MATMUL_SLOWDOWN
+    head_again = 2 * 32000 * 4096 * 2048 / (42.6e12 * timing.MATMUL_SHAPE_SHARE)
     assert timing.step_seconds(spec, chunked, gpu) - timing.step_seconds(spec, step, gpu) == pytest.approx(head_again)
     # offloaded activations: 2 copies x 32 layers x 2048 tokens x 4096 x 2 bytes at 80% of the link, not hidden
     offloaded = step.model_copy(update={"offload_activations": True})
@@ -597,3 +601,28 @@ def test_a_rental_price_of_ones_own_prices_the_rented_run() -> None:
     assert unlisted.cost_cloud_usd == round(unlisted.hours * 0.2, 2)
     with pytest.raises(LorafitError, match="--compare prices each card"):
         planner.compare(ask(rent_price=1.0))
+
+
+def test_the_plan_says_how_sure_its_time_is_and_what_it_is_for(capsys) -> None:
+    """--json: hours with their likely range around them and the basis ("model"); the text names the tokens the
+    hours are for and where they came from, and where the speed and the range come from."""
+    import json
+
+    from conftest import run_cli
+
+    code, out, _ = run_cli(["plan", "--model", "llama-3.1-8b", "--gpu", "RTX 4090", "--json"], capsys)
+    assert code == 0
+    plan = json.loads(out)
+    low, high = plan["hours_range"]
+    assert low < plan["hours"] < high and plan["time_basis"] == "model"
+    assert plan["tokens_per_epoch"] == DEFAULT_RUN_TOKENS // 3
+    assert plan["hours"] == pytest.approx(DEFAULT_RUN_TOKENS / plan["tokens_per_s"] / 3600, rel=1e-3)
+
+    code, out, _ = run_cli(
+        ["plan", "--model", "llama-3.1-8b", "--gpu", "RTX 4090", "--tokens-per-epoch", "2000000"], capsys
+    )
+    text = " ".join(out.split())
+    assert code == 0 and "of 2,000,000 tokens (--tokens-per-epoch)" in text
+    assert f"({low:.1f}-{high:.1f} h)" not in text  # another run, another range
+    name, entry = timing.accuracy_of(hardware.resolve("RTX 4090"), 1)
+    assert f"{entry['rows']} published runs ({name})" in text and "lorafit measure" in text

@@ -18,7 +18,7 @@ from lorafit import plan as planner
 from lorafit.errors import LorafitError
 from lorafit.hardware import GpuSpec
 from lorafit.models import ModelSpec
-from lorafit.schema import PLAN_REQUEST_KEYS, Estimate, Plan, PlanRequest, Settings
+from lorafit.schema import PLAN_REQUEST_KEYS, Device, Estimate, Plan, PlanRequest, Settings
 
 DEFAULT_MODEL = "llama-2-7b"
 # `lorafit plan` with no model and no GPU: a comfortable and a tight card
@@ -154,10 +154,13 @@ def plan(
     compare: bool = False,
     data_path: Callable[[str], Path] = Path,
     from_config: str | None = None,
+    card: GpuSpec | None = None,
+    device: Device | None = None,
 ) -> PlanAnswer:
     """`lorafit plan` for the settings that were set (over those of the config file `from_config`: the run it
     describes, its step settings pinned). `data_path` turns the `data` setting into the file to profile (the
-    web server maps it into its upload folder)."""
+    web server maps it into its upload folder). `card` and `device`: the card to plan for in place of --gpu,
+    --vram or the detected one, and where the run happens (`lorafit measure`: this machine's GPU or CPU)."""
     flags = given
     given, source = with_config("plan", from_config, flags)
     asked = _validated("plan", given, flags, source)
@@ -179,11 +182,12 @@ def plan(
         model=spec,
         tokens=profile,
         fixed=Settings.given({key: getattr(asked, key) for key in options.STEP_KEYS if key in given}),
+        device=device,
         **{key: getattr(asked, key) for key in PLAN_REQUEST_KEYS if key in asked.model_fields_set},
     )
     if compare:
         return PlanAnswer("compare", planner.compare(request), max_price_hour=asked.max_price_hour, source=source)
-    target = target_gpu(asked.gpu, asked.vram)
+    target = card or target_gpu(asked.gpu, asked.vram)
     if target is None and asked.model is None and source is None:
         return PlanAnswer(
             "embedded",

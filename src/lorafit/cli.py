@@ -161,7 +161,7 @@ def serve(**values: Any) -> None:
 
 @cache  # once per process: main() may run several times in one interpreter (tests, notebooks)
 def _register_subcommands() -> None:
-    for module_name in ("lorafit.data.cli", "lorafit.train.cli", "lorafit.export.cli"):
+    for module_name in ("lorafit.data.cli", "lorafit.train.cli", "lorafit.export.cli", "lorafit.measure.cli"):
         try:
             module = __import__(module_name, fromlist=["register"])
         except ModuleNotFoundError as error:

@@ -15,7 +15,7 @@ The measured rates are stored so that the time model reads them back unchanged:
   measured here (timing.dequant_bytes_per_second, timing.quant_matmul_slowdown): the GPU's figures do not carry
   over. A training step's profile (`python bench/time_structure_cpu.py --profile qlora`) shows the CPU's QLoRA
   running the same aten::mm time as LoRA, plus the dequantisation at a fraction of the copy rate, where a GPU's
-  4-bit matmul runs QUANT_MATMUL_SLOWDOWN (1.32) times slower.
+  4-bit layers run QUANT_MATMUL_SLOWDOWN times slower.
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ def copy_bytes_per_second(size_bytes: int = COPY_BYTES) -> float:
 def quantized_rates(side: int = MATMUL_SIDE) -> tuple[float, float] | None:
     """(bytes/s, slowdown) of bitsandbytes' 4-bit path in fp32 on this CPU, as lorafit's QLoRA runs it there:
     the bytes per second its NF4 double-quantised dequantisation moves (what timing.dequant_seconds counts per
-    weight: packed weight and state in, the fp32 weight out), and its matmul (bitsandbytes' MatMul4Bit:
-    dequantise, then torch's linear) over a plain linear on the same weight, less the dequantisation, at least
-    1. None without bitsandbytes."""
+    weight: packed weight and state in, the nested absmax's traffic, the fp32 weight out), and its matmul
+    (bitsandbytes' MatMul4Bit: dequantise, then torch's linear) over a plain linear on the same weight, less the
+    dequantisation, at least 1. None without bitsandbytes."""
     build.quiet_libraries()  # bitsandbytes logs, when imported, about a CPU kernel it would download
     try:
         import bitsandbytes.functional as bnb_functional
@@ -108,7 +108,8 @@ def quantized_rates(side: int = MATMUL_SIDE) -> tuple[float, float] | None:
             bnb_functional.dequantize_4bit(weight_4bit, state)
 
     seconds = _fastest(dequantise_each)
-    moved = memory.quantized_weight_bytes(side * side, CPU_QLORA) + side * side * DTYPE_BYTES["fp32"]
+    weight_bytes = memory.quantized_weight_bytes(1, CPU_QLORA) + DTYPE_BYTES["fp32"] + timing.DOUBLE_QUANT_BYTES
+    moved = side * side * weight_bytes
     inputs = torch.randn(QUANT_MATMUL_TOKENS, side)
     weight, (first_4bit, first_state) = weights[0], packed[0]
     plain = _fastest(lambda: torch.nn.functional.linear(inputs, weight))

@@ -51,6 +51,9 @@ class Runtime(BaseModel):
     kbit_upcast: bool = False  # peft prepare_model_for_kbit_training: non-quantised params to fp32
     lora_dtype: Literal["fp32", "compute"] = "fp32"  # peft autocasts adapters to fp32 by default
     fused_optimizer: bool = True  # adamw_torch_fused: no param-sized temporaries in the step
+    # the model runs under torch.compile: Inductor fuses chains of elementwise ops into one kernel each, which
+    # the time model counts (timing.py); the memory model does not model compile's own buffers
+    compiled: bool = False
     amp_master_fp32: bool = False  # fp32 master weights with a bf16/fp16 autocast copy
     device: Literal["cuda", "cpu"] = "cuda"  # CPU dropout keeps a float mask where CUDA keeps a bool one
     # the HF Trainer with bf16/fp16 runs the forward under torch.autocast: peft's fp32 adapter matmuls then
@@ -94,13 +97,15 @@ class Runtime(BaseModel):
 
 def stack_runtime(settings: Settings, **overrides: Any) -> Runtime:
     """The Runtime of the trainer `settings.stack` names (lorafit.stacks, catalog/stacks.toml), with the facets
-    the settings switch (autocast, kbit_prep, fused_optimizer) and `overrides` (e.g. device) on top."""
+    the settings switch (autocast, kbit_prep, fused_optimizer, torch_compile) and `overrides` (e.g. device) on top."""
     quantized = settings.quant != "none"
     fields = stacks.resolve(settings.stack).facts(quantized)
     if settings.autocast is not None:
         fields["autocast"] = settings.autocast
     if settings.fused_optimizer is not None:
         fields["fused_optimizer"] = settings.fused_optimizer
+    if settings.torch_compile is not None:
+        fields["compiled"] = settings.torch_compile
     if settings.kbit_prep is not None and quantized:
         # peft's preparation upcasts every non-quantised parameter, the norms' weights and the embeddings too, to
         # fp32: the norms' outputs and with them the residual stream are fp32 (Runtime.fp32_norms, fp32_stream)
@@ -198,8 +203,9 @@ def embedding_grad_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) 
 
 
 def optimizer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
-    """AdamW keeps two moments per trainable parameter in the parameter's dtype (torch) or 8-bit blockwise
-    (bitsandbytes, with 32-bit state for tensors under 4096 elements); SGD without momentum keeps none.
+    """AdamW keeps two moments per trainable parameter in the parameter's dtype (torch), fp32 (bitsandbytes'
+    32-bit paged AdamW, whatever the parameter's dtype) or 8-bit blockwise (bitsandbytes, with 32-bit state for
+    tensors under 4096 elements); SGD without momentum keeps none.
     DeepSpeed ZeRO (zero2, zero3) steps an fp32 master copy of its partition instead of the parameters, even
     where they are fp32 already (stage_1_and_2.py single_partition_of_fp32_groups, stage3.py
     fp32_partitioned_groups_flat): 4 more bytes a trainable parameter, and the moments are fp32 too."""
@@ -208,7 +214,9 @@ def optimizer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> fl
     master = 4 * n if zero else 0.0
     if settings.optimizer == "sgd":
         return master
-    if settings.optimizer in ("adamw", "paged_adamw_32bit"):
+    if settings.optimizer == "paged_adamw_32bit":  # bitsandbytes' 32-bit states are fp32 (get_state_buffer)
+        return 2 * n * 4 + master
+    if settings.optimizer == "adamw":
         return 2 * n * (4 if zero else trainable_dtype_bytes(settings, runtime)) + master
     small = _params_in_small_tensors(spec, settings)
     return 2 * (n - small) * (1 + 4 / BNB_8BIT_BLOCK) + 2 * small * 4 + master

@@ -388,6 +388,16 @@ class Settings(_RuledModel):
             auto="the stack's",
         ),
     ] = None
+    torch_compile: Annotated[
+        bool | None,
+        About(
+            "the model runs under torch.compile (TrainingArguments' torch_compile): Inductor fuses the elementwise "
+            "ops into fewer kernels; changes the time, not the memory estimate",
+            ("estimate", "plan"),
+            "stack",
+            auto="the stack's",
+        ),
+    ] = None
     # several GPUs
     n_gpus: Annotated[int, Field(gt=0, le=4096), About("GPUs to train on, per node", ESTIMATE_PLAN_TRAIN, "gpus")] = 1
     nodes: Annotated[

@@ -591,8 +591,9 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
     if truncated_rows:
         reasons.append(f"sequence length {seq_len} truncates {truncated_rows} rows of the data")
     speed = chosen.tokens_per_s if gpu else 0.0
+    epoch_tokens = tokens_per_epoch(request)
     timing = time_and_cost(
-        gpu, memory.world_size(chosen.settings), speed, tokens_per_epoch(request) * request.epochs, request.kwh_price
+        gpu, memory.world_size(chosen.settings), speed, epoch_tokens * request.epochs, request.kwh_price
     )
     return Plan(
         model=request.model,
@@ -605,6 +606,7 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
         device=request.device,
         tokens=request.tokens,
         truncated_rows=truncated_rows,
+        tokens_per_epoch=epoch_tokens,
         kwh_price=request.kwh_price,
         reasons=reasons,
         suggestions=extra,

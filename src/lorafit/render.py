@@ -10,9 +10,11 @@ from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
+from lorafit import timing
 from lorafit.configs import KIND_TITLES
 from lorafit.hardware import GpuSpec, LocalMachine
 from lorafit.models import ModelSpec, variants
+from lorafit.plan import DEFAULT_TOKENS_PER_EPOCH
 from lorafit.schema import Estimate, Plan, Settings
 from lorafit.serving import Serving
 
@@ -40,6 +42,10 @@ def _hours(hours: float) -> str:
     return f"{hours * 60:.0f} min" if hours < 1 else f"{hours:.1f} h"
 
 
+def _hours_between(low: float, high: float) -> str:
+    return f"{low:.1f}-{high:.1f} h" if low >= 1 else f"{_hours(low)} to {_hours(high)}"
+
+
 def settings_line(settings: Settings) -> str:
     quant = f" {settings.quant}" if settings.quant != "none" else ""
     lora = f", LoRA r={settings.lora_r} on {settings.lora_targets}" if settings.method != "full" else ""
@@ -65,6 +71,7 @@ def stack_words(settings: Settings) -> str:
             ("autocast", settings.autocast),
             ("kbit preparation", settings.kbit_prep),
             ("fused AdamW", settings.fused_optimizer),
+            ("torch.compile", settings.torch_compile),
         )
         if on is not None
     ]
@@ -150,6 +157,37 @@ def show_gpus_and_host(settings: Settings, result: Estimate, out: Console | None
         out.print(f"host RAM per machine: {result.host_ram_gib:.1f} GiB ({parts})")
 
 
+def time_line(plan: Plan) -> str:
+    """'2,184 tokens/s -> 5.7 h (4.1-6.7 h) for 3 epoch(s) of 15,000,000 tokens (an Alpaca-sized default
+    dataset)': the speed, the hours with their likely range, and the tokens they are for and where those came
+    from."""
+    likely = f" ({_hours_between(*plan.hours_range)})" if plan.hours_range else ""
+    if plan.tokens:
+        source = plan.tokens.source
+    elif plan.tokens_per_epoch == DEFAULT_TOKENS_PER_EPOCH:
+        source = "an Alpaca-sized default dataset; --data or --tokens-per-epoch for yours"
+    else:
+        source = "--tokens-per-epoch"
+    return (
+        f"{plan.tokens_per_s:,.0f} tokens/s -> {_hours(plan.hours)}{likely} for {plan.epochs:g} epoch(s) of "
+        f"{plan.tokens_per_epoch:,} tokens ({source})"
+    )
+
+
+def time_basis_line(plan: Plan) -> str:
+    """Where the speed comes from and what the range means."""
+    if plan.time_basis == "measured":
+        return "speed measured on this device (lorafit measure); range: the spread of the timed steps"
+    runs = "runs"
+    if plan.gpu:
+        name, entry = timing.accuracy_of(plan.gpu, plan.estimate.world_size)
+        runs = f"{entry['rows']} published runs ({name})"
+    return (
+        f"speed from the time model (every token counted, no padding); range: its error on {runs}, "
+        "make bench-throughput; `lorafit measure` times it on your GPU"
+    )
+
+
 def show_plan(plan: Plan, out: Console | None = None) -> None:
     out = out or console
     on_cpu = plan.device == "cpu"
@@ -161,12 +199,8 @@ def show_plan(plan: Plan, out: Console | None = None) -> None:
     for reason in plan.reasons:
         out.print(f"  - {reason}")
     if plan.gpu and plan.fits:
-        tokens = plan.tokens.total_tokens if plan.tokens else None
-        source = f"{plan.tokens.source}" if plan.tokens else "an Alpaca-sized default dataset"
-        out.print(
-            f"  time: {plan.tokens_per_s:,.0f} tokens/s -> {_hours(plan.hours)} for {plan.epochs:g} "
-            f"epoch(s) of {source}" + (f" ({tokens:,} tokens)" if tokens else "")
-        )
+        out.print(f"  time: {time_line(plan)}")
+        out.print(f"        {time_basis_line(plan)}")
         out.print(
             f"  cost: rented {_usd(plan.cost_cloud_usd)}, own card {_usd(plan.cost_local_usd)} of "
             f"electricity at ${plan.kwh_price}/kWh"

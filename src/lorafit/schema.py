@@ -203,6 +203,15 @@ class Plan(Frozen):
     truncated_rows: int | None = None
     tokens_per_s: float
     hours: float
+    hours_range: tuple[float, float] | None = Field(
+        default=None,
+        description="the likely hours, low to high: the time model's error on the published runs of this kind of "
+        "GPU (check rows of `make bench-throughput`), or the spread of the measured steps",
+    )
+    time_basis: Literal["model", "measured"] = Field(
+        default="model", description="model: the time model's tokens/s; measured: steps timed on the device"
+    )
+    tokens_per_epoch: int = Field(default=0, description="the tokens one epoch trains, what the hours are for")
     cost_cloud_usd: float | None
     cost_local_usd: float | None
     kwh_price: float

@@ -11,7 +11,10 @@ memory model it sits beside.
 
 from __future__ import annotations
 
+import functools
+import tomllib
 from dataclasses import asdict, dataclass
+from importlib import resources
 
 from lorafit import hardware, memory
 from lorafit.hardware import GpuSpec
@@ -41,15 +44,15 @@ ATTENTION_SHARE = 0.6
 KERNEL_SECONDS = 4e-6
 # The share of the best-shape rate (matmul_tflops) a training step's matmuls reach: their shapes are not the
 # best one, and a step's matmuls include the narrow ones (k and v projections under grouped-query attention).
-# Fitted: the fit rows FMS-01/03/04 (Mistral-7B on an A100, full and LoRA, 16-32k tokens a micro-batch) each ask
-# for 0.84-0.86 once every other op of the step is counted.
+# Fitted: the fit rows FMS-01/03/04 (Mistral-7B on an A100, full and LoRA, 16-32k tokens a micro-batch) ask for
+# 0.834, 0.846 and 0.854 once every other op of the step is counted (`make bench-throughput` prints what each
+# asks).
 MATMUL_SHAPE_SHARE = 0.85
 # bitsandbytes' 4-bit matmul runs the bf16 matmul on a freshly dequantised weight (and its transpose in
 # backward): slower than the same matmul on a resident weight by more than the dequantisation's traffic, which
 # dequant_seconds counts. Fitted: the fit rows FMS-06 and FMS-07 (QLoRA; FMS-03/04 are the same runs over a
-# 16-bit base) ask for 1.34 and 1.30 on the base matmuls; torchtune's fit rows TT-12 against TT-10 (QLoRA and
-# LoRA of one model, card and batch) show the same step 1.28 times slower.
-QUANT_MATMUL_SLOWDOWN = 1.32
+# 16-bit base) ask for 1.303 and 1.262 on the decoder layers' matmuls (`make bench-throughput`).
+QUANT_MATMUL_SLOWDOWN = 1.28
 
 
 def achievable_matmul_flops(gpu: GpuSpec, precision: str) -> float:
@@ -90,9 +93,11 @@ def forward_passes(settings: Settings) -> int:
     return 2 if settings.grad_ckpt else 1
 
 
-# An elementwise op's backward reads the upstream gradient and what it saved and writes its input's gradient:
-# about twice its forward's traffic.
-BACKWARD_TRAFFIC = 2.0
+# The norms', activations', rotary's and residuals' backward moves about three times their forward's bytes: each
+# op reads the upstream gradient and what it saved and writes its input's gradient, and autograd adds up the
+# gradients that reach one tensor from several users (the base and LoRA paths, the residual). Traced: 3.09x the
+# forward under (Q)LoRA, 2.93x for full fine-tuning (`make bench-time-trace`, Llama-3.1-8B).
+ELEMENTWISE_BACKWARD_TRAFFIC = 3.0
 # FlashAttention's backward runs five matmuls to its forward's two (it recomputes the scores): 2.5 forwards.
 ATTENTION_BACKWARD_FLOPS = 2.5
 
@@ -115,16 +120,32 @@ def base_matmul_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> fl
 
     Passes: the forward, the input gradients, for full fine-tuning the weight gradients, and under checkpointing
     the layers' forward again (not the head's: it runs after the last checkpoint). The chunked loss runs the
-    head's forward again in backward (chunked_loss_flops_per_token)."""
+    head's forward again in backward (chunked_loss_flops_per_token). The slowdown is the decoder layers' (the
+    head stays 16-bit)."""
     tokens = settings.tokens_per_micro_batch
-    head_passes = 2 + (1 if settings.method == "full" else 0)
-    layer_passes = head_passes + forward_passes(settings) - 1
-    params = layer_matmul_params(spec) * layer_passes + head_params(spec) * head_passes
-    flops = 2 * params * tokens + chunked_loss_flops_per_token(spec, settings) * tokens
-    weights = params * DTYPE_BYTES[settings.precision]
+    passes = 2 + (1 if settings.method == "full" else 0)
+    layers = layer_matmul_params(spec) * passes + recomputed_layer_params(spec, settings)
+    head = head_params(spec) * passes
     rate = achievable_matmul_flops(gpu, settings.precision) * MATMUL_SHAPE_SHARE
+    byte_rate, c = achievable_bytes_per_second(gpu), DTYPE_BYTES[settings.precision]
     slowdown = quant_matmul_slowdown(gpu) if settings.quant != "none" else 1.0
-    return roofline_seconds(flops, weights, rate, achievable_bytes_per_second(gpu)) * slowdown
+    head_flops = 2 * head * tokens + chunked_loss_flops_per_token(spec, settings) * tokens
+    return roofline_seconds(2 * layers * tokens, layers * c, rate, byte_rate) * slowdown + roofline_seconds(
+        head_flops, head * c, rate, byte_rate
+    )
+
+
+def recomputed_layer_params(spec: ModelSpec, settings: Settings) -> int:
+    """Weights the checkpointed recomputation runs again: the layers' matmuls, less the MLP's down projection
+    under full fine-tuning, whose output nothing saves, so checkpointing's early stop never reruns it (under
+    (Q)LoRA its adapter's path reruns it). Traced: `make bench-time-trace`."""
+    if not settings.grad_ckpt:
+        return 0
+    params = layer_matmul_params(spec)
+    if settings.method == "full":
+        down = sum(i * o * n for name, i, o, n in spec.layer_linears() if name == "down_proj")
+        params -= down * spec.num_hidden_layers
+    return params
 
 
 def chunked_loss_flops_per_token(spec: ModelSpec, settings: Settings) -> float:
@@ -132,19 +153,20 @@ def chunked_loss_flops_per_token(spec: ModelSpec, settings: Settings) -> float:
     return 2 * spec.vocab_size * spec.hidden_size if settings.loss == "chunked" else 0.0
 
 
-def eager_score_bytes(c: int) -> int:
-    """Bytes an eager attention moves per score element in its forward (transformers' eager_attention_forward):
-    the QK^T matmul writes the scores (c), the scaling reads and writes them (2c), the causal mask reads them
-    and its own element and writes them (3c), the fp32 softmax reads c and writes 4, the cast back reads 4 and
-    writes c, and the PV matmul reads c: 9c + 8, 26 for bf16."""
-    return 9 * c + 8
+def eager_score_bytes(c: int) -> tuple[int, int]:
+    """(forward, backward) bytes an eager attention moves per score element (transformers'
+    eager_attention_forward), as traced (`make bench-time-trace`): forward, the QK^T matmul writes the scores
+    (c), the scaling reads and writes them (2c), the mask is added (read c, write c: the mask itself is
+    broadcast over the heads), the upcast to fp32 (c + 4), the softmax (4 + 4), the cast back (4 + c) and the
+    PV matmul reads them (c): 8c + 16; backward about 8c + 20. 32 and 36 bytes for bf16."""
+    return 8 * c + 16, 8 * c + 20
 
 
 def attention_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     """Attention by kernel. sdpa and flash: 2 x seq x q_size FLOPs per token and layer (QK^T and PV, causal
     half), the backward 2.5 times that, at ATTENTION_SHARE of the matmul rate. eager: the whole square (twice the
     FLOPs) at the matmul rate, plus the scores it materialises, heads x seq^2 per sequence and layer, moved
-    eager_score_bytes each in forward and twice that in backward."""
+    eager_score_bytes each in every forward and in backward."""
     tokens, seq, layers = settings.tokens_per_micro_batch, settings.seq_len, spec.num_hidden_layers
     passes = forward_passes(settings) + ATTENTION_BACKWARD_FLOPS
     forward_flops = 2 * seq * spec.q_size * layers * tokens
@@ -153,8 +175,8 @@ def attention_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> floa
         return forward_flops * passes / (rate * ATTENTION_SHARE)
     c = DTYPE_BYTES[settings.precision]
     scores = settings.micro_batch * spec.num_attention_heads * seq * seq * layers
-    score_passes = forward_passes(settings) + BACKWARD_TRAFFIC
-    moved = scores * eager_score_bytes(c) * score_passes
+    forward, backward = eager_score_bytes(c)
+    moved = scores * (forward * forward_passes(settings) + backward)
     return roofline_seconds(2 * forward_flops * passes, moved, rate, achievable_bytes_per_second(gpu))
 
 
@@ -167,12 +189,27 @@ def dequant_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     """A 4/8-bit base is dequantised to the compute dtype before every matmul that uses a weight: in the forward,
     in the recomputation and for the input gradients. Each reads the packed weight and its state and writes a
     16-bit copy: (packed + c) bytes per weight, once per pass and micro-batch, whatever the tokens - so it
-    weighs most at small micro-batches on cards with little bandwidth."""
+    weighs most at small micro-batches on cards with little bandwidth. With double quantisation bitsandbytes
+    first dequantises the absmax (read the nested 8-bit codes, write fp32), adds its offset (read and write fp32)
+    and reads it back: DOUBLE_QUANT_BYTES per weight more."""
     if settings.quant == "none":
         return 0.0
     weights = quantized_params(spec)
     per_pass = memory.quantized_weight_bytes(weights, settings) + weights * DTYPE_BYTES[settings.precision]
+    if nested_absmax(settings):
+        per_pass += weights * DOUBLE_QUANT_BYTES
     return per_pass * (forward_passes(settings) + 1) / dequant_bytes_per_second(gpu)
+
+
+# The nested absmax's fp32 traffic per weight under double quantisation: one absmax per 64 weights written (4
+# bytes), read and written by the offset add (8) and read by the 4-bit dequantisation (4): 16/64, traced at about
+# 15/64 (`make bench-time-trace`).
+DOUBLE_QUANT_BYTES = 15 / 64
+
+
+def nested_absmax(settings: Settings) -> bool:
+    """NF4 with double quantisation: three kernels a dequantisation (absmax, offset, weights), not one."""
+    return settings.quant == "nf4" and settings.double_quant
 
 
 def lora_bytes_per_element(settings: Settings, runtime: memory.Runtime) -> tuple[float, float]:
@@ -182,10 +219,14 @@ def lora_bytes_per_element(settings: Settings, runtime: memory.Runtime) -> tuple
     and a 1-byte mask, when lora_dropout > 0), autocast casts it back for the matmul (a + c) and lora_A reads it
     (m, the matmul dtype); on the output side lora_B writes m, the scaling reads and writes it (2m), the sum
     with the base output reads c and m and writes the wider (c + m + w), and the cast back reads w and writes c
-    (when w != c)."""
+    (when w != c). Under torch.compile the casts, dropout, scaling and sum fuse into two kernels."""
     c = DTYPE_BYTES[settings.precision]
     a = memory.trainable_dtype_bytes(settings, runtime)
     m = c if runtime.autocast and settings.precision != "fp32" else a
+    if runtime.compiled:
+        # one kernel casts and drops out the input (read c, write m) for lora_A to read (m); lora_B writes m and
+        # one kernel scales it, adds the base output and casts the sum (read m and c, write c)
+        return c + 2 * m, 2 * m + 2 * c
     cast_in = c + a if a != c else 0
     dropout = 2 * a + 1 if settings.lora_dropout > 0 else 0
     autocast_in = a + m if m != a else 0
@@ -196,22 +237,26 @@ def lora_bytes_per_element(settings: Settings, runtime: memory.Runtime) -> tuple
 
 def lora_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     """The LoRA path of every adapted module: its casts, dropout, scaling and sum move memory in proportion to
-    the tokens x the module's in and out widths (lora_bytes_per_element), in forward, recomputation and
-    (twice) backward; its rank-r matmuls (2 r (in + out) FLOPs per token, three times over with the gradients)
+    the tokens x the module's in and out widths (lora_bytes_per_element), in forward and recomputation, and
+    about as much again in backward (traced, `make bench-time-trace`: 0.99x the forward with dropout, 0.98x
+    without); over a 4/8-bit base peft's bitsandbytes layer also clones the base output (2c per output element)
+    in every forward. Its rank-r matmuls (2 r (in + out) FLOPs per token, three times over with the gradients)
     run at the adapter dtype's rate."""
     if settings.method == "full":
         return 0.0
     runtime = memory.stack_runtime(settings)
     per_in, per_out = lora_bytes_per_element(settings, runtime)
+    clone = 2 * DTYPE_BYTES[settings.precision] if settings.quant != "none" else 0
     names = set(spec.lora_target_names(settings.lora_targets))
     widths = [(i * n, o * n) for name, i, o, n in spec.layer_linears() if name in names]
     tokens = settings.tokens_per_micro_batch * spec.num_hidden_layers
-    moved = tokens * sum(i * per_in + o * per_out for i, o in widths)
-    passes = forward_passes(settings) + BACKWARD_TRAFFIC
+    forward = tokens * sum(i * per_in + o * (per_out + clone) for i, o in widths)
+    backward = tokens * sum(i * per_in + o * per_out for i, o in widths)
     flops = 2 * settings.lora_r * sum(i + o for i, o in widths) * tokens * (forward_passes(settings) + 2)
     fp32_matmuls = memory.trainable_dtype_bytes(settings, runtime) == 4 and not runtime.autocast
     rate = achievable_matmul_flops(gpu, "fp32" if fp32_matmuls else settings.precision)
-    return roofline_seconds(flops, moved * passes, rate, achievable_bytes_per_second(gpu))
+    moved = forward * forward_passes(settings) + backward
+    return roofline_seconds(flops, moved, rate, achievable_bytes_per_second(gpu))
 
 
 # Bytes transformers' RMSNorm moves per element: it casts to fp32 (c + 4), squares (8), averages (4), scales by
@@ -231,6 +276,8 @@ def elementwise_bytes_per_token(spec: ModelSpec, settings: Settings) -> float:
     c, s = DTYPE_BYTES[settings.precision], memory.stream_dtype_bytes(settings, runtime)
     h = spec.hidden_size
     experts = max(spec.num_experts_per_tok, 1)
+    if runtime.compiled:
+        return compiled_elementwise_bytes_per_token(spec, settings, runtime)
     return (
         spec.norms_per_layer * NORM_BYTES * h
         + 2 * 3 * s * h
@@ -240,43 +287,97 @@ def elementwise_bytes_per_token(spec: ModelSpec, settings: Settings) -> float:
     )
 
 
+def compiled_elementwise_bytes_per_token(spec: ModelSpec, settings: Settings, runtime: memory.Runtime) -> float:
+    """The same ops fused by torch.compile, each fused kernel reading its inputs and writing its outputs once:
+    each residual sum with the norm after it (read the stream and the block's output, write the new stream and the
+    normed input: 3s + c per element, twice a layer), rotary (read and write q and k), SwiGLU (read gate and up,
+    write their product) and the attention output's copy."""
+    c, s = DTYPE_BYTES[settings.precision], memory.stream_dtype_bytes(settings, runtime)
+    experts = max(spec.num_experts_per_tok, 1)
+    return (
+        spec.norms_per_layer * (3 * s + c) * spec.hidden_size
+        + 2 * c * (spec.q_size + spec.kv_size)
+        + 3 * memory.swiglu_dtype_bytes(settings, runtime) * spec.intermediate_size * experts
+        + 2 * c * spec.q_size
+    )
+
+
 def elementwise_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     """Norms, activations, rotary and residuals: bandwidth-bound, tokens x layers x elementwise_bytes_per_token,
-    in forward, recomputation and (twice) backward."""
-    passes = forward_passes(settings) + BACKWARD_TRAFFIC
+    in forward, recomputation and backward (ELEMENTWISE_BACKWARD_TRAFFIC x the forward)."""
+    passes = forward_passes(settings) + ELEMENTWISE_BACKWARD_TRAFFIC
     per_token = elementwise_bytes_per_token(spec, settings) * spec.num_hidden_layers
     return settings.tokens_per_micro_batch * per_token * passes / achievable_bytes_per_second(gpu)
 
 
 # Bytes the loss moves per logit: the fp32 upcast (c + 4) and log-softmax (4 + 4) in forward; in backward the
 # gradient of the gathered log-probabilities (4), log-softmax's backward (read 4 + 4, write 4) and the cast back
-# (4 + c): 36 for bf16. The chunked and fused losses move the same per logit, a chunk at a time.
+# (4 + c): 36 for bf16. The chunked and fused losses move the same per logit, a chunk at a time. Under the HF
+# Trainer's autocast accelerate also copies the logits to fp32 (convert_to_fp32, c + 4 more; traced, `make
+# bench-time-trace`: 42 bytes a logit for bf16).
 LOSS_BYTES_PER_LOGIT = 36
+
+
+# Compiled, the upcast, log-softmax and their backward fuse: the logits are read in forward, read again and their
+# gradient written in backward, in the compute dtype (3c), with fp32 reductions in registers.
+COMPILED_LOSS_PASSES = 3
 
 
 def loss_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     """The cross-entropy over tokens x vocabulary logits, bandwidth-bound."""
     logits = settings.tokens_per_micro_batch * spec.vocab_size
-    return logits * LOSS_BYTES_PER_LOGIT / achievable_bytes_per_second(gpu)
+    runtime, c = memory.stack_runtime(settings), DTYPE_BYTES[settings.precision]
+    per_logit = LOSS_BYTES_PER_LOGIT + (c + 4 if runtime.autocast and c != 4 else 0)
+    if runtime.compiled:
+        per_logit = COMPILED_LOSS_PASSES * c
+    return logits * per_logit / achievable_bytes_per_second(gpu)
 
 
 # Kernels one decoder layer launches in its forward beyond its linears: two norms of six, two residual sums,
-# rotary (about ten), SwiGLU (two), attention with its layout copies (about four).
+# rotary (about ten), SwiGLU (two), attention with its layout copies (about four), and the attention kernel;
+# about twice the elementwise ones in backward. Traced: 30 + 1 forward (`make bench-time-trace`).
 LAYER_KERNELS = 2 * 6 + 2 + 10 + 2 + 4
-# Kernels of one adapted module's LoRA path: cast, dropout, lora_A, lora_B, scaling, sum, cast back.
-LORA_KERNELS = 7
+# Compiled: two fused residual-and-norm kernels, rotary, SwiGLU and the attention with its layout copy (about 6);
+# the LoRA path's two matmuls and two fused kernels.
+COMPILED_LAYER_KERNELS = 6
+COMPILED_LORA_KERNELS = 4
+
+
+def lora_kernels(settings: Settings, runtime: memory.Runtime) -> int:
+    """Kernels of one adapted module's LoRA path in forward, as lora_bytes_per_element counts its ops: the
+    input's cast to the adapter dtype, dropout, autocast's cast back and its casts of the two fp32 adapter
+    weights, lora_A, lora_B, the scaling, the sum, the cast back, and over a 4/8-bit base peft's clone of the
+    base output. Traced: 9 for LoRA with dropout, 8 without, 10 for QLoRA (`make bench-time-trace`)."""
+    if runtime.compiled:
+        return COMPILED_LORA_KERNELS
+    c = DTYPE_BYTES[settings.precision]
+    a = memory.trainable_dtype_bytes(settings, runtime)
+    m = c if runtime.autocast and settings.precision != "fp32" else a
+    return (
+        4  # lora_A, lora_B, scaling, sum
+        + (a != c)
+        + (settings.lora_dropout > 0)
+        + (3 if m != a else 0)
+        + (max(c, m) != c)
+        + (settings.quant != "none")
+    )
 
 
 def kernel_count(spec: ModelSpec, settings: Settings) -> int:
-    """Kernels of one micro-batch: per layer LAYER_KERNELS, one per linear, one more per dequantised linear and
-    LORA_KERNELS per adapted module, in forward (twice under checkpointing) and twice that in backward."""
+    """Kernels of one micro-batch, per layer. Forward (twice under checkpointing): LAYER_KERNELS and the
+    attention, one per linear, per dequantised linear one (three with double quantisation), and lora_kernels per
+    adapted module. Backward: twice the elementwise kernels, the linears' input gradients (and their weight
+    gradients for full fine-tuning), the dequantisations again, and the LoRA paths' backward, one kernel more
+    than their forward (traced: 10.4 for 9)."""
+    runtime = memory.stack_runtime(settings)
+    elementwise = COMPILED_LAYER_KERNELS if runtime.compiled else LAYER_KERNELS
     linears = sum(n for _, _, _, n in spec.layer_linears())
-    per_layer = LAYER_KERNELS + linears
-    if settings.quant != "none":
-        per_layer += linears
-    if settings.method != "full":
-        per_layer += LORA_KERNELS * len(spec.lora_target_names(settings.lora_targets))
-    return round(per_layer * spec.num_hidden_layers * (forward_passes(settings) + BACKWARD_TRAFFIC))
+    dequant = linears * (3 if nested_absmax(settings) else 1) if settings.quant != "none" else 0
+    adapted = len(spec.lora_target_names(settings.lora_targets)) if settings.method != "full" else 0
+    lora = lora_kernels(settings, runtime) if adapted else 0
+    forward = elementwise + 1 + linears + dequant + adapted * lora
+    backward = 2 * elementwise + linears * (2 if settings.method == "full" else 1) + dequant + adapted * (lora + 1)
+    return (forward * forward_passes(settings) + backward) * spec.num_hidden_layers
 
 
 def launch_seconds(spec: ModelSpec, settings: Settings) -> float:
@@ -367,16 +468,59 @@ def host_copy_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec, compute
     return seconds
 
 
-# Bytes the optimizer step reads and writes per trainable parameter: parameter, gradient and two moments.
-OPTIMIZER_TRAFFIC_BYTES = {"adamw": 24, "paged_adamw_32bit": 24, "adamw_8bit": 12, "paged_adamw_8bit": 12, "sgd": 8}
+# Gradient clipping (max_grad_norm 1.0, the HF Trainer's and lorafit's default) reads every gradient for the
+# norm and reads and writes it again to scale it: three passes over the gradients.
+CLIP_GRADIENT_PASSES = 3
+
+
+def optimizer_traffic_bytes(settings: Settings, runtime: memory.Runtime) -> float:
+    """Bytes the optimizer step moves per trainable parameter, p the parameter's bytes, g the gradient's, s one
+    moment's, counted from the kernels each implementation runs:
+
+    fused AdamW (adamw_torch_fused, bitsandbytes' 8-bit and paged kernels, DeepSpeed's): one kernel reads p, g
+    and both moments and writes p and both moments, 2p + g + 4s.
+    torch's default multi-tensor AdamW (foreach, when `fused` is not set): weight decay on p (read, write), lerp
+    of the first moment (read m and g, write m), the second moment scaled (read, write) and addcmul'd (read v and
+    g twice, write v), its square root into a temporary (read v, write t), divided and shifted by eps (two
+    read-writes of t), and addcdiv into p (read p, m, t, write p): 4p + 3g + 12s.
+    SGD without momentum: read p and g, write p. Plus gradient clipping, CLIP_GRADIENT_PASSES x g.
+
+    bitsandbytes' 32-bit optimizers keep fp32 moments whatever the parameter's dtype (get_state_buffer); its
+    8-bit ones one byte a moment. ZeRO steps an fp32 master copy with fp32 moments and writes the 16-bit
+    parameter back (2 more bytes)."""
+    p = g = memory.trainable_dtype_bytes(settings, runtime)
+    cast_back = 0.0
+    if settings.shard in ("zero2", "zero3"):
+        p, cast_back = 4, DTYPE_BYTES[settings.precision]
+    clip = CLIP_GRADIENT_PASSES * g
+    if settings.optimizer == "sgd":
+        return 2 * p + g + cast_back + clip
+    s = 1 if settings.optimizer.endswith("8bit") else (4 if settings.optimizer == "paged_adamw_32bit" else p)
+    fused = runtime.fused_optimizer or settings.optimizer != "adamw" or settings.shard in ("zero2", "zero3")
+    step = 2 * p + g + 4 * s if fused else 4 * p + 3 * g + 12 * s
+    return step + cast_back + clip
 
 
 def optimizer_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
-    """The optimizer step is memory-bound: it streams every trainable parameter's state once."""
-    trainable = (
-        spec.num_params if settings.method == "full" else spec.lora_params(settings.lora_r, settings.lora_targets)
-    )
-    return trainable * OPTIMIZER_TRAFFIC_BYTES[settings.optimizer] / (gpu.bandwidth_gbs * 1e9)
+    """The optimizer step is memory-bound: it streams every trainable parameter's state
+    (optimizer_traffic_bytes) at the card's bandwidth."""
+    runtime = memory.stack_runtime(settings)
+    trainable = memory.trainable_params(spec, settings)
+    return trainable * optimizer_traffic_bytes(settings, runtime) / achievable_bytes_per_second(gpu)
+
+
+def paging_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """A paged optimizer whose states do not fit beside the rest of the step (bitsandbytes keeps them in CUDA
+    managed memory) has the part that does not fit migrated in before its update and evicted after it, every
+    step: twice the overflow over the host link. Zero when everything fits, or for other optimizers."""
+    if not memory.paged(settings):
+        return 0.0
+    estimate = memory.estimate(spec, settings, gpu)
+    gib = 1024**3
+    runtime = memory.stack_runtime(settings)
+    paged_state = memory.optimizer_bytes(spec, settings, runtime) * memory.shard_factors(settings)[2]
+    overflow = min(max(0.0, (estimate.peak_device_gib - gpu.memory_gib) * gib), paged_state)
+    return 2 * overflow / host_link_bytes_per_second(gpu)
 
 
 # --- several GPUs: communication and offload ----------------------------------------------------------------
@@ -499,7 +643,7 @@ def step_time(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> StepTime:
         compute=micro_batches * micro,
         communication=exposed_comm,
         offload=exposed_offload + off_step,
-        optimizer=optimizer * memory.shard_factors(settings)[2],
+        optimizer=optimizer * memory.shard_factors(settings)[2] + paging_seconds(spec, settings, gpu),
         micro_batches=micro_batches,
         **{name: micro_batches * seconds for name, seconds in asdict(ops).items()},
     )
@@ -526,15 +670,55 @@ def costs(
     return cloud, local, break_even
 
 
+# --- how far off the time is -------------------------------------------------------------------------------
+# A class of runs needs this many check rows of its own for its range; with fewer, the next wider class's.
+MIN_KIND_ROWS = 5
+
+
+@functools.cache
+def time_accuracy() -> dict[str, dict]:
+    """catalog/time_accuracy.toml: the time model's signed error on the check rows of `make bench-throughput`,
+    by class of run ("consumer, one GPU", "one GPU", "all", ...), as that command wrote it."""
+    text = resources.files("lorafit").joinpath("catalog/time_accuracy.toml").read_text()
+    return dict(tomllib.loads(text)["kind"])
+
+
+def run_classes(kind: str, n_gpus: int) -> tuple[str, str, str]:
+    """The classes a run's error is read from, narrowest first: its GPU kind and GPU count, its GPU count, all."""
+    scope = "one GPU" if n_gpus == 1 else "several GPUs"
+    return f"{kind}, {scope}", scope, "all"
+
+
+def accuracy_of(gpu: GpuSpec, n_gpus: int = 1) -> tuple[str, dict]:
+    """(class, its entry): the narrowest of run_classes with MIN_KIND_ROWS check rows."""
+    table = time_accuracy()
+    for name in run_classes(gpu.kind, n_gpus):
+        entry = table.get(name)
+        if entry is not None and entry["rows"] >= MIN_KIND_ROWS:
+            return name, entry
+    return "all", table["all"]
+
+
+def hours_range(gpu: GpuSpec | None, hours: float, n_gpus: int = 1) -> tuple[float, float] | None:
+    """The likely hours, low to high. A row's error e is (predicted - measured) / measured tokens/s, so the run
+    takes hours x (1 + e): the 10th and 90th percentiles of e over the run's class (accuracy_of) bound it."""
+    if gpu is None or not hours:
+        return None
+    _, entry = accuracy_of(gpu, n_gpus)
+    return round(hours * max(1 + entry["low"], 0.05), 3), round(hours * (1 + entry["high"]), 3)
+
+
 def time_and_cost(
     gpu: GpuSpec | None, n_gpus: int, speed: float, total_tokens: float, kwh_price: float
-) -> dict[str, float | None]:
-    """The Plan's speed, hours and costs for `total_tokens` at `speed` tokens/s, rounded as a Plan shows them."""
+) -> dict[str, float | tuple[float, float] | None]:
+    """The Plan's speed, hours (with their likely range) and costs for `total_tokens` at `speed` tokens/s,
+    rounded as a Plan shows them."""
     hours = total_tokens / speed / 3600 if speed else 0.0
     cloud, local, break_even = costs(gpu, n_gpus, hours, kwh_price)
     return {
         "tokens_per_s": round(speed, 1),
         "hours": round(hours, 3),
+        "hours_range": hours_range(gpu, hours, n_gpus),
         "cost_cloud_usd": None if cloud is None else round(cloud, 2),
         "cost_local_usd": None if local is None else round(local, 2),
         "break_even_runs": None if break_even is None else round(break_even, 1),

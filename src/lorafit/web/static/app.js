@@ -361,7 +361,7 @@ function renderPlan() {
     settings: settingsSummary(plan.settings),
     peak: gib(plan.estimate.peak_device_gib),
     usable: gib(usableGib(plan)),
-    hours: duration(plan.hours),
+    hours: duration(plan.hours) + (plan.hours_range ? ` (${duration(plan.hours_range[0])} – ${duration(plan.hours_range[1])})` : ""),
     epochs: number(plan.epochs, 2),
     cost_cloud: money(plan.cost_cloud_usd),
     cost_local: money(plan.cost_local_usd),
