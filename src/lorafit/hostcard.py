@@ -98,8 +98,14 @@ def quantized_rates(side: int = MATMUL_SIDE) -> tuple[float, float] | None:
         return None
     import torch
 
-    weights = [torch.randn(side, side) for _ in range(DEQUANT_WEIGHTS)]
-    packed = [bnb_functional.quantize_4bit(w, quant_type="nf4", compress_statistics=True) for w in weights]
+    weight = torch.randn(side, side)
+    # one fp32 weight at a time: the process keeps no large freed block that later allocations would reuse
+    packed = [
+        bnb_functional.quantize_4bit(
+            weight if i == 0 else torch.randn(side, side), quant_type="nf4", compress_statistics=True
+        )
+        for i in range(DEQUANT_WEIGHTS)
+    ]
     for _, state in packed:
         state.dtype = torch.float32  # the compute dtype (bitsandbytes sets it from the model's compute dtype)
 
@@ -111,7 +117,7 @@ def quantized_rates(side: int = MATMUL_SIDE) -> tuple[float, float] | None:
     weight_bytes = memory.quantized_weight_bytes(1, CPU_QLORA) + DTYPE_BYTES["fp32"] + timing.DOUBLE_QUANT_BYTES
     moved = side * side * weight_bytes
     inputs = torch.randn(QUANT_MATMUL_TOKENS, side)
-    weight, (first_4bit, first_state) = weights[0], packed[0]
+    first_4bit, first_state = packed[0]
     plain = _fastest(lambda: torch.nn.functional.linear(inputs, weight))
     quantized = _fastest(lambda: matmul_4bit(inputs, first_4bit.t(), first_state))
     one_dequant = _fastest(lambda: bnb_functional.dequantize_4bit(first_4bit, first_state))
