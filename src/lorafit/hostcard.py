@@ -2,20 +2,20 @@
 
 `lorafit measure --cpu` and `make bench-time-cpu` set the time model's estimate beside steps measured on the
 CPU; the catalog has no entry for a CPU, so the figures the model divides by are measured in this process, with
-torch's current thread count, by a few short micro-benchmarks (well under a second), once per process.
+torch's current thread count, by a few short micro-benchmarks (about a second, most of it bitsandbytes'
+import), once per process.
 
 The measured rates are stored so that the time model reads them back unchanged:
 - `timing.achievable_matmul_flops(card, "fp32")` is `fp16_tflops / 2 x matmul_tflops / bf16_tflops`, so
   `fp16_tflops` holds twice the measured fp32 rate (the CPU has no fp16 training: lorafit refuses it there) and
   `matmul_tflops` equals `bf16_tflops`, the measured bf16 rate (a share of 1: the rate is the measurement);
 - `timing.achievable_bytes_per_second(card)` is `bandwidth_gbs x BANDWIDTH_SHARE`, so `bandwidth_gbs` holds the
-  measured copy rate over BANDWIDTH_SHARE. (`timing.optimizer_seconds` reads `bandwidth_gbs` without the share, so
-  it sees a CPU about 1 / BANDWIDTH_SHARE faster than measured: a small term on the CPU.)
+  measured copy rate over BANDWIDTH_SHARE;
 - `dequant_gbs` and `quant_matmul_slowdown` hold bitsandbytes' 4-bit dequantisation rate and matmul slowdown as
   measured here (timing.dequant_bytes_per_second, timing.quant_matmul_slowdown): the GPU's figures do not carry
   over. A training step's profile (`python bench/time_structure_cpu.py --profile qlora`) shows the CPU's QLoRA
-  running the same aten::mm time as LoRA, plus the dequantisation at a fraction of the copy rate, where a GPU's
-  4-bit layers run QUANT_MATMUL_SLOWDOWN times slower.
+  running the same aten::mm time as LoRA (980 against 964 ms), plus the dequantisation (about 5 % of the step),
+  where a GPU's 4-bit layers run QUANT_MATMUL_SLOWDOWN times slower.
 """
 
 from __future__ import annotations

@@ -71,8 +71,8 @@ def achievable_bytes_per_second(gpu: GpuSpec) -> float:
 
 
 def dequant_bytes_per_second(gpu: GpuSpec) -> float:
-    """Bytes/s dequantising a 4/8-bit weight moves: the card's measured rate (a CPU card measures it: its
-    dequantisation is far slower than a copy), else the streaming rate."""
+    """Bytes/s dequantising a 4/8-bit weight moves: the card's measured rate (a CPU card times bitsandbytes'
+    CPU kernel, lorafit.hostcard), else the streaming rate."""
     return gpu.dequant_gbs * 1e9 if gpu.dequant_gbs is not None else achievable_bytes_per_second(gpu)
 
 
