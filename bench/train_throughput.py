@@ -20,10 +20,14 @@ vocab 49152, tied embeddings; built here, nothing downloaded) and rows of exactl
 train the same 4 x 66 tokens each step with no padding. QLoRA and LoRA are each trained by `lorafit train` and by
 the plain Trainer + peft script with the settings pinned the same (micro-batch 4, checkpointing, optimizer,
 precision, steps), the two interleaved (plain, lorafit, plain, lorafit ...). One clock serves both: a callback
-appended to transformers' default callbacks stamps the end of every step; tokens/s counts every token (prompt
-and answer) of steps 2..N over the time from the end of step 1 to the end of step N (step 1 is warm-up).
+appended to transformers' default callbacks stamps the end of every step; tokens/s is every token (prompt and
+answer) of a step over the median time of steps 2..N (step 1 is warm-up; the median shrugs off a step that
+another process slowed). Each side runs on THREADS torch threads (default 1): on a shared machine, more threads
+than free cores make every step wait for descheduled threads, and that swamps any difference between trainers.
+The ratio is the median of the per-round ratios.
 
-Run:  python bench/train_throughput.py [--case tiny|real|both] [--steps 150] [--real-steps 4] [--rounds 2]
+Run:  python bench/train_throughput.py [--case tiny|real|both] [--steps 150] [--real-steps 5] [--rounds 2]
+       [--threads 1]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import resource
 import statistics
@@ -284,9 +289,9 @@ class StepClock:
 
     @classmethod
     def tokens_per_s(cls, tokens_per_step: int) -> float:
-        """Every token of steps 2..N over the time from the end of step 1 to the end of step N."""
-        (first, started), (last, ended) = cls.stamps[0], cls.stamps[-1]
-        return tokens_per_step * (last - first) / (ended - started)
+        """A step's tokens over the median time of steps 2..N."""
+        times = [later - earlier for (_, earlier), (_, later) in zip(cls.stamps, cls.stamps[1:], strict=False)]
+        return tokens_per_step / statistics.median(times)
 
 
 def plain_real(model_dir: Path, data: Path, method: str, steps: int, output: Path) -> dict:
@@ -389,34 +394,35 @@ def lorafit_real(model_dir: Path, data: Path, method: str, steps: int, output: P
     }
 
 
-def real_case(steps: int, rounds: int) -> None:
-    """Interleaved runs of both sides for QLoRA and LoRA; the median tokens/s of each and their ratio."""
+def real_case(steps: int, rounds: int, threads: int) -> None:
+    """Interleaved runs of both sides for QLoRA and LoRA; the median tokens/s of each and the median ratio."""
     model_dir = make_real_model(OUT)
     make_real_data(OUT, model_dir)
     print(
-        f"CPU, SmolLM2-135M shapes (random weights), micro-batch {REAL_MICRO_BATCH} x {ROW_TOKENS} tokens, "
-        f"{steps} steps (step 1 untimed), {rounds} rounds interleaved"
+        f"CPU ({threads} thread(s) a side), SmolLM2-135M shapes (random weights), micro-batch {REAL_MICRO_BATCH} x "
+        f"{ROW_TOKENS} tokens, {steps} steps (step 1 untimed), {rounds} rounds interleaved"
     )
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     for method in ("qlora", "lora"):
         speeds: dict[str, list[float]] = {"plain": [], "lorafit": []}
         last: dict = {}
         for _ in range(rounds):
             for name in speeds:
-                last = worker(f"{name}-real", steps, method)
+                last = worker(f"{name}-real", steps, method, environment)
                 speeds[name].append(last["tokens_per_s"])
-        plain_speed, ours = statistics.median(speeds["plain"]), statistics.median(speeds["lorafit"])
+        ratio = statistics.median(ours / plain for ours, plain in zip(speeds["lorafit"], speeds["plain"], strict=True))
         runs = {name: ", ".join(f"{value:.1f}" for value in values) for name, values in speeds.items()}
-        print(f"{method:6} plain   {plain_speed:7.1f} tok/s (all tokens; runs {runs['plain']})")
-        print(f"{method:6} lorafit {ours:7.1f} tok/s (all tokens; runs {runs['lorafit']}); {last['settings']}")
-        print(f"{method:6} lorafit / plain = {ours / plain_speed:.2f}x (target >= 1.0)")
+        for name in speeds:
+            print(f"{method:6} {name:8} {statistics.median(speeds[name]):6.1f} tok/s (all tokens; runs {runs[name]})")
+        print(f"{method:6} lorafit / plain = {ratio:.2f}x (median of rounds; target >= 1.0); {last['settings']}")
         if last["progress"]:
             print(f"{method:6} lorafit's last progress line: {last['progress'][0]}")
 
 
 # --- the comparison -------------------------------------------------------------------------------------------
-def worker(name: str, steps: int, method: str = "qlora") -> dict:
+def worker(name: str, steps: int, method: str = "qlora", environment: dict[str, str] | None = None) -> dict:
     command = [sys.executable, __file__, "--worker", name, "--steps", str(steps), "--method", method]
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=environment)
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -426,7 +432,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", choices=["tiny", "real", "both"], default="both")
     parser.add_argument("--steps", type=int, default=150, help="steps of the tiny case")
-    parser.add_argument("--real-steps", type=int, default=4, help="steps of each real-shape run")
+    parser.add_argument("--real-steps", type=int, default=5, help="steps of each real-shape run")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each real-shape run")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the real-shape case")
     parser.add_argument("--worker", choices=["plain", "lorafit", "plain-real", "lorafit-real"])
     parser.add_argument("--method", choices=["qlora", "lora"], default="qlora")
@@ -449,7 +456,7 @@ def main() -> None:
         results = {name: worker(name, args.steps) for name in ("plain", "lorafit")}
         report(results, args.steps)
     if args.case in ("real", "both"):
-        real_case(args.real_steps, args.rounds)
+        real_case(args.real_steps, args.rounds, args.threads)
 
 
 def report(results: dict[str, dict], steps: int) -> None:

@@ -1004,7 +1004,7 @@ def test_speed_says_which_tokens_it_counts_and_the_eta_which_speed_it_uses(finis
     """All tokens (what other trainers report) and trained tokens (the answers the loss sees), both labelled, in
     the progress lines, metrics.jsonl and the model card; the ETA is measured once the warm-up steps are over."""
     output = finished_run["output"]
-    assert "time: no estimate before training on the CPU" in output  # the CPU has no planned speed
+    assert "time: no planned speed for this device" in output  # the time model has no CPU
     progress = [line for line in output.splitlines() if line.startswith("step ")]
     assert re.search(r"[\d,]+ tok/s \(all\), [\d,]+ tok/s \(trained\)", progress[-1]), progress
     assert progress[0].startswith("step 1/6") and progress[0].endswith("eta ?")  # step 1: nothing measured yet

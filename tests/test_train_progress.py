@@ -74,3 +74,22 @@ def test_before_steps_are_measured_the_plan_estimate_is_shown_and_says_so() -> N
 )
 def test_evaluations_left(step: int, max_steps: int, eval_steps: int | None, evaluated: int, expected: int) -> None:
     assert evals_left(step, max_steps, eval_steps, evaluated) == expected
+
+
+def test_the_pre_flight_shows_the_plan_estimate_per_step_labelled_as_the_estimate() -> None:
+    """A planned GPU run: the tokens of an average step (effective batch x mean row length) at the plan's
+    tokens/s; the CPU, which the time model does not cover, gets no figure."""
+    from lorafit import hardware, models
+    from lorafit.plan import make_plan
+    from lorafit.schema import PlanRequest
+    from lorafit.train.recipe import planned_seconds_per_step, time_line
+
+    plan = make_plan(PlanRequest(model=models.resolve("smollm2-135m"), gpu=hardware.resolve("RTX 4090")))
+    lengths = [100, 300]  # a mean of 200 tokens a row
+    seconds = planned_seconds_per_step(plan, lengths)
+    assert seconds == pytest.approx(plan.batch_size * 200 / plan.tokens_per_s)
+    line = time_line(seconds, plan.tokens_per_s)
+    assert "per step by the plan's estimate" in line and f"{plan.tokens_per_s:,.0f} tok/s" in line
+    cpu = plan.model_copy(update={"tokens_per_s": 0.0})
+    assert planned_seconds_per_step(cpu, lengths) is None
+    assert time_line(None, 0.0).startswith("time: no planned speed")

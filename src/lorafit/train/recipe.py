@@ -371,8 +371,8 @@ def time_line(seconds_per_step: float | None, tokens_per_s: float) -> str:
         f"the ETA uses this run's measured speed after {progress.WARMUP_STEPS} steps of warm-up, "
         "and counts the evaluations"
     )
-    if seconds_per_step is None:
-        return f"time: no estimate before training on the CPU; {measured}"
+    if seconds_per_step is None:  # the time model covers the catalog's GPUs, not the CPU
+        return f"time: no planned speed for this device; {measured}"
     return (
         f"time: {progress.duration(seconds_per_step)} per step by the plan's estimate ({tokens_per_s:,.0f} tok/s, "
         f"all tokens); {measured}"
