@@ -1014,7 +1014,6 @@ def test_speed_says_which_tokens_it_counts_and_the_eta_which_speed_it_uses(finis
         assert 0 < line["tokens_per_s_trained"] < line["tokens_per_s_all"]
         assert line["tokens_per_s"] == line["tokens_per_s_all"]  # the key earlier versions wrote
     assert [line["eta_basis"] for line in lines] == ["estimate"] * 2 + ["measured"] * 4
-    assert lines[-1]["eta_s"] > 0  # logged before the evaluation of step 6, which is still to come
     assert "tok/s (all)" in (finished_run["dir"] / "README.md").read_text()
 
 
