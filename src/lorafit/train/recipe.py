@@ -261,6 +261,9 @@ def _train_guarded(
             writes=processes.is_main,
             estimate_s_per_step=planned_seconds_per_step(plan, lengths),  # the plan as the settings now are
         )
+        if "callback" in holder:  # a retry: the evaluations timed so far still say how long one takes
+            earlier = holder["callback"].timeline
+            callback.timeline.eval_seconds, callback.timeline.evals = earlier.eval_seconds, earlier.evals
         trainer = LorafitTrainer(
             model=model,
             args=arguments,
