@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -997,6 +998,35 @@ def test_the_parameter_count_of_a_4bit_base_is_its_real_count(finished_run: dict
 def test_the_progress_says_the_last_step_once(finished_run: dict) -> None:
     lines = [line for line in finished_run["output"].splitlines() if line.startswith("step 6/6")]
     assert len(lines) == 1, finished_run["output"]
+
+
+def test_speed_says_which_tokens_it_counts_and_the_eta_which_speed_it_uses(finished_run: dict) -> None:
+    """All tokens (what other trainers report) and trained tokens (the answers the loss sees), both labelled, in
+    the progress lines, metrics.jsonl and the model card; the ETA is measured once the warm-up steps are over."""
+    output = finished_run["output"]
+    assert "time: no planned speed for this device" in output  # the time model has no CPU
+    progress = [line for line in output.splitlines() if line.startswith("step ")]
+    assert re.search(r"[\d,]+ tok/s \(all\), [\d,]+ tok/s \(trained\)", progress[-1]), progress
+    assert progress[0].startswith("step 1/6") and progress[0].endswith("eta ?")  # step 1: nothing measured yet
+    assert progress[-1].startswith("step 6/6") and progress[-1].endswith("eta 0s (measured)")
+    lines = metrics(finished_run["dir"])
+    for line in lines:
+        assert 0 < line["tokens_per_s_trained"] < line["tokens_per_s_all"]
+        assert line["tokens_per_s"] == line["tokens_per_s_all"]  # the key earlier versions wrote
+    assert [line["eta_basis"] for line in lines] == ["estimate"] * 2 + ["measured"] * 4
+    assert "tok/s (all)" in (finished_run["dir"] / "README.md").read_text()
+
+
+def test_the_token_counts_are_every_real_token_and_the_scored_answer_tokens() -> None:
+    from lorafit.train.trainer import TokenCountingCollator, pop_counts
+
+    features = [
+        {"input_ids": [1, 2, 3, 4, 5], "labels": [-100, -100, 3, 4, 5]},
+        {"input_ids": [1, 2, 3], "labels": [1, 2, 3]},  # position 0 predicts nothing: its label is never scored
+    ]
+    batch = TokenCountingCollator(lambda rows: {"rows": len(rows)})(features)
+    assert pop_counts(batch) == (8, 5)
+    assert batch == {"rows": 2}
 
 
 def test_the_files_a_run_folder_shares_name_no_absolute_path(finished_run: dict, tiny: dict[str, Path]) -> None:

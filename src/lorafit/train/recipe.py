@@ -23,7 +23,19 @@ from lorafit.errors import DataError, TrainError
 from lorafit.files import ordinary_mode, write_atomic
 from lorafit.plan import with_settings
 from lorafit.schema import Plan, Settings
-from lorafit.train import build, checkpoints, distributed, examples, guard, hf_args, report, runfolder, savers, setup
+from lorafit.train import (
+    build,
+    checkpoints,
+    distributed,
+    examples,
+    guard,
+    hf_args,
+    progress,
+    report,
+    runfolder,
+    savers,
+    setup,
+)
 from lorafit.train.config import TrainConfig
 from lorafit.train.distributed import ONE_PROCESS, Processes
 from lorafit.train.runfolder import METRICS
@@ -242,8 +254,16 @@ def _train_guarded(
             **hf_args.training_kwargs(config, settings, output_dir=str(staging), on_cuda=on_cuda, eval_steps=eval_steps)
         )
         callback = RunCallback(
-            output_dir / METRICS, console, watch, lambda: holder["trainer"], writes=processes.is_main
+            output_dir / METRICS,
+            console,
+            watch,
+            lambda: holder["trainer"],
+            writes=processes.is_main,
+            estimate_s_per_step=planned_seconds_per_step(plan, lengths),  # the plan as the settings now are
         )
+        if "callback" in holder:  # a retry: the evaluations timed so far still say how long one takes
+            earlier = holder["callback"].timeline
+            callback.timeline.eval_seconds, callback.timeline.evals = earlier.eval_seconds, earlier.evals
         trainer = LorafitTrainer(
             model=model,
             args=arguments,
@@ -299,6 +319,7 @@ def _train_guarded(
             trainer = make_trainer(settings)
     else:
         console.print("pre-flight memory check skipped: it measures CUDA memory and this run is on the CPU")
+    console.print(time_line(planned_seconds_per_step(plan, lengths), plan.tokens_per_s))
 
     while True:
         try:
@@ -337,6 +358,28 @@ def _train_guarded(
             if on_cuda:
                 torch.cuda.empty_cache()
             trainer = make_trainer(settings)
+
+
+def planned_seconds_per_step(plan: Plan, lengths: list[int]) -> float | None:
+    """The plan's time per optimizer step: the tokens of an average step (the effective batch of rows of the
+    data's mean length) at the plan's tokens/s; None where the plan has no speed (training on the CPU)."""
+    if not plan.tokens_per_s or not lengths:
+        return None
+    return plan.batch_size * (sum(lengths) / len(lengths)) / plan.tokens_per_s
+
+
+def time_line(seconds_per_step: float | None, tokens_per_s: float) -> str:
+    """The pre-flight's word on time: the plan's estimate until the run has measured its own speed."""
+    measured = (
+        f"the ETA uses this run's measured speed after {progress.WARMUP_STEPS} steps of warm-up, "
+        "and counts the evaluations"
+    )
+    if seconds_per_step is None:  # the time model covers the catalog's GPUs, not the CPU
+        return f"time: no planned speed for this device; {measured}"
+    return (
+        f"time: {progress.duration(seconds_per_step)} per step by the plan's estimate ({tokens_per_s:,.0f} tok/s, "
+        f"all tokens); {measured}"
+    )
 
 
 def _gathered_weights(trainer: Any) -> dict[str, Any] | None:
@@ -390,8 +433,12 @@ def _write_outputs(
     if config.method != "full":
         runfolder.point_adapter_at(output_dir, model_dir)
     seconds = time.perf_counter() - started
-    speeds = [record["tokens_per_s"] for record in metrics if "tokens_per_s" in record]
-    tokens_per_s = speeds[-1] if speeds else 0.0
+    speeds = [record for record in metrics if "tokens_per_s" in record]
+    last_speed = speeds[-1] if speeds else {}
+    speed = progress.Speed(
+        last_speed.get("tokens_per_s_all", last_speed.get("tokens_per_s", 0.0)),
+        last_speed.get("tokens_per_s_trained", 0.0),
+    )
     report.plot_loss(
         metrics, output_dir / "loss.png", f"{output_dir.name}: {plan.model.name}, {config.method}", eval_before
     )
@@ -408,7 +455,7 @@ def _write_outputs(
         eval_before=eval_before,
         eval_after=eval_after,
         seconds=seconds,
-        tokens_per_s=tokens_per_s,
+        speed=speed,
     )
     write_atomic(output_dir / "README.md", card)
     fingerprint = (runfolder.read_run_file(output_dir) or {}).get("fingerprint", {})

@@ -10,6 +10,7 @@ from lorafit.files import atomic_writer
 from lorafit.render import settings_line
 from lorafit.schema import Plan
 from lorafit.train import runfolder
+from lorafit.train.progress import Speed
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -69,7 +70,7 @@ def model_card(
     eval_before: float | None,
     eval_after: float | None,
     seconds: float,
-    tokens_per_s: float,
+    speed: Speed,
 ) -> str:
     """A short README.md: what was trained on what, how well, and how to use it. It travels with the run folder,
     so it names no absolute path of this machine (`runfolder.shown_path`): the snippets load the run by its
@@ -91,7 +92,7 @@ def model_card(
         f"| data | `{data}` ({rows} training rows, {eval_rows} held out) |",
         f"| settings | {settings_line(settings)} |",
         f"| steps | {steps} (effective batch {settings.effective_batch} sequences) |",
-        f"| time | {seconds:.0f} s, {tokens_per_s:,.0f} trained tokens/s |",
+        f"| time | {seconds:.0f} s; {speed.label()} (trained: the answer tokens of the loss) |",
     ]
     if train_loss is not None:
         lines.append(f"| final training loss | {train_loss:.4f} |")

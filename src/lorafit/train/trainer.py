@@ -1,5 +1,6 @@
 """transformers.Trainer with what lorafit adds: a sampler seeded per epoch, atomic checkpoints, the OOM
-fault hook, a token count for tokens/s, and the callbacks that write metrics.jsonl and draw the progress bar.
+fault hook, token counts for tokens/s (all tokens and trained answer tokens), and the callbacks that write
+metrics.jsonl and draw the progress bar with its measured ETA (`progress.Timeline`).
 
 Losses do not depend on how a batch is split into micro-batches: a training step's loss is the mean over all
 answer tokens of its effective batch (transformers passes `num_items_in_batch`), the logged loss is the mean
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
@@ -29,11 +30,13 @@ from lorafit.files import write_atomic
 from lorafit.train import checkpoints, failures, guard, savers
 from lorafit.train.examples import IGNORE_INDEX
 from lorafit.train.guard import InjectedOom, RandomState, capture_random_state, restore_random_state
+from lorafit.train.progress import Speed, Timeline
 
 if TYPE_CHECKING:
     from lorafit.schema import Settings
 
 TOKENS_KEY = "num_tokens"  # added by TokenCountingCollator, removed before the forward pass
+TRAINED_TOKENS_KEY = "num_trained_tokens"  # likewise: the answer tokens the loss is computed on
 UNLOGGED_LOSSES = "lorafit-unlogged-losses.json"  # in a checkpoint: step losses not yet in a metrics line
 
 
@@ -63,7 +66,8 @@ class EpochSampler(torch.utils.data.Sampler[int]):
 
 
 class TokenCountingCollator:
-    """Wraps a collator and records how many real (non-pad) tokens each batch holds, without a device sync."""
+    """Wraps a collator and records how many real (non-pad) tokens each batch holds, and how many of them the
+    loss is computed on (labelled answer tokens after the causal shift), from the lists: no device sync."""
 
     def __init__(self, inner: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
         self.inner = inner
@@ -71,7 +75,20 @@ class TokenCountingCollator:
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         batch = dict(self.inner(features))
         batch[TOKENS_KEY] = sum(len(feature["input_ids"]) for feature in features)
+        batch[TRAINED_TOKENS_KEY] = sum(_scored(list(feature["labels"])) for feature in features)
         return batch
+
+
+def _scored(labels: list[int]) -> int:
+    """The labels the causal loss scores: all but the first (no position predicts it) that are not ignored.
+    list.count runs in C, so a long row costs no Python loop."""
+    shifted = labels[1:]
+    return len(shifted) - shifted.count(IGNORE_INDEX)
+
+
+def pop_counts(batch: dict[str, Any]) -> tuple[int, int]:
+    """(all, trained) tokens of a batch, taken out of it before it reaches the model."""
+    return int(batch.pop(TOKENS_KEY, 0)), int(batch.pop(TRAINED_TOKENS_KEY, 0))
 
 
 class StepWatch:
@@ -106,8 +123,9 @@ class LorafitTrainer(Trainer):
         self.keep = keep
         self.fault = fault
         self.watch = watch
-        self.tokens_trained = 0
-        self.tokens_all_processes = 0  # of every process, summed when a line is logged
+        self.tokens_all = 0  # this process's tokens since training began in it: every real token
+        self.tokens_trained = 0  # and the answer tokens the loss is computed on
+        self.tokens_every_process: tuple[int, int] | None = None  # both, summed over processes at a logged line
         self._micro_batches_in_step = 0
         self._step_of_micro_batches = -1
         self._step_loss: torch.Tensor | None = None
@@ -170,9 +188,10 @@ class LorafitTrainer(Trainer):
             self.state.global_step + 1,
             last_micro_batch=self._micro_batches_in_step == self.args.gradient_accumulation_steps,
         )
-        tokens = inputs.pop(TOKENS_KEY, 0)
+        tokens_all, tokens_trained = pop_counts(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
-        self.tokens_trained += int(tokens)
+        self.tokens_all += tokens_all
+        self.tokens_trained += tokens_trained
         # Each micro-batch's loss is its share of the step's (normalised by the step's answer tokens), so
         # their sum is the step's loss; kept as a tensor until it is logged, so no device sync per step.
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
@@ -207,8 +226,9 @@ class LorafitTrainer(Trainer):
         if "loss" in logs:
             self._stop_if_diverged({self.state.global_step: float(logs["loss"])})
         if "loss" in logs and self.args.world_size > 1:  # the tokens of every process, for tokens/s
-            count = torch.tensor([self.tokens_trained], dtype=torch.float64, device=self.args.device)
-            self.tokens_all_processes = int(self.accelerator.reduce(count, reduction="sum").item())
+            counts = torch.tensor([self.tokens_all, self.tokens_trained], dtype=torch.float64, device=self.args.device)
+            summed = self.accelerator.reduce(counts, reduction="sum").tolist()
+            self.tokens_every_process = (int(summed[0]), int(summed[1]))
         super().log(logs, start_time)
 
     def _stop_if_diverged(self, losses: dict[int, float]) -> None:
@@ -248,7 +268,7 @@ class LorafitTrainer(Trainer):
         started = time.perf_counter()
         with torch.no_grad():
             for batch, counted in self._eval_batches(eval_dataset):
-                batch.pop(TOKENS_KEY, None)
+                pop_counts(batch)
                 inputs = self._prepare_inputs(batch)
                 count = int((inputs["labels"][..., 1:] != IGNORE_INDEX).sum())  # the causal shift drops position 0
                 if not count:
@@ -288,7 +308,7 @@ class LorafitTrainer(Trainer):
             yield self.data_collator([dataset[row] for row in rows]), index < len(mine)
 
     def prediction_step(self, model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        inputs.pop(TOKENS_KEY, None)
+        pop_counts(inputs)
         return super().prediction_step(model, inputs, *args, **kwargs)
 
     # --- checkpoints ---------------------------------------------------------------------------------------
@@ -350,7 +370,8 @@ def _read_unlogged(checkpoint: str | None) -> dict[int, float]:
 
 class RunCallback(TrainerCallback):
     """metrics.jsonl (one line per logged step, eval_loss merged into its step's line), the progress bar
-    with loss, tokens/s and ETA, and the step bookkeeping the out-of-memory retry reads."""
+    with loss, tokens/s (all and trained) and the ETA, and the step bookkeeping the out-of-memory retry reads.
+    `estimate_s_per_step`: the plan's time per step, shown (labelled) until steps are measured."""
 
     def __init__(
         self,
@@ -359,17 +380,17 @@ class RunCallback(TrainerCallback):
         watch: StepWatch,
         trainer_ref: Callable[[], LorafitTrainer],
         writes: bool = True,
+        estimate_s_per_step: float | None = None,
     ) -> None:
         self.metrics_path = Path(metrics_path)
         self.writes = writes  # False in the processes other than rank 0, which alone writes metrics.jsonl
         self.console = console
         self.watch = watch
         self.trainer_ref = trainer_ref
+        self.timeline = Timeline(estimate_s_per_step=estimate_s_per_step)
         self.pending: dict[str, Any] | None = None
         self.progress: Progress | None = None
         self.task: Any = None
-        self.started = 0.0
-        self.first_step = 0
         self.last_loss: float | None = None
         self.last_eval: float | None = None
         self.next_plain_report = 0.0
@@ -405,8 +426,14 @@ class RunCallback(TrainerCallback):
             for key in ("learning_rate", "grad_norm", "epoch"):
                 if key in logs:
                     record[key] = float(logs[key])
-            record["tokens_per_s"] = round(self._tokens_per_s(), 1)
-            record["elapsed_s"] = round(time.perf_counter() - self.started, 3)
+            speed = self.speed()
+            left = self.timeline.time_left()
+            record["tokens_per_s_all"] = round(speed.tokens_per_s_all, 1)
+            record["tokens_per_s_trained"] = round(speed.tokens_per_s_trained, 1)
+            record["tokens_per_s"] = record["tokens_per_s_all"]  # the key of earlier versions (all real tokens)
+            record["elapsed_s"] = round(time.perf_counter() - (self.timeline.started or 0.0), 3)
+            record["eta_s"] = round(left.seconds, 1) if left.seconds is not None else None
+            record["eta_basis"] = left.basis
             self.pending = record
             if not control.should_evaluate:
                 self.flush()
@@ -420,6 +447,11 @@ class RunCallback(TrainerCallback):
                 self.pending = {"step": step, "eval_loss": self.last_eval}
                 self.flush()
         self._show(state)
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        metrics = kwargs.get("metrics") or {}
+        if "eval_runtime" in metrics:
+            self.timeline.eval_done(float(metrics["eval_runtime"]))
 
     # --- step bookkeeping ---------------------------------------------------------------------------------
     def on_step_begin(
@@ -439,6 +471,8 @@ class RunCallback(TrainerCallback):
         self.watch.in_optimizer_step = False
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        trainer = self.trainer_ref()
+        self.timeline.step_done(state.global_step, time.perf_counter(), trainer.tokens_all, trainer.tokens_trained)
         if state.global_step >= state.max_steps:
             control.should_log = True  # the last step always gets its line
         self._show(state)
@@ -447,8 +481,9 @@ class RunCallback(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self.started = time.perf_counter()
-        self.first_step = state.global_step
+        by_steps = args.eval_strategy == "steps" and args.eval_steps
+        self.timeline.eval_steps = int(args.eval_steps) if by_steps and args.eval_steps else None
+        self.timeline.training_started(time.perf_counter(), state.global_step, state.max_steps)
         if self.console.is_terminal:
             self.progress = Progress(
                 TextColumn("[bold]train"),
@@ -456,8 +491,6 @@ class RunCallback(TrainerCallback):
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[stats]}"),
                 TimeElapsedColumn(),
-                TextColumn("eta"),
-                TimeRemainingColumn(),
                 console=self.console,
                 transient=False,
             )
@@ -476,26 +509,33 @@ class RunCallback(TrainerCallback):
             self.progress.stop()
             self.progress = None
 
-    def _tokens_per_s(self) -> float:
-        elapsed = time.perf_counter() - self.started
+    def speed(self) -> Speed:
+        """This process's measured speed; with several processes, that of all of them (their token counts
+        are summed at each logged line; until the first, every process is taken to train as many)."""
+        speed = self.timeline.speed()
         trainer = self.trainer_ref()
-        tokens = trainer.tokens_trained
-        if trainer.args.world_size > 1:  # summed over the processes at each logged line; until then, estimated
-            tokens = trainer.tokens_all_processes or tokens * trainer.args.world_size
-        return tokens / elapsed if elapsed > 0 else 0.0
+        if trainer.args.world_size == 1:
+            return speed
+        every = trainer.tokens_every_process
+        scale_all = every[0] / trainer.tokens_all if every and trainer.tokens_all else trainer.args.world_size
+        scale_trained = (
+            every[1] / trainer.tokens_trained if every and trainer.tokens_trained else trainer.args.world_size
+        )
+        return Speed(speed.tokens_per_s_all * scale_all, speed.tokens_per_s_trained * scale_trained)
 
-    def _stats(self, state: TrainerState) -> str:
+    def _stats(self) -> str:
         parts = []
         if self.last_loss is not None:
             parts.append(f"loss {self.last_loss:.4f}")
         if self.last_eval is not None:
             parts.append(f"eval {self.last_eval:.4f}")
-        parts.append(f"{self._tokens_per_s():,.0f} tok/s")
+        parts.append(self.speed().label())
+        parts.append(self.timeline.time_left().label())
         return "  ".join(parts)
 
     def _show(self, state: TrainerState, final: bool = False) -> None:
         if self.progress is not None:
-            self.progress.update(self.task, completed=state.global_step, stats=self._stats(state))
+            self.progress.update(self.task, completed=state.global_step, stats=self._stats())
             return
         # Not a terminal (a log file, CI): a plain line every few seconds, and the last step's once, at the end.
         now = time.perf_counter()
@@ -505,8 +545,4 @@ class RunCallback(TrainerCallback):
             return
         self.printed_step = state.global_step
         self.next_plain_report = now + 5.0
-        done = state.global_step - self.first_step
-        left = state.max_steps - state.global_step
-        elapsed = now - self.started
-        eta = f"{elapsed / done * left:.0f}s" if done else "?"
-        self.console.print(f"step {state.global_step}/{state.max_steps}  {self._stats(state)}  eta {eta}")
+        self.console.print(f"step {state.global_step}/{state.max_steps}  {self._stats()}")
