@@ -452,6 +452,27 @@ def test_a_plan_for_a_cpu_run_shows_no_cuda_figures() -> None:
     assert "cuda context" not in shown and "nvidia-smi" not in shown and "reserved" not in shown
 
 
+def test_on_the_cpu_checkpointing_is_off_when_the_step_fits_the_free_ram(monkeypatch) -> None:
+    """On the CPU the step's memory is host RAM: a step that fits the RAM free now runs without recomputing the
+    forward (a third more time); one that does not keeps checkpointing on, and the plan says why either way."""
+    from lorafit.models import catalog
+
+    request = PlanRequest(model=catalog()["llama-3.2-1b"], device="cpu")
+    monkeypatch.setattr(hardware, "available_ram_gib", lambda: 64.0)
+    roomy = planner.make_plan(request)
+    assert not roomy.settings.grad_ckpt
+    assert any("checkpointing off" in reason and "RAM free" in reason for reason in roomy.reasons)
+    monkeypatch.setattr(hardware, "available_ram_gib", lambda: 0.5)
+    tight = planner.make_plan(request)
+    assert tight.settings.grad_ckpt
+    assert tight.settings.micro_batch == roomy.settings.micro_batch
+    assert any("checkpointing on" in reason for reason in tight.reasons)
+    pinned = planner.make_plan(request.model_copy(update={"fixed": Settings(grad_ckpt=True)}))
+    monkeypatch.setattr(hardware, "available_ram_gib", lambda: 64.0)
+    assert planner.make_plan(request.model_copy(update={"fixed": Settings(grad_ckpt=True)})).settings.grad_ckpt
+    assert pinned.settings.grad_ckpt
+
+
 def test_other_settings_are_estimated_again_with_the_same_tokens_to_train() -> None:
     plan = planner.make_plan(ask(gpu="RTX 4090"))
     smaller = plan.settings.model_copy(update={"micro_batch": 1, "grad_accum": 16, "grad_ckpt": True})
