@@ -6,7 +6,7 @@ A base is built from the model's config with random weights (`build_random_model
 by `build.checked_prepare` (`prepare`), and trained by transformers' Trainer under the arguments of
 `train/hf_args.py` for a warm-up step and some timed steps on random tokens (`train_steps`). Measured:
 torch.cuda.max_memory_allocated and max_memory_reserved, the device figure (what nvidia-smi shows for the process,
-`DeviceMemory`; on the CPU the growth of the process's resident memory, `HostMemory`) and tokens/s over the timed
+`DeviceMemory`; on the CPU the process's peak resident memory, `HostMemory`) and tokens/s over the timed
 steps. torch and transformers are imported inside the functions, so that `lorafit plan` never loads them.
 """
 
@@ -142,23 +142,47 @@ def load_libraries() -> None:
     import transformers  # noqa: F401
 
 
-class HostMemory:
-    """The CPU's stand-in for the device figure: the process's resident memory less its value before the model
-    was built, so that it counts what the measurement added, as the device figure counts what the process
-    holds on the GPU. Only where /proc/self/statm is readable (`available`)."""
+def peak_resident_bytes() -> int | None:
+    """The process's peak resident memory (VmHWM in /proc/self/status), None where the system has no /proc."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
-    source = "CPU: resident memory (RSS, /proc/self/statm) less its value before the model was built (libraries loaded)"
+
+def reset_peak_resident() -> bool:
+    """Start the process's peak resident memory again from what is resident now (Linux: "5" to clear_refs);
+    False where the kernel does not allow it, and the peak then is the whole process's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class HostMemory:
+    """The CPU's stand-in for the device figure: the process's peak resident memory while the model is built
+    and trained (libraries and data included, as the device figure includes the CUDA context). A peak, not a
+    growth: memory the process freed before is reused without growing what is resident. Only where /proc is
+    readable (`available`)."""
+
     interval_s = SAMPLE_INTERVAL_S
 
     def __init__(self) -> None:
-        self.baseline = resident_bytes() or 0
+        since = "the measurement began" if reset_peak_resident() else "the process started"
+        self.source = f"CPU: the process's peak resident memory (RSS high-water mark, VmHWM) since {since}"
 
     @staticmethod
     def available() -> bool:
-        return resident_bytes() is not None
+        return peak_resident_bytes() is not None
 
     def now(self) -> int:
-        return (resident_bytes() or 0) - self.baseline
+        return peak_resident_bytes() or 0
 
 
 Probe = DeviceMemory | HostMemory

@@ -100,7 +100,7 @@ def calibration_row(number: int, record: dict[str, Any]) -> dict[str, str]:
         if device is not None:
             metric += f"; nvidia-smi used = {device * 1024:.0f} MiB ({measured.get('peak_device_source')})"
     else:
-        metric = "none: measured on the CPU" + (f" (peak RSS growth {device:g} GiB)" if device is not None else "")
+        metric = "none: measured on the CPU" + (f" (peak resident memory {device:g} GiB)" if device is not None else "")
     timed = measured["step_seconds"][record["warmup_steps"] :]
     return {
         "id": f"LM-{number:03d}",
