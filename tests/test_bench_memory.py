@@ -10,37 +10,11 @@ import pytest
 from pydantic import ValidationError
 
 from lorafit import memory, models
+from lorafit.measure.store import CALIBRATION_COLUMNS
 from lorafit.schema import Settings
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
-COLUMNS = [
-    "id",
-    "split",
-    "split_reason",
-    "stack",
-    "source",
-    "evidence",
-    "kind",
-    "model",
-    "params_b",
-    "method",
-    "lora_r",
-    "lora_targets",
-    "quant",
-    "precision",
-    "optimizer",
-    "micro_batch",
-    "seq_len",
-    "grad_ckpt",
-    "attn",
-    "gpu",
-    "n_gpus",
-    "peak_gb",
-    "memory_metric",
-    "tokens_per_s",
-    "step_time_s",
-    "notes",
-]
+COLUMNS = CALIBRATION_COLUMNS  # the header `lorafit measure --export` writes, declared once
 
 
 @pytest.fixture(scope="module")
