@@ -550,7 +550,7 @@ def main(write: bool = False) -> dict[str, dict]:
     result["accuracy"] = accuracy_table(errors["check"])
     if write:
         write_accuracy(result["accuracy"])
-        print(f"\nwrote {ACCURACY.relative_to(ACCURACY.parents[3])}: the plan's hours range by GPU kind")
+        print(f"\nwrote {ACCURACY.relative_to(ACCURACY.parents[3])}: the plan's hours range by class of run")
     result["skipped"] = dict(SKIPPED)
     print(f"\nskipped check rows ({len(SKIPPED)}):")
     for row_id, reason in SKIPPED.items():
