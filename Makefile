@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-throughput bench-time-cpu bench-train bench-data bench-exact bench-time-trace bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-wheels clean
+.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-throughput bench-time-cpu bench-train bench-data bench-exact bench-time-trace bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-session gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -155,6 +155,10 @@ gpu-wheels: $(STAMP)
 		"pydantic==$$($(BIN)/python -c 'import pydantic; print(pydantic.VERSION)')" pydantic-core annotated-types \
 		typing-inspection
 	du -sh $(GPU_WHEELS)
+
+# The one prepared script for a lent GPU machine: gpu-check, then `lorafit measure` on the headline plans, under OUT
+gpu-session:
+	bash bench/gpu_session.sh
 
 ifeq ($(GPU_PYTHON),)
 gpu-check: $(STAMP)
