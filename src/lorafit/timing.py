@@ -212,6 +212,15 @@ def nested_absmax(settings: Settings) -> bool:
     return settings.quant == "nf4" and settings.double_quant
 
 
+def lora_dtype_bytes(settings: Settings, runtime: memory.Runtime) -> tuple[float, float, float]:
+    """(c, a, m): bytes per element of the compute dtype, of the adapters (fp32 under peft's
+    autocast_adapter_dtype) and of the adapters' matmuls (the compute dtype under autocast, else the adapters')."""
+    c = DTYPE_BYTES[settings.precision]
+    a = memory.trainable_dtype_bytes(settings, runtime)
+    m = c if runtime.autocast and settings.precision != "fp32" else a
+    return c, a, m
+
+
 def lora_bytes_per_element(settings: Settings, runtime: memory.Runtime) -> tuple[float, float]:
     """(bytes per input element, bytes per output element) one adapted module's LoRA path moves in forward.
 
@@ -220,9 +229,7 @@ def lora_bytes_per_element(settings: Settings, runtime: memory.Runtime) -> tuple
     (m, the matmul dtype); on the output side lora_B writes m, the scaling reads and writes it (2m), the sum
     with the base output reads c and m and writes the wider (c + m + w), and the cast back reads w and writes c
     (when w != c). Under torch.compile the casts, dropout, scaling and sum fuse into two kernels."""
-    c = DTYPE_BYTES[settings.precision]
-    a = memory.trainable_dtype_bytes(settings, runtime)
-    m = c if runtime.autocast and settings.precision != "fp32" else a
+    c, a, m = lora_dtype_bytes(settings, runtime)
     if runtime.compiled:
         # one kernel casts and drops out the input (read c, write m) for lora_A to read (m); lora_B writes m and
         # one kernel scales it, adds the base output and casts the sum (read m and c, write c)
@@ -253,8 +260,8 @@ def lora_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     forward = tokens * sum(i * per_in + o * (per_out + clone) for i, o in widths)
     backward = tokens * sum(i * per_in + o * per_out for i, o in widths)
     flops = 2 * settings.lora_r * sum(i + o for i, o in widths) * tokens * (forward_passes(settings) + 2)
-    fp32_matmuls = memory.trainable_dtype_bytes(settings, runtime) == 4 and not runtime.autocast
-    rate = achievable_matmul_flops(gpu, "fp32" if fp32_matmuls else settings.precision)
+    matmul_bytes = lora_dtype_bytes(settings, runtime)[2]
+    rate = achievable_matmul_flops(gpu, "fp32" if matmul_bytes == 4 else settings.precision)
     moved = forward * forward_passes(settings) + backward
     return roofline_seconds(flops, moved, rate, achievable_bytes_per_second(gpu))
 
@@ -350,9 +357,7 @@ def lora_kernels(settings: Settings, runtime: memory.Runtime) -> int:
     base output. Traced: 9 for LoRA with dropout, 8 without, 10 for QLoRA (`make bench-time-trace`)."""
     if runtime.compiled:
         return COMPILED_LORA_KERNELS
-    c = DTYPE_BYTES[settings.precision]
-    a = memory.trainable_dtype_bytes(settings, runtime)
-    m = c if runtime.autocast and settings.precision != "fp32" else a
+    c, a, m = lora_dtype_bytes(settings, runtime)
     return (
         4  # lora_A, lora_B, scaling, sum
         + (a != c)
