@@ -1,8 +1,25 @@
 """Fixtures shared by every test."""
 
+import importlib.util
 import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative: str) -> ModuleType:
+    """A script of the repository (bench/..., tools/...) imported as a module under its file's name, registered
+    in sys.modules so that dataclasses and pickling inside it resolve."""
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 # huggingface_hub and datasets read those variables once, when first imported: a module imported before the

@@ -3,25 +3,22 @@ figures come from check rows only."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-from lorafit import hardware, models
+from conftest import load_script
+from lorafit import hardware, models, timing
 from lorafit.schema import Settings
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "throughput_accuracy.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("throughput_accuracy", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/throughput_accuracy.py")
+
+
+def test_the_stored_accuracy_is_what_the_throughput_bench_computes_now(bench):
+    """catalog/time_accuracy.toml is written by `make bench-throughput`: a change to the time model or the
+    calibration rows without re-running it fails here."""
+    assert bench.main(write=False)["accuracy"] == timing.time_accuracy()
 
 
 def test_every_row_is_a_calibration_row_with_a_speed(bench):

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
+from conftest import load_script
 from lorafit import hostcard, models, timing
 from lorafit.schema import Settings
 
@@ -70,16 +68,9 @@ def test_cpu_card_is_measured_once_and_plausible(fresh_card) -> None:
 
 
 # --- bench/time_structure_cpu.py: its prediction half, on a card with fixed rates (the timing is the bench's) ----
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "time_structure_cpu.py"
-
-
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("time_structure_cpu", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/time_structure_cpu.py")
 
 
 @pytest.fixture

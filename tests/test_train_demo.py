@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import load_script, run_cli
 from lorafit.cli import main
 from lorafit.train.demo import BASE_COMPLETE, REQUIRED_DROP, demo_file
 
-GENERATOR = Path(__file__).resolve().parents[1] / "tools" / "make_demo_data.py"
-
 
 def generator():  # noqa: ANN201 - the module object of tools/make_demo_data.py
-    spec = importlib.util.spec_from_file_location("make_demo_data", GENERATOR)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tools/make_demo_data.py")
 
 
 def folder_bytes(folder: Path) -> dict[str, bytes]:
