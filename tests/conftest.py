@@ -7,7 +7,24 @@ from types import ModuleType
 
 import pytest
 
+from lorafit.models import ModelSpec, resolve
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_spec(name: str = "llama-2-7b", **changes: int | bool) -> ModelSpec:
+    """A 2-layer model of the named architecture: hidden 128, 4 heads of 32, 2 key/value heads (what the
+    tracer's tests run at)."""
+    shape = dict(
+        num_hidden_layers=2,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=512,
+    )
+    return resolve(name).scaled(**(shape | changes))
 
 
 def load_script(relative: str) -> ModuleType:

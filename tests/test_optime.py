@@ -10,8 +10,9 @@ from functools import cache
 
 import pytest
 
+from conftest import tiny_spec
 from lorafit import hardware, timing
-from lorafit.models import ModelSpec, resolve
+from lorafit.models import ModelSpec
 from lorafit.schema import Settings
 
 torch = pytest.importorskip("torch")
@@ -27,15 +28,7 @@ RANK = 4  # no dimension of the tiny model is 4, so a matmul with a 4 in its sha
 
 
 def tiny(layers: int = 2) -> ModelSpec:
-    return resolve("llama-3.1-8b").scaled(
-        num_hidden_layers=layers,
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=512,
-    )
+    return tiny_spec("llama-3.1-8b", num_hidden_layers=layers)
 
 
 def settings(**changes: object) -> Settings:

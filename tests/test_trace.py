@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tiny_spec as tiny
 from lorafit import memory
 from lorafit.errors import LorafitError
 from lorafit.models import ModelSpec, resolve
@@ -30,20 +31,6 @@ from lorafit.trace.tracker import PARAMETERS, LiveTensorTracker, Phase  # noqa: 
 from lorafit.train import build  # noqa: E402
 
 GIB = 2**30
-
-
-def tiny(name: str = "llama-2-7b", **changes: int | bool) -> ModelSpec:
-    """A 2-layer model of the named architecture: hidden 128, 4 heads of 32, 2 key/value heads."""
-    shape = dict(
-        num_hidden_layers=2,
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=512,
-    )
-    return resolve(name).scaled(**(shape | changes))
 
 
 def save_random_model(spec: ModelSpec, settings: Settings, folder: Path) -> Path:
