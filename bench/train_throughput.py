@@ -124,14 +124,27 @@ def peak_rss_mib() -> float:
 
 
 # --- the plain script -----------------------------------------------------------------------------------------
+def nf4_base(model_dir: Path):  # noqa: ANN201 - a transformers model
+    """The base as the peft / transformers QLoRA examples load it: NF4 with double quantisation, fp32 compute
+    (the CPU's dtype)."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    return AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization, dtype=torch.float32)
+
+
 def plain(model_dir: Path, train_path: Path, eval_path: Path, steps: int, output: Path) -> dict:
     """The Hugging Face QLoRA recipe as a user writes it from the peft / transformers examples."""
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import (
-        AutoModelForCausalLM,
         AutoTokenizer,
-        BitsAndBytesConfig,
         DataCollatorForSeq2Seq,
         Trainer,
         TrainerCallback,
@@ -143,14 +156,7 @@ def plain(model_dir: Path, train_path: Path, eval_path: Path, steps: int, output
 
     torch.set_flush_denormal(True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    quantization = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,
-    )
-    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization, dtype=torch.float32)
-    model = prepare_model_for_kbit_training(model)
+    model = prepare_model_for_kbit_training(nf4_base(model_dir))
     set_seed(0)
     model = get_peft_model(model, LoraConfig(target_modules="all-linear", task_type="CAUSAL_LM", **LORA))
     train = [{"input_ids": ids, "labels": labels} for ids, labels in encode_rows(tokenizer, train_path)]
@@ -315,7 +321,6 @@ def plain_real(model_dir: Path, data: Path, method: str, steps: int, output: Pat
     from transformers import (
         AutoModelForCausalLM,
         AutoTokenizer,
-        BitsAndBytesConfig,
         DataCollatorForSeq2Seq,
         Trainer,
         TrainingArguments,
@@ -327,15 +332,10 @@ def plain_real(model_dir: Path, data: Path, method: str, steps: int, output: Pat
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     checkpointing = {"use_reentrant": False}
     if method == "qlora":
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.float32,
-        )
-        model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization, dtype=torch.float32)
         model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=REAL_SETTINGS["grad_ckpt"], gradient_checkpointing_kwargs=checkpointing
+            nf4_base(model_dir),
+            use_gradient_checkpointing=REAL_SETTINGS["grad_ckpt"],
+            gradient_checkpointing_kwargs=checkpointing,
         )
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
