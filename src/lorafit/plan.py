@@ -649,8 +649,8 @@ def with_settings(plan: Plan, settings: Settings) -> Plan:
     update: dict = {"settings": settings, "estimate": estimate(plan.model, settings, plan.gpu, plan.estimate.headroom)}
     if plan.gpu is not None and plan.tokens_per_s:
         speed = tokens_per_second(plan.model, settings, plan.gpu)
-        total_tokens = plan.hours * 3600 * plan.tokens_per_s  # the same run: the tokens it trains stay
-        update |= time_and_cost(plan.gpu, memory.world_size(settings), speed, total_tokens, plan.kwh_price)
+        # the same run: the tokens it trains stay
+        update |= time_and_cost(plan.gpu, memory.world_size(settings), speed, plan.run_tokens, plan.kwh_price)
     return plan.model_copy(update=update)
 
 

@@ -220,6 +220,14 @@ class Plan(Frozen):
     suggestions: list[Suggestion] = []
     serving: Serving | None = Field(default=None, description="memory to run the merged model in each format")
 
+    @property
+    def run_tokens(self) -> float:
+        """The tokens the whole run trains: epochs x tokens per epoch, or for a plan saved before
+        tokens_per_epoch was recorded, what its hours at its speed come to."""
+        if self.tokens_per_epoch:
+            return self.tokens_per_epoch * self.epochs
+        return self.hours * 3600 * self.tokens_per_s
+
     # The flat view `lorafit plan --json` promises; derived from `settings`, ignored when read back.
     @computed_field
     @property

@@ -200,7 +200,7 @@ def record(plan: Plan, device: Device, steps: int, figures: dict[str, Any], spee
     """Measured and estimated figures side by side, each with the whole run's hours and costs at its speed (the
     run's tokens are the plan's: its hours at its own speed)."""
     estimate, world = plan.estimate, memory.world_size(plan.settings)
-    run_tokens = plan.hours * 3600 * plan.tokens_per_s
+    run_tokens = plan.run_tokens
     at_measured = time_and_cost(plan.gpu, world, speed["tokens_per_s"] or 0.0, run_tokens, plan.kwh_price)
     return {
         "lorafit": __version__,
