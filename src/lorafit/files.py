@@ -33,6 +33,12 @@ NAME_MAX = 255  # bytes in one file or folder name: ext4, xfs, btrfs, APFS and N
 TEMPORARY = re.compile(r"\.lorafit-(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)-[a-z0-9_]+\.tmp")
 
 
+def cache_folder() -> Path:
+    """The user's cache for lorafit ($XDG_CACHE_HOME/lorafit, else ~/.cache/lorafit): `lorafit serve`'s uploads
+    and `lorafit measure`'s measurements."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lorafit"
+
+
 def default_mode() -> int:
     """0666 less the process umask (read without changing it for good)."""
     umask = os.umask(0)

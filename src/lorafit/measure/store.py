@@ -10,12 +10,11 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from lorafit.errors import InvalidConfig
-from lorafit.files import target_problem, write_atomic
+from lorafit.files import cache_folder, target_problem, write_atomic
 
 # The header of bench/calibration/measured_memory.csv, the file the exported rows are added to
 CALIBRATION_COLUMNS = [
@@ -47,11 +46,6 @@ CALIBRATION_COLUMNS = [
     "notes",
 ]
 CHECK_REASON = "not used to fit or choose anything"  # the calibration file's words for a check row
-
-
-def cache_folder() -> Path:
-    """The user's cache for lorafit: $XDG_CACHE_HOME/lorafit, else ~/.cache/lorafit."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lorafit"
 
 
 def measurements_file() -> Path:

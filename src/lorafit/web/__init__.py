@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import re
 import tempfile
 import time
@@ -23,7 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lorafit import answers, hardware, models, options
+from lorafit import answers, files, hardware, models, options
 from lorafit.data import length_profile
 from lorafit.errors import LorafitError
 from lorafit.web.access import AccessGuard, Listening, check_can_listen, shown
@@ -364,5 +363,4 @@ def serve(host: str = "127.0.0.1", port: int = 8765, open_browser: bool = False)
 def upload_folder() -> Path:
     """Where `lorafit serve` keeps uploads: the user's cache, so that a link to a plan of an uploaded file still
     opens after a restart."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "lorafit" / "uploads"
+    return files.cache_folder() / "uploads"
