@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from conftest import run_cli
 from lorafit import hardware, memory, models, options, timing
 from lorafit import plan as planner
 from lorafit.cli import main
@@ -117,7 +118,7 @@ def test_7b_qlora_on_an_8gb_card_without_the_savers(card: str) -> None:
 def test_7b_qlora_fits_an_8gb_card_with_the_savers(card: str) -> None:
     gpu = hardware.custom(8) if card == "8GB" else hardware.resolve(card)
     plan = planner.make_plan(ask(gpu=gpu))
-    assert plan.fits and not plan.suggestions
+    assert plan.fits
     assert_verdict_follows_from_the_estimate(plan)
     on = planner.savers_on(plan.settings)
     assert on
@@ -126,6 +127,57 @@ def test_7b_qlora_fits_an_8gb_card_with_the_savers(card: str) -> None:
         assert re_estimate(plan, **{name: SAVERS_OFF[name]}) > usable_gib(gpu), name
     assert re_estimate(plan, **SAVERS_OFF) > usable_gib(gpu)
     assert re_estimate(plan, micro_batch=2 * plan.micro_batch) > usable_gib(gpu)
+
+
+# --- tight fits and the other trainers ----------------------------------------------------------------------------
+def test_a_job_whose_leanest_step_leaves_less_than_the_memory_models_error_is_tight() -> None:
+    """Llama-3.1-8B QLoRA on an 8 GB card: micro-batch 1 with every saver (the leanest step) leaves < 5.1 % of the
+    usable memory; the plan says tight and names changes that leave that much more room, each by its own
+    estimate."""
+    gpu = hardware.custom(8)
+    plan = planner.make_plan(ask("llama-3.1-8b", gpu=gpu))
+    usable = usable_gib(gpu)
+    assert plan.fits and plan.micro_batch == 1
+    assert usable - plan.estimate.peak_device_gib < planner.TIGHT_SHARE * usable
+    assert plan.verdict == "tight"
+    assert plan.suggestions
+    roomier = plan.estimate.headroom + planner.TIGHT_SHARE
+    for suggestion in plan.suggestions:
+        target = gpu if suggestion.gpu == gpu.name else hardware.resolve(suggestion.gpu)
+        assert memory.estimate(plan.model, suggestion.settings, target, roomier).fits, suggestion.change
+
+
+def test_a_comfortable_fit_is_not_tight_and_a_miss_is_no(on_4090: Plan, full_on_4090: Plan) -> None:
+    # micro-batch 1 without checkpointing fills the card, but checkpointing leaves plenty: not tight
+    assert on_4090.leanest_peak_gib is not None and on_4090.leanest_peak_gib < 0.5 * usable_gib(on_4090.gpu)
+    assert on_4090.verdict == "fits" and not on_4090.suggestions
+    assert full_on_4090.verdict == "no"
+    assert planner.make_plan(ask()).verdict is None  # no GPU, no verdict
+
+
+def test_the_plan_says_which_trainers_fit_the_job() -> None:
+    """On 8 GB the job fits only with lorafit's trainer (its savers); each other trainer's figure is its own
+    smallest step, and the verdict follows from it."""
+    gpu = hardware.custom(8)
+    plan = planner.make_plan(ask("llama-3.1-8b", gpu=gpu))
+    by_stack = {fit.stack: fit for fit in plan.trainers}
+    assert set(by_stack) == {s.name for s in planner.stacks.offered()} - {"lorafit"}
+    for fit in plan.trainers:
+        assert fit.fits == (fit.peak_device_gib <= usable_gib(gpu))
+    assert not by_stack["trl"].fits and by_stack["trl"].peak_device_gib > plan.estimate.peak_device_gib
+    # trl's smallest step: micro-batch 1 with checkpointing, as the planner would try it
+    trl = Settings.model_validate(plan.settings.model_dump() | {"stack": "trl", **SAVERS_OFF, "kbit_prep": None})
+    assert by_stack["trl"].peak_device_gib <= memory.estimate(plan.model, trl, gpu).peak_device_gib + 1e-6
+
+
+def test_the_trainers_line_only_when_the_trainer_changes_the_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(["plan", "--model", "llama-3.1-8b", "--vram", "8"], capsys)
+    out = " ".join(out.split())
+    assert code == 0 and "fits, tightly, on 8 GB GPU" in out
+    assert "trainers: fits with lorafit's own trainer" in out and "with trl it needs" in out
+    code, out, _ = run_cli(["plan", "--model", "llama-3.1-8b", "--gpu", "RTX 4090"], capsys)
+    out = " ".join(out.split())
+    assert code == 0 and "trainers:" not in out and "tight" not in out
 
 
 # --- 7B full fine-tuning ----------------------------------------------------------------------------------------
@@ -628,8 +680,6 @@ def test_the_plan_says_how_sure_its_time_is_and_what_it_is_for(capsys) -> None:
     """--json: hours with their likely range around them and the basis ("model"); the text names the tokens the
     hours are for and where they came from, and where the speed and the range come from."""
     import json
-
-    from conftest import run_cli
 
     code, out, _ = run_cli(["plan", "--model", "llama-3.1-8b", "--gpu", "RTX 4090", "--json"], capsys)
     assert code == 0

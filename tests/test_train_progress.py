@@ -93,3 +93,22 @@ def test_the_pre_flight_shows_the_plan_estimate_per_step_labelled_as_the_estimat
     cpu = plan.model_copy(update={"tokens_per_s": 0.0})
     assert planned_seconds_per_step(cpu, lengths) is None
     assert time_line(None, 0.0).startswith("time: no planned speed")
+
+
+def test_steps_that_become_several_times_slower_are_told_once_with_why() -> None:
+    """Warm-up, then 4 steps of 2 s, then steps of 25 s (a GPU spilling into host memory): the third slow step
+    in a row trips the warning, which is not repeated; an evaluation between steps is not a slow step."""
+    timeline = Timeline(warmup_steps=2)
+    timeline.training_started(0.0, first_step=0, max_steps=100)
+    now = steps(timeline, 1, 2, 0.0, 10.0, (100, 30))
+    now = steps(timeline, 3, 6, now, 2.0, (100, 30))
+    timeline.eval_done(60.0)  # an evaluation of a minute before step 7
+    now = steps(timeline, 7, 7, now + 60.0, 2.0, (100, 30))
+    assert timeline.slowdown() is None
+    now = steps(timeline, 8, 9, now, 25.0, (100, 30))
+    assert timeline.slowdown() is None  # two slow steps: not yet
+    now = steps(timeline, 10, 10, now, 25.0, (100, 30))
+    told = timeline.slowdown()
+    assert told is not None and "12x as long" in told and "25.0s vs 2.0s" in told and "shared system memory" in told
+    steps(timeline, 11, 12, now, 25.0, (100, 30))
+    assert timeline.slowdown() is None  # said once

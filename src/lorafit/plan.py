@@ -18,7 +18,7 @@ from lorafit.errors import LorafitError
 from lorafit.hardware import GpuSpec
 from lorafit.memory import estimate
 from lorafit.models import ModelSpec
-from lorafit.schema import Estimate, Plan, PlanRequest, Settings, Suggestion
+from lorafit.schema import TIGHT_SHARE, Estimate, Plan, PlanRequest, Settings, Suggestion, TrainerFit, is_tight
 from lorafit.timing import (
     DEFAULT_HOST_LINK_GBS,
     collective_bytes_per_second,
@@ -557,8 +557,31 @@ def serve_context(request: PlanRequest) -> int:
     return min(request.serve_context, request.model.max_position_embeddings)
 
 
-def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
-    """The fastest settings that fit `request.gpu`, with time and cost, or the smallest changes that fit."""
+def under_other_trainers(request: PlanRequest, chosen: Settings, gpu: GpuSpec) -> list[TrainerFit]:
+    """Whether the job fits with each other offered trainer: the planner's search with that stack pinned (the
+    savers it lacks left out), its fastest fitting step or, when none fits, its smallest; a trainer that cannot
+    run the job at all (its base, a multi-GPU engine) is left out."""
+    found = []
+    for stack in stacks.offered():
+        if stack.name == chosen.stack:
+            continue
+        lacks = {saver for saver in SAVERS if saver not in stack.savers} | {"kbit_prep"}
+        given = {name: value for name, value in request.given.items() if name not in lacks}
+        try:
+            there = request.model_copy(update={"fixed": Settings.given(given | {"stack": stack.name})})
+            tried = candidates(there, gpu, chosen.seq_len, n_gpus=chosen.n_gpus, shard=chosen.shard)
+        except LorafitError:
+            continue
+        pick = best(tried) or smallest(tried)
+        found.append(
+            TrainerFit(stack=stack.name, peak_device_gib=pick.estimate.peak_device_gib, fits=pick.estimate.fits)
+        )
+    return found
+
+
+def make_plan(request: PlanRequest, truncated_rows: int | None = None, details: bool = True) -> Plan:
+    """The fastest settings that fit `request.gpu`, with time and cost, or the smallest changes that fit; with
+    `details` (not in --compare's table) also the other trainers' verdicts and what gives a tight fit more room."""
     seq_len = resolve_seq_len(request)
     gpu = request.gpu
     if gpu is not None and request.rent_price is not None:  # the user's own price for this card
@@ -571,9 +594,14 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
     chosen = best(found) if gpu else None
     reasons: list[str] = []
     extra: list[Suggestion] = []
+    leanest: float | None = None
     if chosen and gpu:
         reasons = explain(chosen, found, gpu, request.headroom, request.model)
         reasons += explain_gpus(chosen, gpu, request.model)
+        leanest = smallest(found).estimate.peak_device_gib
+        if details and is_tight(True, leanest, gpu, request.headroom):  # what gives the job more room
+            roomier = request.model_copy(update={"headroom": request.headroom + TIGHT_SHARE})
+            extra = suggestions(roomier, gpu, seq_len)
     elif gpu:
         chosen = smallest(found)
         reasons = [
@@ -637,6 +665,8 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None) -> Plan:
         reasons=reasons,
         suggestions=extra,
         serving=serving.serving(request.model, serve_context(request), gpu, request.headroom),
+        leanest_peak_gib=leanest,
+        trainers=under_other_trainers(request, chosen.settings, gpu) if gpu and details else [],
         **timing,  # type: ignore[arg-type]  # hours and the costs, each typed in Plan
     )
 
@@ -662,7 +692,7 @@ def compare(request: PlanRequest, max_price_hour: float | None = None) -> list[P
     for gpu in hardware.gpus(max_price_hour=max_price_hour):
         if gpu.kind == "apple":
             continue
-        plan = make_plan(request.model_copy(update={"gpu": gpu}))
+        plan = make_plan(request.model_copy(update={"gpu": gpu}), details=False)
         plans.append(plan if plan.fits else several_of(request, plan, gpu))
     return sorted(plans, key=lambda p: (not p.fits, p.hours if p.fits else p.estimate.peak_device_gib))
 
@@ -675,7 +705,7 @@ def several_of(request: PlanRequest, plan: Plan, gpu: GpuSpec) -> Plan:
         return plan
     chosen = min(several, key=lambda s: ((s.hours or 0.0) * s.n_gpus * s.nodes, s.n_gpus))
     fixed = request.fixing(n_gpus=chosen.n_gpus, shard=chosen.shard, offload=chosen.offload, nodes=chosen.nodes)
-    return make_plan(fixed.model_copy(update={"gpu": gpu}))
+    return make_plan(fixed.model_copy(update={"gpu": gpu}), details=False)
 
 
 def cheapest(plans: list[Plan], max_usd_per_hour: float | None = None) -> Plan | None:

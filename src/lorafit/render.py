@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,7 @@ from lorafit.configs import KIND_TITLES
 from lorafit.hardware import GpuSpec, LocalMachine
 from lorafit.models import ModelSpec, variants
 from lorafit.plan import DEFAULT_TOKENS_PER_EPOCH
-from lorafit.schema import Estimate, Plan, Settings
+from lorafit.schema import TIGHT_SHARE, Estimate, Plan, Settings
 from lorafit.serving import Serving
 
 if TYPE_CHECKING:
@@ -126,12 +127,54 @@ def estimate_table(result: Estimate, title: str, on_cuda: bool = True) -> Table:
     return table
 
 
-def verdict(fits: bool | None, gpu_name: str | None, on_cpu: bool = False) -> str:
+def verdict(fits: bool | None, gpu_name: str | None, on_cpu: bool = False, tight: bool = False) -> str:
     if on_cpu:
         return "training on the CPU (no GPU): no memory verdict"
     if fits is None:
         return "no GPU given: no verdict"
+    if tight:
+        return f"[yellow]fits, tightly,[/yellow] on {gpu_name}"
     return f"[green]fits[/green] on {gpu_name}" if fits else f"[red]does not fit[/red] on {gpu_name}"
+
+
+def stack_title(stack: str) -> str:
+    return "lorafit's own trainer" if stack == "lorafit" else stack
+
+
+def trainers_line(plan: Plan) -> str | None:
+    """One line when the trainer changes the verdict: which trainers the step fits with, what the others need."""
+    if plan.gpu is None or not plan.trainers:
+        return None
+    fitting = [t for t in plan.trainers if t.fits]
+    if all(bool(t.fits) == plan.fits for t in plan.trainers):
+        return None
+    others = ", ".join(
+        f"with {stack_title(t.stack)} {'it fits in' if t.fits else 'it needs'} {t.peak_device_gib:.2f} GiB"
+        for t in sorted(plan.trainers, key=lambda t: t.peak_device_gib)
+    )
+    usable = plan.gpu.usable_gib(plan.estimate.headroom)
+    mine = stack_title(plan.settings.stack)
+    head = (
+        f"fits with {mine}"
+        if plan.fits
+        else f"does not fit with {mine}; fits with " + ", ".join(stack_title(t.stack) for t in fitting)
+    )
+    return f"trainers: {head} ({plan.estimate.peak_device_gib:.2f} of {usable:.2f} GiB); {others}"
+
+
+def tight_line(plan: Plan) -> str:
+    usable = plan.gpu.usable_gib(plan.estimate.headroom) if plan.gpu else 0.0
+    leanest = plan.leanest_peak_gib or plan.estimate.peak_device_gib
+    line = (
+        f"tight: even the leanest step needs {leanest:.2f} of {usable:.2f} GiB, less room than the memory model's "
+        f"median error on published runs ({TIGHT_SHARE:.1%}, make bench-memory); a small error runs out of memory"
+    )
+    if sys.platform == "win32":
+        line += (
+            "; on Windows NVIDIA's driver then spills into shared system memory instead of failing (its Sysmem "
+            "Fallback Policy, on by default) and steps run about 10x slower"
+        )
+    return line
 
 
 def show_estimate(spec: ModelSpec, settings: Settings, result: Estimate, gpu: GpuSpec | None) -> None:
@@ -194,8 +237,13 @@ def show_plan(plan: Plan, out: Console | None = None) -> None:
     gpu = plan.gpu.name if plan.gpu else "the CPU" if on_cpu else "no GPU"
     out.rule(f"[bold]{plan.model.name}[/bold] on {gpu}")
     out.print(
-        verdict(plan.estimate.fits, plan.gpu.name if plan.gpu else None, on_cpu) + f": {settings_line(plan.settings)}"
+        verdict(plan.estimate.fits, plan.gpu.name if plan.gpu else None, on_cpu, plan.verdict == "tight")
+        + f": {settings_line(plan.settings)}"
     )
+    if plan.verdict == "tight":
+        out.print(f"  - {tight_line(plan)}")
+    if line := trainers_line(plan):
+        out.print(f"  - {line}")
     for reason in plan.reasons:
         out.print(f"  - {reason}")
     if plan.gpu and plan.fits:
@@ -207,7 +255,8 @@ def show_plan(plan: Plan, out: Console | None = None) -> None:
             + (f"; buying pays off after {plan.break_even_runs:,.0f} runs" if plan.break_even_runs else "")
         )
     if plan.suggestions:
-        table = Table(title="smallest changes that fit", header_style="bold")
+        title = "changes that leave more room" if plan.fits else "smallest changes that fit"
+        table = Table(title=title, header_style="bold")
         for column in ("change", "settings", "device peak"):
             table.add_column(column)
         for suggestion in plan.suggestions:

@@ -92,6 +92,26 @@ class Estimate(Frozen):
     )
 
 
+class TrainerFit(Frozen):
+    """The plan's step under another trainer: what the same settings need there (the savers it lacks off)."""
+
+    stack: options.Stack
+    peak_device_gib: float
+    fits: bool | None
+
+
+# A fit is tight when even the leanest step the planner knows for the job (micro-batch 1, checkpointing, every
+# saver the trainer has) leaves less free than the memory model's median error on the published runs it was never
+# fitted to (5.1 %: `make bench-memory`, its check rows, 2026-12): an error of that size runs out of memory, and
+# there is nothing leaner to fall back to. A fast step that fills the card is not tight: the headroom covers it.
+TIGHT_SHARE = 0.051
+
+
+def is_tight(fits: bool | None, leanest_peak_gib: float, gpu: GpuSpec, headroom: float) -> bool:
+    usable = gpu.usable_gib(headroom)
+    return bool(fits) and usable - leanest_peak_gib < TIGHT_SHARE * usable
+
+
 class PlanRequest(Frozen):
     """What the user asked `lorafit plan` (or `lorafit train`, for the settings it leaves out): the step settings
     the user fixed, as one Settings whose `model_fields_set` names them (the planner chooses the others), and the
@@ -219,6 +239,12 @@ class Plan(Frozen):
     reasons: list[str] = []
     suggestions: list[Suggestion] = []
     serving: Serving | None = Field(default=None, description="memory to run the merged model in each format")
+    leanest_peak_gib: float | None = Field(
+        default=None, description="device peak of the leanest step the planner tried for the job (a tight fit)"
+    )
+    trainers: list[TrainerFit] = Field(
+        default_factory=list, description="the same step under each other offered trainer that runs it"
+    )
 
     @property
     def run_tokens(self) -> float:
@@ -233,6 +259,18 @@ class Plan(Frozen):
     @property
     def fits(self) -> bool:
         return bool(self.estimate.fits) if self.estimate.fits is not None else True
+
+    @computed_field
+    @property
+    def verdict(self) -> Literal["fits", "tight", "no"] | None:
+        """fits; tight (even the leanest step leaves less than TIGHT_SHARE of the usable memory); no; None without
+        a GPU."""
+        if self.gpu is None or self.estimate.fits is None:
+            return None
+        if not self.estimate.fits:
+            return "no"
+        leanest = self.leanest_peak_gib if self.leanest_peak_gib is not None else self.estimate.peak_device_gib
+        return "tight" if is_tight(True, leanest, self.gpu, self.estimate.headroom) else "fits"
 
     @computed_field
     @property

@@ -8,6 +8,9 @@ times the evaluations still to come. Only this process's own steps are measured 
 by steps trained before the resume), the first WARMUP_STEPS of them are left out (they include one-off costs:
 the optimizer's state, lazy initialisation, the allocator growing), and evaluation time is taken out of the
 step time and counted on its own. Until steps are measured, the plan's estimate stands in, labelled so.
+A run whose steps suddenly take several times as long as its first measured ones is told why, once (slowdown):
+on Windows NVIDIA's driver spills an over-full GPU into shared system memory instead of failing (one report:
+26 s to 309 s a step), elsewhere another process on the GPU or a throttled card does the same.
 No torch here: the trainer's callback feeds it times and counts.
 """
 
@@ -16,6 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 WARMUP_STEPS = 2  # "the first step or two, which include warm-up" (issue 26); step 3 on is measured
+# A slowdown: SLOW_STEPS steps in a row each SLOWDOWN times the median of the first BASELINE_STEPS measured ones.
+# Steps of one run vary by tens of percent (batches of different lengths), a spill to host memory by ~10x.
+BASELINE_STEPS = 3
+SLOW_STEPS = 3
+SLOWDOWN = 3.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,11 @@ def duration(seconds: float) -> str:
     if whole < 3600:
         return f"{whole // 60}m{whole % 60:02d}s"
     return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+
+
+def seconds(value: float) -> str:
+    """0.4s, 12.3s, 3m05s: a step's time."""
+    return f"{value:.1f}s" if value < 60 else duration(value)
 
 
 def evals_left(step: int, max_steps: int, eval_steps: int | None, evaluated_step: int | None) -> int:
@@ -88,6 +101,9 @@ class Timeline:
     tokens_all: int = 0  # this process's, since training began in it
     tokens_trained: int = 0
     mark: _Mark | None = field(default=None, repr=False)
+    step_seconds: list[float] = field(default_factory=list, repr=False)  # each measured step, evaluations out
+    slowdown_told: bool = False
+    _eval_seconds_then: float = field(default=0.0, repr=False)
 
     def training_started(self, now: float, first_step: int, max_steps: int) -> None:
         """Training begins (or resumes) in this process at global step `first_step`."""
@@ -105,10 +121,30 @@ class Timeline:
 
     def step_done(self, step: int, now: float, tokens_all: int, tokens_trained: int) -> None:
         """A step ended at `now`; the token counts are this process's totals since training began in it."""
+        if self.mark is not None:
+            evals = self.training_eval_seconds - self._eval_seconds_then
+            self.step_seconds.append((now - self.last_time - evals) / max(step - self.last_step, 1))
         self.last_step, self.last_time = step, now
+        self._eval_seconds_then = self.training_eval_seconds
         self.tokens_all, self.tokens_trained = tokens_all, tokens_trained
         if self.mark is None and step - self.first_step >= self.warmup_steps:
             self.mark = _Mark(now, self.training_eval_seconds, tokens_all, tokens_trained)
+
+    def slowdown(self) -> str | None:
+        """Once, when the last SLOW_STEPS steps each took SLOWDOWN x the first measured ones: the line saying so."""
+        first, last = self.step_seconds[:BASELINE_STEPS], self.step_seconds[BASELINE_STEPS:][-SLOW_STEPS:]
+        if self.slowdown_told or len(first) < BASELINE_STEPS or len(last) < SLOW_STEPS:
+            return None
+        usual = sorted(first)[BASELINE_STEPS // 2]
+        if usual <= 0 or min(last) < SLOWDOWN * usual:
+            return None
+        self.slowdown_told = True
+        return (
+            f"steps now take {min(last) / usual:.0f}x as long as the first ones ({seconds(min(last))} vs "
+            f"{seconds(usual)}): the GPU is likely out of memory and spilling into shared system memory (Windows' "
+            "driver does this instead of failing) or shared with another process; a smaller --micro-batch or the "
+            "memory savers (--offload-activations) bring it back"
+        )
 
     @property
     def measured_steps(self) -> int:

@@ -473,6 +473,8 @@ class RunCallback(TrainerCallback):
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         trainer = self.trainer_ref()
         self.timeline.step_done(state.global_step, time.perf_counter(), trainer.tokens_all, trainer.tokens_trained)
+        if self.writes and (slower := self.timeline.slowdown()):
+            self.console.print(f"[yellow]warning[/yellow]: {slower}")
         if state.global_step >= state.max_steps:
             control.should_log = True  # the last step always gets its line
         self._show(state)
