@@ -820,7 +820,7 @@ def step_defaults(
     method = values.get("method") or BY_NAME["method"].default
     stored = spec.prequantized if spec is not None else None  # a pre-quantised checkpoint's base is as stored
     if values.get("quant") is None:
-        filled["quant"] = stored.quant if stored else default_quant(method)
+        filled["quant"] = stored.quant if stored and method == "qlora" else default_quant(method)
     if stored and values.get("double_quant") is None:
         filled["double_quant"] = stored.double_quant
     if values.get("lora_alpha") is None:
