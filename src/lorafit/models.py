@@ -597,10 +597,12 @@ def resolve(model: str) -> ModelSpec:
     for family in unmodelled_families():
         if family.matches_hub_id(key):
             raise UnknownModel(f"{model}: {family.refusal(family.model_types[0], key)}")
+    base = prequantized_base_name(key)
+    what = f"a pre-quantised copy of {base!r}, which is not in the catalog either" if base else "not in the catalog"
     raise UnknownModel(
-        f"no model {model!r} in the catalog (lorafit never downloads); {did_you_mean(key)}a fine-tune or any "
-        "other checkpoint of a supported architecture plans from its own config.json: pass --model "
-        "<its downloaded folder or config.json> (`lorafit models` lists the catalog)"
+        f"no model {model!r}: {what} (lorafit never downloads); {did_you_mean(base or key)}for a fine-tune or "
+        "any checkpoint of a supported architecture, pass its downloaded folder or its config.json as --model "
+        "(`lorafit models` lists the catalog)"
     )
 
 
@@ -634,22 +636,23 @@ UNSLOTH_4BIT = PreQuantized(quant="nf4", double_quant=True)
 DROPPED_PREFIXES = ("meta-",)
 
 
+def prequantized_base_name(key: str) -> str | None:
+    """The repository name a `*-bnb-4bit` / `*-unsloth-bnb-4bit` name is a copy of, or None for another name."""
+    suffix = next((tag for tag in PREQUANTIZED_SUFFIXES if key.lower().endswith(tag)), None)
+    return repo_name(key[: -len(suffix)]) if suffix else None
+
+
 def prequantized_copy(model: str) -> ModelSpec | None:
     """A `*-bnb-4bit` / `*-unsloth-bnb-4bit` repo as its base preset's shapes, recorded as stored NF4 with
-    double quantisation; None for another name. A base that is not in the catalog is refused naming it."""
-    key = model.lower()
-    suffix = next((tag for tag in PREQUANTIZED_SUFFIXES if key.endswith(tag)), None)
-    if suffix is None:
+    double quantisation; None for another name or a base the catalog does not have."""
+    name = prequantized_base_name(model)
+    if name is None:
         return None
-    name = repo_name(key[: -len(suffix)])
     base = next(filter(None, (catalog_entry(prefix + name) for prefix in ("", *DROPPED_PREFIXES))), None)
     if base is None:
-        raise UnknownModel(
-            f"no model {model!r} in the catalog: it is a pre-quantised copy of {name!r}, which is not in it "
-            f"either; {did_you_mean(name)}or pass --model <its downloaded folder or config.json>"
-        )
+        return None
     update = {
-        "name": repo_name(key),
+        "name": repo_name(model),
         "hf_id": model if "/" in model else None,
         "variant_of": base.variant_of or base.name,
         "prequantized": UNSLOTH_4BIT.model_copy(update={"base": base.hf_id}),
