@@ -716,7 +716,7 @@ def test_the_model_list_counts_each_presets_variants(
     out = capsys.readouterr().out
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│")}
     assert set(rows) == set(catalog())
-    assert re.search(r"│\s+7 │", rows["qwen2.5-7b"]) and len(variants("qwen2.5-7b")) == 7
+    assert re.search(r"│\s+9 │", rows["qwen2.5-7b"]) and len(variants("qwen2.5-7b")) == 9
     assert re.search(r"│\s+│ 32\.76B", rows["qwen3-32b"])  # no variants: the cell is empty
     assert "│ 135M" in rows["smollm2-135m"]
 
@@ -731,3 +731,133 @@ def test_gemma3_text_counts_its_qk_norms_and_four_layer_norms() -> None:
     spec = resolve("gemma-3-1b")
     assert "sdpa" in spec.attention_implementations and not spec.logit_softcapping
     assert spec.to_hf_config()["model_type"] == "gemma3_text"
+
+
+# --- names people type: Qwen2, Yi, CodeGemma, the 2026 families, fine-tunes ----------------------------------------
+@pytest.mark.parametrize(
+    ("typed", "preset", "positions"),
+    [
+        ("Qwen/Qwen2-0.5B", "qwen2.5-0.5b", 131072),
+        ("Qwen/Qwen2-0.5B-Instruct", "qwen2.5-0.5b", 32768),
+        ("Qwen/Qwen2-1.5B", "qwen2.5-1.5b", 131072),
+        ("Qwen/Qwen2-1.5B-Instruct", "qwen2.5-1.5b", 32768),
+        ("Qwen/Qwen2-7B", "qwen2.5-7b", 131072),
+        ("Qwen/Qwen2-7B-Instruct", "qwen2.5-7b", 32768),
+        ("Qwen/Qwen2-72B", "qwen2.5-72b", 131072),
+        ("Qwen/Qwen2-72B-Instruct", "qwen2.5-72b", 32768),
+        ("01-ai/Yi-6B", "yi-6b", 4096),
+        ("01-ai/Yi-6B-Chat", "yi-6b", 4096),
+        ("01-ai/Yi-1.5-6B-Chat", "yi-6b", 4096),
+        ("01-ai/Yi-9B", "yi-9b", 4096),
+        ("01-ai/Yi-1.5-9B-Chat", "yi-9b", 4096),
+        ("01-ai/Yi-34B", "yi-34b", 4096),
+        ("01-ai/Yi-34B-Chat", "yi-34b", 4096),
+        ("01-ai/Yi-1.5-34B-Chat", "yi-34b", 4096),
+        ("google/codegemma-2b", "gemma-2b", 8192),
+        ("google/codegemma-7b", "gemma-7b", 8192),
+        ("google/codegemma-7b-it", "gemma-7b", 8192),
+        ("google/codegemma-1.1-7b-it", "gemma-7b", 8192),
+    ],
+)
+def test_the_names_people_type_resolve_to_their_shapes(typed: str, preset: str, positions: int) -> None:
+    spec = resolve(typed)
+    assert preset_of(spec) == preset and spec.hf_id == typed
+    assert spec.max_position_embeddings == positions
+    assert spec.num_params == catalog()[preset].num_params
+
+
+YI_1_5_6B_CONFIG = {  # Yi-1.5-6B's config.json as copied in Girafboy/pytorchKQI's demo.py (the source of yi-6b)
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "max_position_embeddings": 4096,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 4,
+    "tie_word_embeddings": False,
+    "vocab_size": 64000,
+}
+QWEN2_7B_INSTRUCT_CONFIG = {  # Qwen2-7B-Instruct's config.json as mlc-llm's qwen2_7b preset copies it
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 32768,
+    "model_type": "qwen2",
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "tie_word_embeddings": False,
+    "vocab_size": 152064,
+}
+
+
+@pytest.mark.parametrize(
+    ("hub_id", "config"),
+    [("01-ai/Yi-1.5-6B", YI_1_5_6B_CONFIG), ("Qwen/Qwen2-7B-Instruct", QWEN2_7B_INSTRUCT_CONFIG)],
+)
+def test_a_downloaded_qwen2_or_yi_reads_as_its_hub_id(hub_id: str, config: dict, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    local, listed = from_config_json(tmp_path), resolve(hub_id)
+    assert (local.num_params, local.lora_params(16, "all")) == (listed.num_params, listed.lora_params(16, "all"))
+    assert local.max_position_embeddings == listed.max_position_embeddings
+
+
+def test_yi_6b_summed_by_hand() -> None:
+    """Llama blocks with 4 key/value heads of 128: q and o 4096x4096, k and v 4096x512, SwiGLU 3 x 4096x11008,
+    two norms; untied 64000 x 4096 embedding and head; the final norm."""
+    h, inter, layers, vocab, kv = 4096, 11008, 32, 64000, 4 * 128
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * inter + 2 * h
+    assert layers * per_layer + 2 * vocab * h + h == 6_061_035_520 == resolve("01-ai/Yi-6B-Chat").num_params
+
+
+@pytest.mark.parametrize(
+    ("hub_id", "family"),
+    [
+        ("google/gemma-4-31B-it", "Gemma 4"),
+        ("google/gemma-4-E4B-it", "Gemma 4"),
+        ("Qwen/Qwen3.5-27B", "Qwen3.5"),
+        ("unsloth/Qwen3.5-35B-A3B", "Qwen3.5"),
+    ],
+)
+def test_a_2026_family_without_our_layers_is_one_line_naming_it(hub_id: str, family: str) -> None:
+    with pytest.raises(UnknownModel) as error:
+        resolve(hub_id)
+    message = str(error.value)
+    assert family in message and "not modelled yet; the nearest supported preset is " in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("config", "family"),
+    [
+        ({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "hidden_size": 64}}, "Qwen3.5"),
+        ({"model_type": "gemma4", "text_config": {"model_type": "gemma4_text", "hidden_size": 64}}, "Gemma 4"),
+        ({"model_type": "mistral4", "hidden_size": 64, "n_routed_experts": 8}, "Mistral 4"),
+    ],
+    ids=["qwen3_5", "gemma4", "mistral4"],
+)
+def test_a_2026_family_config_is_one_line_naming_it(tmp_path: Path, config: dict, family: str) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidConfig, match=f"{family} .* is not modelled yet"):
+        resolve(str(tmp_path))
+
+
+def test_a_fine_tune_not_in_the_catalog_is_pointed_to_its_config_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(["plan", "--model", "someone/my-llama-3-8b-finetune", "--gpu", "4090"], capsys)
+    assert code == 2 and not out and err.count("\n") == 1
+    assert "not in the catalog" in err and "for a fine-tune" in err
+    assert "pass its downloaded folder or its config.json as --model" in err
+
+
+def test_a_fine_tune_plans_from_its_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """What the hint says works: a fine-tune's config.json (a Llama 3 8B with a longer context) plans."""
+    config = catalog()["llama-3-8b"].to_hf_config() | {"max_position_embeddings": 16384}
+    folder = tmp_path / "my-llama-3-8b-finetune"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    code, out, _ = run_cli(["plan", "--model", str(folder), "--gpu", "4090", "--json"], capsys)
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["model"]["name"] == "my-llama-3-8b-finetune" and plan["estimate"]["total_params"] == 8_030_261_248

@@ -124,6 +124,25 @@ def memoised(method: Any) -> Any:
     return by_value
 
 
+class PreQuantized(BaseModel):
+    """A checkpoint whose weights are stored already quantised by bitsandbytes (unsloth's `*-bnb-4bit` repos, a
+    folder saved from a 4-bit model): its base is frozen in that form, so only QLoRA over it trains it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    quant: Literal["nf4", "int8"]
+    double_quant: bool = False
+    base: str | None = Field(default=None, description="the 16-bit checkpoint that LoRA or full fine-tuning needs")
+
+    def refusal(self, name: str, what: str) -> str:
+        """One line: why `what` cannot train this checkpoint, and what would."""
+        instead = f"the 16-bit base {self.base}" if self.base else "its 16-bit base model"
+        return (
+            f"{what}: {name} is a pre-quantised {'4-bit' if self.quant == 'nf4' else '8-bit'} checkpoint: only "
+            f"--method qlora --quant {self.quant} trains it; for LoRA or full fine-tuning use {instead}"
+        )
+
+
 class ModelSpec(BaseModel):
     """The shape of a decoder-only transformer, as its config.json states it."""
 
@@ -147,6 +166,9 @@ class ModelSpec(BaseModel):
     published_params: int | None = None
     source: str | None = None
     variant_of: str | None = Field(default=None, description="the preset whose shapes this hub checkpoint shares")
+    prequantized: PreQuantized | None = Field(
+        default=None, description="the checkpoint's weights are stored quantised (a pre-quantised repo or folder)"
+    )
 
     # --- derived shapes -------------------------------------------------------------------------------------
     @property
@@ -465,6 +487,7 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
     if not file.is_file():
         raise InvalidConfig(f"no config.json in {path}; pass a model directory or its config.json")
     config = read_config_json(file)
+    prequantized = bitsandbytes_quantization(file, config.get("quantization_config"))
     # an image-text model lorafit does not model is refused as a whole, before its text model is looked at
     for layer in (config, config.get("text_config")):
         if isinstance(layer, dict) and (family := unmodelled_model_type(layer.get("model_type"))):
@@ -480,8 +503,10 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
     fields = {
         key: config[key]
         for key in ModelSpec.model_fields
-        if key in config and config[key] is not None and key not in ("name", "architecture", "variant_of")
+        if key in config and config[key] is not None and key not in ("name", "architecture", *NOT_CONFIG_KEYS)
     }
+    if prequantized is not None:
+        fields["prequantized"] = prequantized
     fields.setdefault("num_key_value_heads", config.get("num_attention_heads"))
     check_dimensions(file, fields)
     if arch.qkv_bias:
@@ -493,6 +518,29 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
         problem = error.errors()[0]
         where = ".".join(str(part) for part in problem["loc"])
         raise InvalidConfig(f"{file}: {where}: {problem['msg']}") from None
+
+
+# ModelSpec fields that are lorafit's own records, never read from a config.json key of the same name
+NOT_CONFIG_KEYS = ("variant_of", "prequantized")
+
+
+def bitsandbytes_quantization(file: Path, quantization: object) -> PreQuantized | None:
+    """The bitsandbytes storage a config.json's `quantization_config` states (transformers writes it when a
+    4/8-bit model is saved: `load_in_4bit`, `bnb_4bit_quant_type`, `bnb_4bit_use_double_quant`), or None for
+    none or another method's (GPTQ, AWQ, MXFP4: not lorafit's to read here)."""
+    if not isinstance(quantization, dict):
+        return None
+    if quantization.get("load_in_8bit"):
+        return PreQuantized(quant="int8")
+    if not quantization.get("load_in_4bit"):
+        return None
+    kind = quantization.get("bnb_4bit_quant_type", "fp4")  # BitsAndBytesConfig's default is fp4
+    if kind != "nf4":
+        raise InvalidConfig(
+            f"{file}: its weights are stored bitsandbytes 4-bit {kind}; lorafit trains a 4-bit base in NF4 only: "
+            "use the 16-bit base model"
+        )
+    return PreQuantized(quant="nf4", double_quant=quantization.get("bnb_4bit_use_double_quant") is True)
 
 
 def read_config_json(file: Path) -> dict[str, Any]:
@@ -537,26 +585,79 @@ def check_dimensions(file: Path, fields: dict[str, Any]) -> None:
 
 def resolve(model: str) -> ModelSpec:
     """A preset name, a hub id of a preset or of one of its variants (under any owner, as mirrors such as
-    unsloth/... keep the repository name), or a local directory / config.json. Never downloads."""
+    unsloth/... keep the repository name), a pre-quantised copy of one (`*-bnb-4bit`), or a local directory /
+    config.json. Never downloads."""
     path = Path(model).expanduser()
     if path.exists():
         return from_config_json(path)
     key = model.strip().lower()
+    spec = catalog_entry(key) or prequantized_copy(model.strip())
+    if spec is not None:
+        return spec
+    for family in unmodelled_families():
+        if family.matches_hub_id(key):
+            raise UnknownModel(f"{model}: {family.refusal(family.model_types[0], key)}")
+    base = prequantized_base_name(key)
+    what = f"a pre-quantised copy of {base!r}, which is not in the catalog either" if base else "not in the catalog"
+    raise UnknownModel(
+        f"no model {model!r}: {what} (lorafit never downloads); {did_you_mean(base or key)}for a fine-tune or "
+        "any checkpoint of a supported architecture, pass its downloaded folder or its config.json as --model "
+        "(`lorafit models` lists the catalog)"
+    )
+
+
+def catalog_entry(key: str) -> ModelSpec | None:
+    """A preset by name, a hub id the catalog lists, or a mirror of either under another owner (the repository
+    name, lower-cased: unsloth/llama-3-8b is the llama-3-8b preset)."""
     presets, index = catalog(), hub_index()
     if key in presets:
         return presets[key]
     if key in index:
         return index[key]
     by_repo_name = {repo_name(hub_id): spec for hub_id, spec in index.items()}
-    if repo_name(key) in by_repo_name:
-        return by_repo_name[repo_name(key)]
-    for family in unmodelled_families():
-        if family.matches_hub_id(key):
-            raise UnknownModel(f"{model}: {family.refusal(family.model_types[0], key)}")
-    raise UnknownModel(
-        f"no model {model!r} in the catalog (lorafit never downloads); {did_you_mean(key)}"
-        "or pass a local directory or config.json (see `lorafit models`)"
-    )
+    return by_repo_name.get(repo_name(key)) or presets.get(repo_name(key))
+
+
+# --- pre-quantised copies (a section of its own) ---------------------------------------------------------------
+# The repository-name tags of bitsandbytes 4-bit copies, longest first: unsloth/registry/registry.py names
+# BNB_QUANTIZED_TAG "bnb-4bit" and UNSLOTH_DYNAMIC_QUANT_TAG "unsloth-bnb-4bit" (its "dynamic 4-bit", which
+# leaves a few modules 16-bit through llm_int8_skip_modules; counted here as all 4-bit), and
+# unsloth/models/mapper.py maps each such repo to its 16-bit original (unsloth/llama-3-8b-bnb-4bit ->
+# meta-llama/Meta-Llama-3-8B, unsloth/Qwen3-8B-unsloth-bnb-4bit -> Qwen/Qwen3-8B;
+# https://github.com/unslothai/unsloth/blob/015bdef0d94a241bcd94eec7a405b1700632180d, read 2026-12).
+PREQUANTIZED_SUFFIXES = ("-unsloth-bnb-4bit", "-bnb-4bit")
+# What those repos' config.json states: unsloth saves a 4-bit model with quantization_config
+# {"load_in_4bit": true, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": true, ...} (unsloth/models/
+# loader.py, and llama.py's BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=True,
+# bnb_4bit_quant_type="nf4"), same commit). A downloaded folder is read from its own config.json instead.
+UNSLOTH_4BIT = PreQuantized(quant="nf4", double_quant=True)
+# unsloth drops Meta's "Meta-" from some Llama 3 names (unsloth/llama-3-8b-Instruct-bnb-4bit is
+# meta-llama/Meta-Llama-3-8B-Instruct in mapper.py): tried when the name alone is not in the catalog.
+DROPPED_PREFIXES = ("meta-",)
+
+
+def prequantized_base_name(key: str) -> str | None:
+    """The repository name a `*-bnb-4bit` / `*-unsloth-bnb-4bit` name is a copy of, or None for another name."""
+    suffix = next((tag for tag in PREQUANTIZED_SUFFIXES if key.lower().endswith(tag)), None)
+    return repo_name(key[: -len(suffix)]) if suffix else None
+
+
+def prequantized_copy(model: str) -> ModelSpec | None:
+    """A `*-bnb-4bit` / `*-unsloth-bnb-4bit` repo as its base preset's shapes, recorded as stored NF4 with
+    double quantisation; None for another name or a base the catalog does not have."""
+    name = prequantized_base_name(model)
+    if name is None:
+        return None
+    base = next(filter(None, (catalog_entry(prefix + name) for prefix in ("", *DROPPED_PREFIXES))), None)
+    if base is None:
+        return None
+    update = {
+        "name": repo_name(model),
+        "hf_id": model if "/" in model else None,
+        "variant_of": base.variant_of or base.name,
+        "prequantized": UNSLOTH_4BIT.model_copy(update={"base": base.hf_id}),
+    }
+    return base.model_copy(update=update)
 
 
 def did_you_mean(key: str) -> str:

@@ -818,8 +818,11 @@ def step_defaults(
     rank, the attention kernel from the model, the precision from the GPU (or the CPU)."""
     filled: dict[str, Any] = {}
     method = values.get("method") or BY_NAME["method"].default
+    stored = spec.prequantized if spec is not None else None  # a pre-quantised checkpoint's base is as stored
     if values.get("quant") is None:
-        filled["quant"] = default_quant(method)
+        filled["quant"] = stored.quant if stored and method == "qlora" else default_quant(method)
+    if stored and values.get("double_quant") is None:
+        filled["double_quant"] = stored.double_quant
     if values.get("lora_alpha") is None:
         filled["lora_alpha"] = 2 * (values.get("lora_r") or BY_NAME["lora_r"].default)
     if values.get("attn") is None and spec is not None and "sdpa" not in spec.attention_implementations:
@@ -840,6 +843,8 @@ def check_against(
     attn, precision = values.get("attn"), values.get("precision")
     if spec is not None:
         spec.check_seq_len(values.get("seq_len"))
+    if spec is not None and spec.prequantized is not None:
+        check_prequantized(values, spec)
     if spec is not None and values.get("offload_embeddings") and spec.tie_word_embeddings:
         raise InvalidConfig(
             f"offload_embeddings: {spec.name} ties its input embeddings to the LM head, which runs on the GPU; "
@@ -856,6 +861,30 @@ def check_against(
         raise InvalidConfig("precision fp16 needs a CUDA GPU; on the CPU use precision fp32 (or bf16)")
     if attn == "flash" and on_cpu:  # (and training on the CPU is fp32, which flash attention has no kernel for)
         raise InvalidConfig("attn flash: flash attention runs on CUDA GPUs only; on the CPU use attn sdpa")
+
+
+def check_prequantized(values: Mapping[str, Any], spec: ModelSpec) -> None:
+    """A pre-quantised checkpoint trains only as QLoRA over its base as stored: another method, quant or double
+    quantisation would need the 16-bit weights it does not hold."""
+    stored = spec.prequantized
+    assert stored is not None
+    wanted = {"method": "qlora", "quant": stored.quant, "double_quant": stored.double_quant}
+    for name, value in wanted.items():
+        given = values.get(name)
+        if given is not None and given != value:
+            shown = str(given).lower() if isinstance(given, bool) else _shown(given)
+            raise InvalidConfig(stored.refusal(spec.hf_id or spec.name, f"{name} {shown}"))
+    if values.get("shard") in PREQUANTIZED_UNSHARDABLE:
+        raise InvalidConfig(
+            f"shard {values['shard']}: {spec.hf_id or spec.name} stores its 4-bit weights as uint8, which ZeRO-3 and "
+            "FSDP cannot flatten with the 16-bit ones (train/hf_args.py quant_storage); use shard ddp or zero2, "
+            f"or the 16-bit base {stored.base or 'model'} with --method qlora"
+        )
+
+
+# ZeRO-3 and FSDP shard the weights themselves: the 4-bit storage must then be the compute dtype, which
+# transformers sets only when it quantises the base itself (a stored checkpoint keeps its uint8 storage).
+PREQUANTIZED_UNSHARDABLE = ("zero3", "fsdp")
 
 
 def resolve_batching(batching: Batching, attn: str) -> Batching:

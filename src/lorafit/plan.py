@@ -453,6 +453,8 @@ def several_gpus_shard(request: PlanRequest) -> str:
     to hold the whole base while it is loaded."""
     if "shard" in request.pinned:
         return request.pinned["shard"]
+    if request.model.prequantized is not None:
+        return "zero2"  # its stored uint8 4-bit weights cannot be sharded (options.PREQUANTIZED_UNSHARDABLE)
     quant = request.pinned.get("quant", options.default_quant(request.method))
     if quant != "nf4":
         return "zero3"
@@ -473,6 +475,8 @@ def fewest_gpus(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Candid
     )
     if shard == "fsdp":
         offloads = tuple(offload for offload in offloads if offload != "optimizer")
+    if shard == "zero2":  # (a pre-quantised base) ZeRO-2 keeps every weight on every GPU: nothing to offload
+        offloads = tuple(offload for offload in offloads if offload != "params")
     found: list[Candidate] = []
     for n_gpus in (n for n in GPU_COUNTS if n >= request.n_gpus and request.effective_batch % n == 0):
         tried = [pinned_offload] if pinned_offload else list(offloads) if not found else ["none"]
@@ -540,6 +544,12 @@ def tokens_per_epoch(request: PlanRequest) -> int:
 def automatic_choices(request: PlanRequest, settings: Settings) -> list[str]:
     """Plain words for the settings nobody set that follow from the model, the GPU or the device."""
     reasons = []
+    if (stored := request.model.prequantized) is not None:
+        reasons.append(
+            f"QLoRA only: {request.model.hf_id or request.model.name} is a pre-quantised checkpoint (bitsandbytes "
+            f"{stored.quant.upper()}{', double-quantised' if stored.double_quant else ''}, loaded as stored); LoRA "
+            f"or full fine-tuning need {f'the 16-bit base {stored.base}' if stored.base else 'its 16-bit base'}"
+        )
     if "attn" not in request.pinned and settings.attn != options.BY_NAME["attn"].default:
         reasons.append(f"attention {settings.attn}: {request.model.name} has no sdpa kernel in transformers")
     if "precision" not in request.pinned and settings.precision == "fp32" and request.device == "cpu":

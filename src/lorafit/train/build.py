@@ -144,11 +144,13 @@ def load_model(
 
     model_dir = Path(model_dir)
     check_model_dir(model_dir, allow_pickle=allow_pickle)
+    stored = stored_quantization(model_dir, settings, trust_remote_code)
+    quantized = {"config": stored} if stored is not None else {"quantization_config": quantization_config(settings)}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir,
             dtype=compute_dtype(settings),
-            quantization_config=quantization_config(settings),
+            **quantized,
             attn_implementation=ATTN_IMPLEMENTATION[settings.attn],
             use_safetensors=not allow_pickle or None,
             trust_remote_code=trust_remote_code,
@@ -158,6 +160,28 @@ def load_model(
     except (OSError, ValueError) as error:
         raise TrainError(f"cannot load model from {model_dir}: {str(error).splitlines()[0]}") from None
     return model
+
+
+def stored_quantization(model_dir: Path, settings: Settings, trust_remote_code: bool) -> PretrainedConfig | None:
+    """The config of a folder saved already quantised by bitsandbytes (a pre-quantised repo such as
+    unsloth/...-bnb-4bit), with the plan's compute dtype; None for a 16-bit folder.
+
+    Such weights load as stored, never quantised again: transformers takes the folder's quantization_config and
+    ignores (with a warning lorafit silences) a BitsAndBytesConfig passed beside it, compute dtype included. The
+    plan has checked that its settings are that storage (options.check_prequantized); the compute dtype is the
+    plan's, as it is for a base lorafit quantises itself."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise TrainError(f"cannot load model from {model_dir}: {str(error).splitlines()[0]}") from None
+    stored = getattr(config, "quantization_config", None)
+    if not isinstance(stored, dict) or stored.get("quant_method") != "bitsandbytes":
+        return None
+    if stored.get("load_in_4bit"):
+        config.quantization_config = stored | {"bnb_4bit_compute_dtype": hf_args.DTYPE_NAMES[settings.precision]}
+    return config
 
 
 def prepare(model: PreTrainedModel, spec: ModelSpec, settings: Settings) -> PreTrainedModel:
