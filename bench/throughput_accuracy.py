@@ -339,6 +339,8 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     "TP-AQ-09": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=8, shard="none")),
     "TP-AQ-10": ("llama-2-7b", "RTX 3090", dict(AQ, method="lora", quant="none", micro_batch=4, shard="none")),
     "TP-AQ-13": ("llama-2-70b", "RTX 3090", dict(AQ, method="qlora", micro_batch=2, offload="params")),
+    "TP-AQ-11": ("yi-34b", "RTX 3090", dict(AQ, method="qlora", micro_batch=2)),
+    "TP-AQ-12": ("yi-34b", "RTX 3090", dict(AQ, method="qlora", micro_batch=4, offload="params")),
     # fsdp_qlora on two RTX 4090s, each on PCIe 4.0 x16
     "TP-AQ-14": ("llama-2-7b", "RTX 4090", dict(AQ, method="lora", quant="none", micro_batch=4, shard="none")),
     "TP-AQ-15": ("llama-2-7b", "RTX 4090", dict(AQ, method="lora", quant="none", micro_batch=6)),
@@ -346,6 +348,8 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     "TP-AQ-17": ("llama-2-7b", "RTX 4090", dict(AQ, method="qlora", micro_batch=8, shard="none")),
     "TP-AQ-18": ("llama-2-7b", "RTX 4090", dict(AQ, method="qlora", micro_batch=10)),
     "TP-AQ-19": ("llama-2-7b", "RTX 4090", dict(AQ, method="qlora", micro_batch=12, offload="params")),
+    "TP-AQ-20": ("yi-34b", "RTX 4090", dict(AQ, method="qlora", micro_batch=2)),
+    "TP-AQ-21": ("yi-34b", "RTX 4090", dict(AQ, method="qlora", micro_batch=4, offload="params")),
     "TP-AQ-22": ("llama-2-70b", "RTX 4090", dict(AQ, method="qlora", micro_batch=2, offload="params")),
     # Mistral-7B-v0.2 base: v0.1's shapes (no sliding window; irrelevant at 2048)
     "TP-AQ-23": ("mistral-7b-v0.1", "RTX 4090", dict(AQ, method="qlora", micro_batch=12, offload="params")),
@@ -386,10 +390,6 @@ SKIPPED = {
     "time; and Qwen v1 is not in the catalog",
     "QW-15": "LoRA (emb), as QW-14",
     "TP-PM-03": "LoRA on the MLP projections only (up, gate, down): lorafit's targets are all, attn or qv",
-    **{
-        f"TP-AQ-{n}": "Yi-34B (a Llama-shaped 34B) is not in lorafit's catalog (`lorafit models`)"
-        for n in (11, 12, 20, 21)
-    },
     "TP-AQ-24": "24,576-token context: a dummy row (alpaca prompt + 'output' x 10000) may be shorter than that, so "
     "the tokens of a step are not known",
     **{
