@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from lorafit import hardware, models
+from lorafit import hardware, models, stacks
 from lorafit.errors import LorafitError
 from lorafit.memory import GIB, Runtime
 from lorafit.models import ModelSpec
@@ -357,6 +357,11 @@ QUANTIZED_EXTRAS = {
 }
 TRL_KBIT = dict(fp32_norms=True)
 
+# Rows of a stack lorafit offers (the CSV's stack column) are estimated as `--stack NAME` with these settings
+# the rows share: Unsloth's notebooks run get_peft_model with lora_dropout 0 and gradient accumulation 4 (USN-*);
+# its README's context-length table one row a step (USC-*: grad_accum set per row below)
+STACK_ROWS: dict[str, dict[str, Any]] = {"unsloth": dict(stack="unsloth", lora_dropout=0.0, grad_accum=4)}
+
 FRAMEWORK_OF_PREFIX = {
     "TT": TORCHTUNE,
     "TTPR": TORCHTUNE,
@@ -537,6 +542,7 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
         settings=dict(grad_accum=1, lora_dropout=0.1, double_quant=True),
         notes=["transformers 4.48 holds Mixtral's experts as nn.Linear modules, quantised by bnb"],
     ),
+    **{f"USC-{n:02d}": dict(settings=dict(grad_accum=1)) for n in range(1, 8)},
     # Unsloth context-length table, HF + FA2 columns (kind = estimate): shown beside their bound, not scored
     "US-09": dict(settings=dict(lora_dropout=0.0, grad_accum=1, grad_ckpt=True)),
     "US-11": dict(settings=dict(lora_dropout=0.0, grad_accum=1, grad_ckpt=True)),
@@ -650,6 +656,11 @@ def map_row(row: Row, spec: ModelSpec) -> Mapping:
     fields.update(setup.get("settings", {}))
     if method != "full" and "lora_r" not in fields:
         raise Unmappable("LoRA rank not stated")
+    if raw["stack"] in STACK_ROWS and prefix_of(row.id) not in FRAMEWORK_OF_PREFIX:
+        # a stack lorafit offers: its own Runtime and defaults, as `--stack NAME` estimates it
+        fields |= STACK_ROWS[raw["stack"]] | setup.get("settings", {})
+        facts = stacks.resolve(raw["stack"]).facts(quant != "none")
+        return Mapping(spec, Settings(**fields), StepRuntime(**facts), notes)
     runtime = dict(FRAMEWORK_OF_PREFIX[prefix_of(row.id)])
     if quant != "none":
         runtime.update(QUANTIZED_EXTRAS.get(prefix_of(row.id), {}))

@@ -10,6 +10,7 @@ kv = kv_heads x head_dim, I intermediate, V vocabulary, r LoRA rank, c bytes of 
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Any, Literal, NamedTuple
 
@@ -34,6 +35,14 @@ LOSS_CHUNK_TOKENS = 512  # one chunk of a 152k vocabulary: 12 x V x 512 bytes = 
 # offload_activations: checkpointed layer inputs on the GPU at once (one being copied back for its layer's
 # backward, the next one arriving)
 OFFLOAD_LAYERS_ON_GPU = 2
+# Unsloth's checkpointing (unsloth_zoo/gradient_checkpointing.py @ ce232d6c, UnslothCheckpointFunction): the last
+# layer's input stays on the GPU (LAST_GC_INDEX) and the others come back through GPU buffers A and B, resized
+# to a layer input and kept (double buffering when 512 MiB are free): three layer inputs on the GPU
+UNSLOTH_LAYERS_ON_GPU = 3
+# Unsloth's fused cross-entropy (unsloth_zoo/fused_losses/cross_entropy_loss.py @ ce232d6c, get_chunk_size):
+# chunks of at most min(half the free memory, 4 GiB) of fp32 logits, their number a multiple of 4 unless one fits;
+# lorafit takes the 4 GiB cap (the free memory is not known before the step; a smaller GPU only cuts more chunks)
+UNSLOTH_CHUNK_TARGET_BYTES = 4 * 2**30
 
 
 class Runtime(BaseModel):
@@ -47,7 +56,9 @@ class Runtime(BaseModel):
     # dtype through the loss (litgpt); fused_logprob: TRL's fused LM head (trl.trainer.utils.add_fused_lm_head),
     # which folds 32768-wide vocabulary tiles of the logits into per-token log-probabilities and never holds the
     # full logits (fused_head_bytes)
-    loss: Literal["hf", "chunked_compute", "fused_logprob"] = "hf"
+    # fused_chunked: Unsloth's fused cross-entropy (unsloth_fused_ce_loss), the head and the fp32 loss over chunks
+    # of at most 4 GiB of fp32 logits, the hidden states' gradient computed in forward (fused_chunked_loss_bytes)
+    loss: Literal["hf", "chunked_compute", "fused_logprob", "fused_chunked"] = "hf"
     kbit_upcast: bool = False  # peft prepare_model_for_kbit_training: non-quantised params to fp32
     lora_dtype: Literal["fp32", "compute"] = "fp32"  # peft autocasts adapters to fp32 by default
     fused_optimizer: bool = True  # adamw_torch_fused: no param-sized temporaries in the step
@@ -93,6 +104,12 @@ class Runtime(BaseModel):
     # Params4bit off the meta device, and DeepSpeed moves a model that ZeRO-3 did not build whole to the GPU.
     # A shard not listed loads the base in host memory and moves it to the GPUs one sharded layer at a time
     quantized_whole_on_gpu: tuple[str, ...] = ("zero3",)
+    # Unsloth's gradient checkpointing ("unsloth"): every checkpointed layer input but the last goes to pinned host
+    # memory, whatever offload_activations says (checkpointed_layers_on_gpu)
+    offloaded_checkpoints: bool = False
+    # Unsloth's Triton RMSNorm / RoPE / SwiGLU and, with lora_dropout 0, its LoRA autograd functions for q/k/v, o
+    # and the MLP: fewer saved tensors per layer (triton_kernel_parts)
+    triton_kernels: bool = False
 
 
 def stack_runtime(settings: Settings, **overrides: Any) -> Runtime:
@@ -343,7 +360,37 @@ def activation_parts_per_token(
         parts["qk_norms"] = 4 * (q + kv) + 4 * (heads + kv_heads) + (c * (q + kv) if full else 0)
     if keeps_bnb_inputs(settings, runtime):
         parts["bnb_inputs"] = bnb_input_bytes_per_token(spec, settings, input_requires_grad)
+    if runtime.triton_kernels and not full:
+        parts |= triton_kernel_parts(spec, settings, lora_names, parts, input_requires_grad)
     return parts
+
+
+def triton_kernel_parts(
+    spec: ModelSpec, settings: Settings, lora_names: set[str], parts: dict[str, float], input_requires_grad: bool
+) -> dict[str, float]:
+    """What Unsloth's kernels save per token in place of the HF modules' tensors (unsloth/kernels @ 015bdef0):
+    its RMSNorm its input in the compute dtype and one fp32 rsqrt (rms_layernorm.py, l. 205); RoPE nothing of q
+    and k (rope_embedding.py); SwiGLU gate and up only. With lora_dropout 0 (patch_peft_model) LoRA_QKV saves
+    the one input of q/k/v, LoRA_W o's input and LoRA_MLP the MLP's input with gate and up (fast_lora.py, l. 110,
+    418, 612): no lora_A outputs, no silu(gate), no down_proj input. A projection group not fully adapted, or
+    dropout above 0, keeps peft's modules."""
+    c, h, q, inter = DTYPE_BYTES[settings.precision], spec.hidden_size, spec.q_size, spec.intermediate_size
+    experts = max(spec.num_experts_per_tok, 1) if spec.is_moe else 1
+    kernels = settings.lora_dropout == 0
+
+    def adapted(names: tuple[str, ...]) -> bool:
+        return kernels and all(name in lora_names for name in names)
+
+    norm = c * h + 4
+    out = {"attn_norm": norm if input_requires_grad else 0.0, "mlp_norm": norm, "gated_act": experts * 2 * c * inter}
+    if adapted(("q_proj", "k_proj", "v_proj")):
+        out["qkv_inputs"] = c * h if input_requires_grad else 0.0
+    if adapted(("o_proj",)):
+        # LoRA_W saves its input, the attention's output, which flash/sdpa saved already (a view); eager's is new
+        out["o_proj_input"] = c * q if settings.attn == "eager" else 0.0
+    if adapted(("gate_proj", "up_proj", "down_proj")):
+        out |= {"mlp_inputs": experts * c * h, "down_input": 0.0}
+    return out
 
 
 def fused_qkv_lora_bytes(
@@ -428,9 +475,12 @@ def checkpoint_bytes_per_layer(spec: ModelSpec, settings: Settings, runtime: Run
     return stream_dtype_bytes(settings, runtime) * spec.hidden_size * settings.tokens_per_micro_batch
 
 
-def checkpointed_layers_on_gpu(spec: ModelSpec, settings: Settings) -> int:
+def checkpointed_layers_on_gpu(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime()) -> int:
     """Layers whose checkpointed input is on the GPU at the end of the forward pass: all of them, or with
-    offload_activations (save_on_cpu around the forward) the one or two in flight to or from host memory."""
+    offload_activations (save_on_cpu around the forward) the one or two in flight to or from host memory, or
+    under Unsloth's checkpointing the last layer's input and its two reused copy buffers."""
+    if runtime.offloaded_checkpoints and settings.grad_ckpt:
+        return min(spec.num_hidden_layers, UNSLOTH_LAYERS_ON_GPU)
     if settings.offload_activations and settings.grad_ckpt:
         return min(spec.num_hidden_layers, OFFLOAD_LAYERS_ON_GPU)
     return spec.num_hidden_layers
@@ -439,10 +489,11 @@ def checkpointed_layers_on_gpu(spec: ModelSpec, settings: Settings) -> int:
 def offloaded_activation_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime()) -> float:
     """Pinned host memory offload_activations holds: every layer's checkpointed input (N x h x c each), copied
     out in forward and back in backward."""
-    if not (settings.offload_activations and settings.grad_ckpt):
+    if not ((settings.offload_activations or runtime.offloaded_checkpoints) and settings.grad_ckpt):
         return 0.0
     width = stream_dtype_bytes(settings, runtime)
-    return spec.num_hidden_layers * width * spec.hidden_size * settings.tokens_per_micro_batch
+    layers = spec.num_hidden_layers - (1 if runtime.offloaded_checkpoints else 0)  # Unsloth keeps the last
+    return layers * width * spec.hidden_size * settings.tokens_per_micro_batch
 
 
 # The share of the free host RAM the offloading savers may fill: the data loader, the tokenizer and pinned
@@ -473,7 +524,7 @@ def activation_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> f
     layer's input norm needs no grad, so it saves nothing."""
     layers = spec.num_hidden_layers
     if settings.grad_ckpt:
-        return checkpointed_layers_on_gpu(spec, settings) * checkpoint_bytes_per_layer(spec, settings, runtime)
+        return checkpointed_layers_on_gpu(spec, settings, runtime) * checkpoint_bytes_per_layer(spec, settings, runtime)
     first = activation_bytes_per_layer(spec, settings, runtime, input_requires_grad=settings.method == "full")
     rest = activation_bytes_per_layer(spec, settings, runtime)
     return first + (layers - 1) * rest
@@ -540,6 +591,8 @@ def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float
         return 2 * c * vocab * n + c * vocab * chunk + backward_chunk
     if runtime.loss == "fused_logprob":
         return fused_head_bytes(spec, settings, runtime)
+    if runtime.loss == "fused_chunked":
+        return fused_chunked_loss_bytes(spec, settings)
     # Gemma-2 soft-caps the logits (tanh(logits / 30) x 30) in the compute dtype: tanh keeps its output
     softcap = DTYPE_BYTES[settings.precision] * vocab * n if spec.logit_softcapping else 0
     return 12 * vocab * n + softcap + head_weight_cast_bytes(spec, settings, runtime)
@@ -593,6 +646,25 @@ def fused_head_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> f
     return c * h * scored + buffers + c * h * scored
 
 
+def unsloth_chunk_tokens(spec: ModelSpec, settings: Settings) -> int:
+    """Tokens in one chunk of Unsloth's fused cross-entropy: the micro-batch cut into as many chunks as keep each
+    chunk's fp32 logits under UNSLOTH_CHUNK_TARGET_BYTES, rounded up to a multiple of 4 (get_chunk_size)."""
+    n = settings.tokens_per_micro_batch
+    exact = 4 * spec.vocab_size * n / UNSLOTH_CHUNK_TARGET_BYTES
+    chunks = 1 if exact <= 1 else 4 * math.ceil(exact / 4)
+    return math.ceil(n / chunks)
+
+
+def fused_chunked_loss_bytes(spec: ModelSpec, settings: Settings) -> float:
+    """Unsloth's fused cross-entropy (UnslothFusedLoss.forward): the gradient of the hidden states it fills in
+    forward (N x h x c, saved for backward) and one chunk's logits in the compute dtype, their fp32 upcast and its
+    gradient (compute_fused_ce_loss under torch.func.grad_and_value: (c + 8) x V per token; Gemma-2's soft-capping
+    keeps its tanh output too). Read from the source, not traced: Unsloth needs a GPU."""
+    c, chunk = DTYPE_BYTES[settings.precision], unsloth_chunk_tokens(spec, settings)
+    per_token = (c + 8 + (c if spec.logit_softcapping else 0)) * spec.vocab_size
+    return c * spec.hidden_size * settings.tokens_per_micro_batch + per_token * chunk
+
+
 def loss_chunk_tokens(settings: Settings) -> int:
     return min(settings.tokens_per_micro_batch, LOSS_CHUNK_TOKENS)
 
@@ -644,6 +716,11 @@ def recompute_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> fl
         in_flight = grad_buffer_bytes(spec, settings)
     elif compute_dtype_adapters_under_autocast(settings, runtime):
         in_flight = 4 * c * spec.hidden_size * settings.tokens_per_micro_batch
+    elif runtime.triton_kernels:
+        # Unsloth's LoRA_MLP.backward (fast_lora.py @ 015bdef0, l. 116-200): down_proj's input gradient DW
+        # (c x I; matmul_lora adds the LoRA product in place), the SwiGLU backward in place into DW, e and g, and
+        # the hidden-sized gradients (4c x h); read from the source, not traced
+        in_flight = (c * spec.intermediate_size + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
     else:
         in_flight = (5 * c * spec.intermediate_size + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
     return activation_bytes_per_layer(spec, settings, runtime) + in_flight

@@ -836,7 +836,8 @@ def check_against(
     values: Mapping[str, Any], spec: ModelSpec | None = None, gpu: GpuSpec | None = None, *, on_cpu: bool = False
 ) -> None:
     """The rules that need the model or the device: its positions, its attention kernels, bf16 on the GPU."""
-    stacks.check({"stack": BY_NAME["stack"].default, "method": BY_NAME["method"].default} | _set(values))
+    family = spec.architecture if spec is not None else None
+    stacks.check({"stack": BY_NAME["stack"].default, "method": BY_NAME["method"].default} | _set(values), family)
     attn, precision = values.get("attn"), values.get("precision")
     if spec is not None:
         spec.check_seq_len(values.get("seq_len"))
