@@ -1008,6 +1008,12 @@ def validate(command: Command, values: Mapping[str, Any], source: str = "", from
     """Check the settings of `command` with every declared type, bound and rule; one line naming the setting and
     its value when something is wrong. `source` names the file the values came from, except `from_flags`."""
     known = config_keys(command)
+    if command == "train" and values.get("stack") not in (None, "lorafit"):
+        stack = stacks.resolve(values["stack"])
+        instead = stack.estimate_only or f"run it with {stack.title}, or drop stack for lorafit's own trainer"
+        raise InvalidConfig(
+            f"stack {stack.name}: lorafit plans and estimates it only, lorafit train runs its own trainer; {instead}"
+        )
     for key in values:
         if key not in known:
             where = f"{source}: " if source and key not in from_flags else ""
