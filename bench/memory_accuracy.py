@@ -542,7 +542,7 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
         settings=dict(grad_accum=1, lora_dropout=0.1, double_quant=True),
         notes=["transformers 4.48 holds Mixtral's experts as nn.Linear modules, quantised by bnb"],
     ),
-    **{f"USC-{n:02d}": dict(settings=dict(grad_accum=1)) for n in range(1, 8)},
+    **{f"USC-{n:02d}": dict(settings=dict(grad_accum=1)) for n in range(1, 10)},
     # Unsloth context-length table, HF + FA2 columns (kind = estimate): shown beside their bound, not scored
     "US-09": dict(settings=dict(lora_dropout=0.0, grad_accum=1, grad_ckpt=True)),
     "US-11": dict(settings=dict(lora_dropout=0.0, grad_accum=1, grad_ckpt=True)),
@@ -615,6 +615,8 @@ class Mapping:
     settings: Settings
     runtime: Runtime  # a StepRuntime for the calibration rows (torchtune's code paths beside lorafit's)
     notes: list[str] = field(default_factory=list)
+    # the row's GPU, for a stack whose step sizes itself by the free memory (Unsloth's fused loss)
+    gpu: hardware.GpuSpec | None = None
 
 
 def prefix_of(row_id: str) -> str:
@@ -660,7 +662,8 @@ def map_row(row: Row, spec: ModelSpec) -> Mapping:
         # a stack lorafit offers: its own Runtime and defaults, as `--stack NAME` estimates it
         fields |= STACK_ROWS[raw["stack"]] | setup.get("settings", {})
         facts = stacks.resolve(raw["stack"]).facts(quant != "none")
-        return Mapping(spec, Settings(**fields), StepRuntime(**facts), notes)
+        gpu = hardware.custom(gpu_gib_of(raw["gpu"]))  # a card sold as "24 GB" has 24 GiB (hardware.custom)
+        return Mapping(spec, Settings(**fields), Runtime(**facts), notes, gpu)
     runtime = dict(FRAMEWORK_OF_PREFIX[prefix_of(row.id)])
     if quant != "none":
         runtime.update(QUANTIZED_EXTRAS.get(prefix_of(row.id), {}))
@@ -713,12 +716,12 @@ class Report:
 
 
 def predicted_bytes(mapping: Mapping, metric: Metric) -> float:
-    result = estimate(mapping.spec, mapping.settings, runtime=mapping.runtime)
+    result = estimate(mapping.spec, mapping.settings, mapping.gpu, runtime=mapping.runtime)
     return getattr(result, ESTIMATE_FIELD[metric]) * GIB
 
 
 def lorafit_figures_gib(mapping: Mapping) -> dict[str, float]:
-    result = estimate(mapping.spec, mapping.settings, runtime=mapping.runtime)
+    result = estimate(mapping.spec, mapping.settings, mapping.gpu, runtime=mapping.runtime)
     return {metric: round(getattr(result, name), 3) for metric, name in ESTIMATE_FIELD.items()}
 
 

@@ -47,7 +47,7 @@ class StepRuntime(memory.Runtime):
     """memory.Runtime with torchtune's code paths that no offered stack runs (the module docstring)."""
 
     # "chunked": torchtune's CEWithChunkedOutputLoss, besides the losses of the offered stacks
-    loss: Literal["hf", "chunked", "chunked_compute", "fused_logprob", "fused_chunked"] = "hf"  # type: ignore[assignment]
+    loss: Literal["hf", "chunked", "chunked_compute", "fused_logprob"] = "hf"  # type: ignore[assignment]
     optimizer_in_backward: bool = False  # step each parameter in backward: gradients never pile up
     activation_offload: bool = False  # checkpointed layer inputs live in host memory
 

@@ -171,7 +171,7 @@ def test_unsloth_loss_holds_no_logits_of_the_whole_micro_batch() -> None:
     n = 16 * 4096
     assert memory.unsloth_chunk_tokens(spec, big) == n // 8
     loss = memory.logits_bytes(spec, big, memory.stack_runtime(big))
-    assert loss == C * spec.hidden_size * n + (C + 8) * spec.vocab_size * (n // 8)
+    assert loss == C * spec.hidden_size * n + 8 * spec.vocab_size * (n // 8)  # twice a chunk's fp32 logits
     assert loss < 12 * spec.vocab_size * n / 4  # a quarter of the HF loss's fp32 logits and gradients
 
 
@@ -218,8 +218,21 @@ def test_the_unsloth_calibration_rows_load_and_route_to_the_stack() -> None:
     sys.path.insert(0, str(BENCH))
     accuracy = importlib.import_module("memory_accuracy")
     rows = [row for row in accuracy.read_rows(accuracy.DEFAULT_CSV) if row.id.startswith(("USN-", "USC-"))]
-    assert len(rows) == 17 and {row.raw["stack"] for row in rows} == {"unsloth"}
+    assert len(rows) == 19 and {row.raw["stack"] for row in rows} == {"unsloth"}
     for row in rows:
         spec = accuracy.resolve_model(row.raw["model"])
         mapping = accuracy.map_row(row, spec)
         assert mapping.settings.stack == "unsloth" and mapping.runtime.offloaded_checkpoints
+        assert mapping.gpu is not None  # its loss sizes its chunks by the row's card
+
+
+def test_unsloth_cuts_its_loss_in_more_chunks_on_a_smaller_gpu() -> None:
+    """Its chunks hold at most half the memory free at the loss: on an 8 GB card the same step's loss is a few
+    hundred MiB, on an 80 GB one the fp32 logits of the whole micro-batch fit one chunk."""
+    spec = resolve("llama-3.1-8b")
+    step = Settings(stack="unsloth", **(UNSLOTH_STEP | dict(micro_batch=1, seq_len=4096)))
+    runtime = memory.stack_runtime(step)
+    small, big = (memory.logits_bytes(spec, step, runtime, gib * GIB) for gib in (8, 80))
+    assert memory.unsloth_chunk_tokens(spec, step, memory.unsloth_chunk_target(spec, step, runtime, 80 * GIB)) == 4096
+    assert small < big / 3
+    assert memory.unsloth_chunk_target(spec, step, runtime, 8 * GIB) < 1 * GIB

@@ -574,7 +574,7 @@ def previous_step_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -
     return logits + bnb_held_bytes(spec, settings, runtime)
 
 
-def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime, gpu_bytes: float | None = None) -> float:
     """Peak of the LM head and loss. transformers upcasts all logits to fp32 for the loss: in backward the
     saved log-softmax (4V), the gradient from nll_loss (4V) and the gradient it produces (4V) are alive
     together - 12 bytes x V per token, more than the whole model's activations for a 128k vocabulary.
@@ -592,7 +592,7 @@ def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float
     if runtime.loss == "fused_logprob":
         return fused_head_bytes(spec, settings, runtime)
     if runtime.loss == "fused_chunked":
-        return fused_chunked_loss_bytes(spec, settings)
+        return fused_chunked_loss_bytes(spec, settings, unsloth_chunk_target(spec, settings, runtime, gpu_bytes))
     # Gemma-2 soft-caps the logits (tanh(logits / 30) x 30) in the compute dtype: tanh keeps its output
     softcap = DTYPE_BYTES[settings.precision] * vocab * n if spec.logit_softcapping else 0
     return 12 * vocab * n + softcap + head_weight_cast_bytes(spec, settings, runtime)
@@ -646,22 +646,51 @@ def fused_head_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> f
     return c * h * scored + buffers + c * h * scored
 
 
-def unsloth_chunk_tokens(spec: ModelSpec, settings: Settings) -> int:
+def unsloth_chunk_target(
+    spec: ModelSpec, settings: Settings, runtime: Runtime, gpu_bytes: float | None = None
+) -> float:
+    """The most fp32 logits one chunk of Unsloth's fused cross-entropy may hold: half the memory free when the
+    loss starts, at most 4 GiB (_get_chunk_multiplier). Free: the GPU's memory less the CUDA context, the weights,
+    adapters, optimizer states, gradients (accumulating), the saved activations and the gradient of the hidden
+    states the loss allocates; without a GPU, the 4 GiB cap."""
+    if gpu_bytes is None:
+        return UNSLOTH_CHUNK_TARGET_BYTES
+    used = (
+        runtime.cuda_context_gib * GIB
+        + weights_bytes(spec, settings, runtime)
+        + adapter_bytes(spec, settings, runtime)
+        + (0.0 if paged(settings) else optimizer_bytes(spec, settings, runtime))
+        + (gradient_bytes(spec, settings, runtime) if settings.grad_accum > 1 else 0.0)
+        + activation_bytes(spec, settings, runtime)
+        + head_saved_bytes(spec, settings, runtime)
+        + DTYPE_BYTES[settings.precision] * spec.hidden_size * settings.tokens_per_micro_batch
+    )
+    return min(max(gpu_bytes - used, 0.0) / 2, UNSLOTH_CHUNK_TARGET_BYTES)
+
+
+def unsloth_chunk_tokens(spec: ModelSpec, settings: Settings, target_bytes: float = UNSLOTH_CHUNK_TARGET_BYTES) -> int:
     """Tokens in one chunk of Unsloth's fused cross-entropy: the micro-batch cut into as many chunks as keep each
-    chunk's fp32 logits under UNSLOTH_CHUNK_TARGET_BYTES, rounded up to a multiple of 4 (get_chunk_size)."""
+    chunk's fp32 logits under `target_bytes` (unsloth_chunk_target), rounded up to a multiple of 4
+    (get_chunk_size). Where nothing is free, one token a chunk: Unsloth itself stops there."""
     n = settings.tokens_per_micro_batch
-    exact = 4 * spec.vocab_size * n / UNSLOTH_CHUNK_TARGET_BYTES
+    if target_bytes <= 0:
+        return 1
+    exact = 4 * spec.vocab_size * n / target_bytes
     chunks = 1 if exact <= 1 else 4 * math.ceil(exact / 4)
     return math.ceil(n / chunks)
 
 
-def fused_chunked_loss_bytes(spec: ModelSpec, settings: Settings) -> float:
+def fused_chunked_loss_bytes(
+    spec: ModelSpec, settings: Settings, target_bytes: float = UNSLOTH_CHUNK_TARGET_BYTES
+) -> float:
     """Unsloth's fused cross-entropy (UnslothFusedLoss.forward): the gradient of the hidden states it fills in
-    forward (N x h x c, saved for backward) and one chunk's logits in the compute dtype, their fp32 upcast and its
-    gradient (compute_fused_ce_loss under torch.func.grad_and_value: (c + 8) x V per token; Gemma-2's soft-capping
-    keeps its tanh output too). Read from the source, not traced: Unsloth needs a GPU."""
-    c, chunk = DTYPE_BYTES[settings.precision], unsloth_chunk_tokens(spec, settings)
-    per_token = (c + 8 + (c if spec.logit_softcapping else 0)) * spec.vocab_size
+    forward (N x h x c, saved for backward) and one chunk at its peak, twice its fp32 logits (8 x V per token):
+    compute_fused_ce_loss upcasts the logits to fp32 and torch.func.grad_and_value, compiled, turns them into
+    their gradient, and Unsloth sizes a chunk's fp32 logits to half the free memory, so that the two fit.
+    Gemma-2's soft-capping keeps its tanh output too (c x V). Read from the source, not traced: Unsloth needs a
+    GPU; checked by the USC-* rows of `make bench-memory`."""
+    c, chunk = DTYPE_BYTES[settings.precision], unsloth_chunk_tokens(spec, settings, target_bytes)
+    per_token = (8 + (c if spec.logit_softcapping else 0)) * spec.vocab_size
     return c * spec.hidden_size * settings.tokens_per_micro_batch + per_token * chunk
 
 
@@ -967,12 +996,12 @@ def unsimulated_reserve_bytes(settings: Settings | None) -> float:
     return 0.0 if settings is not None and settings.expandable_segments else UNSIMULATED_RESERVE_BYTES
 
 
-def transient_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+def transient_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime, gpu_bytes: float | None = None) -> float:
     """The step's largest short-lived excursion, what `reserved_bytes` is fed: the fp32 logits and their
     gradients, the recomputed layer or the unfused optimizer step's temporaries, whichever is largest, plus the
     dequantised weight."""
     return max(
-        logits_bytes(spec, settings, runtime),
+        logits_bytes(spec, settings, runtime, gpu_bytes),
         recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else 0.0,
         optimizer_step_temp_bytes(spec, settings, runtime),
     ) + dequant_bytes(spec, settings, runtime)
@@ -1019,8 +1048,11 @@ def device_bytes(reserved: float, settings: Settings, runtime: Runtime, paged_st
 
 
 # --- the sum ------------------------------------------------------------------------------------------------
-def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime()) -> tuple[dict[str, float], str]:
-    """Bytes per GPU of each part alive at the peak, and which phase the peak is in."""
+def breakdown(
+    spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime(), gpu_bytes: float | None = None
+) -> tuple[dict[str, float], str]:
+    """Bytes per GPU of each part alive at the peak, and which phase the peak is in; `gpu_bytes`, the GPU's
+    memory, where a loss sizes its chunks by what is free (Unsloth's)."""
     w_share, g_share, o_share = shard_factors(settings)
     weights_host, grads_host, optimizer_host = on_host(settings)  # offloaded: in host RAM, not on the GPU
     g_share, o_share = (0.0 if grads_host else g_share), (0.0 if optimizer_host else o_share)
@@ -1038,7 +1070,7 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
 
     # Gradients exist during the forward pass only from the second micro-batch of an accumulation on.
     grads_in_forward = gradients if settings.grad_accum > 1 else 0.0
-    loss = logits_bytes(spec, settings, runtime)
+    loss = logits_bytes(spec, settings, runtime, gpu_bytes)
     layer_backward = (
         recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else grad_buffer_bytes(spec, settings, runtime)
     )
@@ -1113,8 +1145,9 @@ def estimate(
     """Peak allocated, reserved and device memory of one training step, per GPU, under the settings' stack
     (or `runtime`, where a caller describes a step itself)."""
     runtime = runtime or stack_runtime(settings)
-    parts, phase = breakdown(spec, settings, runtime)
-    transient = transient_bytes(spec, settings, runtime)
+    gpu_bytes = gpu.memory_gib * GIB if gpu else None
+    parts, phase = breakdown(spec, settings, runtime, gpu_bytes)
+    transient = transient_bytes(spec, settings, runtime, gpu_bytes)
     paged_state = optimizer_bytes(spec, settings, runtime) * shard_factors(settings)[2] if paged(settings) else 0.0
     return assemble(
         parts,
