@@ -1150,6 +1150,45 @@ def to_json(report: Report, totals: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# The issue's targets for the rows of a stack lorafit estimates from its source (Unsloth's): on check rows whose
+# sequence length is fixed, median and worst |error|; where the source padded each batch to its longest row, the
+# estimate at the length cap must never be below the measurement
+STACK_TARGET_MEDIAN_PCT = 10.0
+STACK_TARGET_WORST_PCT = 20.0
+
+
+def print_stack_rows(report: Report, rows: dict[str, Row]) -> dict[str, Any]:
+    """Per stack routed by the CSV's stack column (STACK_ROWS): its check rows apart, fixed-length ones against
+    the median / worst target, padded ones against 'never under-predicts'."""
+    out: dict[str, Any] = {}
+    for stack in STACK_ROWS:
+        mine = [
+            f
+            for f in report.figures
+            if f.split == "check"
+            and f.row_id in rows
+            and rows[f.row_id].raw["stack"] == stack
+            and prefix_of(f.row_id) not in FRAMEWORK_OF_PREFIX
+        ]
+        fixed = [abs(f.error_pct) for f in mine if not rows[f.row_id].seq_is_max]
+        padded = [f for f in mine if rows[f.row_id].seq_is_max]
+        under = [f"{f.label} {f.error_pct:+.1f} %" for f in padded if f.error_pct < 0]
+        print(f"\n--stack {stack} check rows (routed by the CSV's stack column)")
+        if fixed:
+            median, worst = statistics.median(fixed), max(fixed)
+            met = median <= STACK_TARGET_MEDIAN_PCT and worst <= STACK_TARGET_WORST_PCT
+            print(
+                f"  fixed length: {len(fixed)} figures, median |err| {median:.1f} %, worst {worst:.1f} % (target "
+                f"<= {STACK_TARGET_MEDIAN_PCT:.0f} % / {STACK_TARGET_WORST_PCT:.0f} %: {'met' if met else 'not met'})"
+            )
+        print(
+            f"  padded to each batch's longest row, estimated at the cap: {len(padded)} figures, "
+            + (f"under-predicted: {', '.join(under)}" if under else "none under-predicted")
+        )
+        out[stack] = {"fixed_abs_err_pct": fixed, "padded_under": under}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--csv", type=Path, default=DEFAULT_CSV)
@@ -1177,6 +1216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_competitors:
         names += run_competitors(report, mappings, {row.id: row for row in rows})
     totals = print_report(report, names, time.perf_counter() - start)
+    totals["stacks"] = print_stack_rows(report, {row.id: row for row in rows})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = to_json(report, totals)
     args.out.write_text(json.dumps(result, indent=2))
