@@ -6,6 +6,7 @@ trainer under the live-tensor tracker (bench/stack_trace.py) and hold the estima
 """
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -236,3 +237,20 @@ def test_unsloth_cuts_its_loss_in_more_chunks_on_a_smaller_gpu() -> None:
     assert memory.unsloth_chunk_tokens(spec, step, memory.unsloth_chunk_target(spec, step, runtime, 80 * GIB)) == 4096
     assert small < big / 3
     assert memory.unsloth_chunk_target(spec, step, runtime, 8 * GIB) < 1 * GIB
+
+
+def test_unsloth_s_own_default_dropout_0_applies_unless_given(capsys) -> None:
+    """get_peft_model's lora_dropout is 0 (which its LoRA kernels need); lorafit's own default stays 0.05."""
+    from conftest import run_cli
+
+    base = ["estimate", "--model", "llama-3.1-8b", "--method", "qlora", "--json"]
+    dropout = {}
+    for name, extra in {
+        "unsloth": ["--stack", "unsloth"],
+        "lorafit": [],
+        "given": ["--stack", "unsloth", "--lora-dropout", "0.1"],
+    }.items():
+        code, out, _ = run_cli([*base, *extra], capsys)
+        assert code == 0
+        dropout[name] = json.loads(out)["settings"]["lora_dropout"]
+    assert dropout == {"unsloth": 0.0, "lorafit": 0.05, "given": 0.1}

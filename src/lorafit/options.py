@@ -815,7 +815,7 @@ def step_defaults(
     values: Mapping[str, Any], spec: ModelSpec | None = None, gpu: GpuSpec | None = None, *, on_cpu: bool = False
 ) -> dict[str, Any]:
     """The step settings that are not set but follow from what is: quant from the method, lora_alpha from the
-    rank, the attention kernel from the model, the precision from the GPU (or the CPU)."""
+    rank, the stack's own defaults, the attention kernel from the model, the precision from the GPU (or the CPU)."""
     filled: dict[str, Any] = {}
     method = values.get("method") or BY_NAME["method"].default
     if values.get("quant") is None:
@@ -824,6 +824,10 @@ def step_defaults(
         filled["lora_alpha"] = 2 * (values.get("lora_r") or BY_NAME["lora_r"].default)
     if values.get("attn") is None and spec is not None and "sdpa" not in spec.attention_implementations:
         filled["attn"] = spec.attention_implementations[0]
+    stack = stacks.catalog().get(values.get("stack") or BY_NAME["stack"].default)
+    for name, value in (stack.defaults if stack else {}).items():  # e.g. Unsloth's lora_dropout 0
+        if values.get(name) is None:
+            filled[name] = value
     if values.get("precision") is None:
         if on_cpu:
             filled["precision"] = "fp32"

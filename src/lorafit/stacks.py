@@ -37,6 +37,7 @@ class StackSpec(BaseModel):
     shards: tuple[str, ...] = ()
     methods: tuple[str, ...] = ()
     families: tuple[str, ...] = ()
+    defaults: dict[str, Any] = Field(default_factory=dict)  # settings the stack's own API defaults differently
     estimate_only: str = ""  # what to use instead of `lorafit train`, for a stack whose step needs its own package
     runtime: dict[str, Any] = Field(default_factory=dict)
     qlora_runtime: dict[str, Any] = Field(default_factory=dict)
