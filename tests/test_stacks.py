@@ -254,3 +254,14 @@ def test_unsloth_s_own_default_dropout_0_applies_unless_given(capsys) -> None:
         assert code == 0
         dropout[name] = json.loads(out)["settings"]["lora_dropout"]
     assert dropout == {"unsloth": 0.0, "lorafit": 0.05, "given": 0.1}
+
+
+def test_unsloth_keeps_checkpoints_under_2_mib_on_the_gpu() -> None:
+    """Below MINIMUM_SIZE (2 MiB a layer input) Unsloth's checkpointing offloads nothing."""
+    spec = resolve("llama-3.1-8b")  # 4096 x 2 bytes a token: 256 tokens are exactly 2 MiB
+    for tokens, on_host in ((256, False), (512, True)):
+        step = Settings(stack="unsloth", **(UNSLOTH_STEP | dict(micro_batch=1, seq_len=tokens)))
+        runtime = memory.stack_runtime(step)
+        assert (memory.offloaded_activation_bytes(spec, step, runtime) > 0) is on_host
+        layers = 3 if on_host else spec.num_hidden_layers
+        assert memory.activation_bytes(spec, step, runtime) == layers * C * spec.hidden_size * tokens

@@ -479,20 +479,27 @@ def checkpointed_layers_on_gpu(spec: ModelSpec, settings: Settings, runtime: Run
     """Layers whose checkpointed input is on the GPU at the end of the forward pass: all of them, or with
     offload_activations (save_on_cpu around the forward) the one or two in flight to or from host memory, or
     under Unsloth's checkpointing the last layer's input and its two reused copy buffers."""
-    if runtime.offloaded_checkpoints and settings.grad_ckpt:
+    if runtime.offloaded_checkpoints and settings.grad_ckpt and unsloth_offloads(spec, settings):
         return min(spec.num_hidden_layers, UNSLOTH_LAYERS_ON_GPU)
     if settings.offload_activations and settings.grad_ckpt:
         return min(spec.num_hidden_layers, OFFLOAD_LAYERS_ON_GPU)
     return spec.num_hidden_layers
 
 
+def unsloth_offloads(spec: ModelSpec, settings: Settings) -> bool:
+    """Unsloth offloads a layer input only above 2 MiB (MINIMUM_SIZE, gradient_checkpointing.py l. 694): below
+    that, as for micro-batches of a few hundred tokens, every checkpoint stays on the GPU."""
+    return DTYPE_BYTES[settings.precision] * spec.hidden_size * settings.tokens_per_micro_batch > 2 * 2**20
+
+
 def offloaded_activation_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime()) -> float:
     """Pinned host memory offload_activations holds: every layer's checkpointed input (N x h x c each), copied
     out in forward and back in backward."""
-    if not ((settings.offload_activations or runtime.offloaded_checkpoints) and settings.grad_ckpt):
+    unsloth = runtime.offloaded_checkpoints and unsloth_offloads(spec, settings)
+    if not ((settings.offload_activations or unsloth) and settings.grad_ckpt):
         return 0.0
     width = stream_dtype_bytes(settings, runtime)
-    layers = spec.num_hidden_layers - (1 if runtime.offloaded_checkpoints else 0)  # Unsloth keeps the last
+    layers = spec.num_hidden_layers - (1 if unsloth else 0)  # Unsloth keeps the last
     return layers * width * spec.hidden_size * settings.tokens_per_micro_batch
 
 

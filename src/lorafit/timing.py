@@ -467,7 +467,8 @@ def host_copy_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec, compute
     seconds = 0.0
     runtime = memory.stack_runtime(settings)
     # Unsloth's checkpointing copies the layer inputs out and back on a side stream the same way
-    if (settings.offload_activations or runtime.offloaded_checkpoints) and settings.grad_ckpt:
+    unsloth = runtime.offloaded_checkpoints and memory.unsloth_offloads(spec, settings)
+    if (settings.offload_activations or unsloth) and settings.grad_ckpt:
         transfer = 2 * spec.num_hidden_layers * row_bytes / rate
         seconds += max(0.0, transfer - OFFLOAD_OVERLAP * compute_seconds)
     if memory.offloaded_embedding_bytes(spec, settings, runtime):
