@@ -41,7 +41,7 @@ OFFLOAD_LAYERS_ON_GPU = 2
 UNSLOTH_LAYERS_ON_GPU = 3
 # Unsloth's fused cross-entropy (unsloth_zoo/fused_losses/cross_entropy_loss.py @ ce232d6c, get_chunk_size):
 # chunks of at most min(half the free memory, 4 GiB) of fp32 logits, their number a multiple of 4 unless one fits;
-# lorafit takes the 4 GiB cap (the free memory is not known before the step; a smaller GPU only cuts more chunks)
+# the cap, and the target where no GPU is given (unsloth_chunk_target)
 UNSLOTH_CHUNK_TARGET_BYTES = 4 * 2**30
 
 
@@ -361,12 +361,12 @@ def activation_parts_per_token(
     if keeps_bnb_inputs(settings, runtime):
         parts["bnb_inputs"] = bnb_input_bytes_per_token(spec, settings, input_requires_grad)
     if runtime.triton_kernels and not full:
-        parts |= triton_kernel_parts(spec, settings, lora_names, parts, input_requires_grad)
+        parts |= triton_kernel_parts(spec, settings, lora_names, input_requires_grad)
     return parts
 
 
 def triton_kernel_parts(
-    spec: ModelSpec, settings: Settings, lora_names: set[str], parts: dict[str, float], input_requires_grad: bool
+    spec: ModelSpec, settings: Settings, lora_names: set[str], input_requires_grad: bool
 ) -> dict[str, float]:
     """What Unsloth's kernels save per token in place of the HF modules' tensors (unsloth/kernels @ 015bdef0):
     its RMSNorm its input in the compute dtype and one fp32 rsqrt (rms_layernorm.py, l. 205); RoPE nothing of q
