@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-throughput bench-time-cpu bench-train bench-data bench-exact bench-time-trace bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-session gpu-wheels clean
+.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-unsloth-speed bench-throughput bench-time-cpu bench-train bench-data bench-exact bench-time-trace bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-session gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,10 @@ bench-stacks-external: $(LLAMAFACTORY_DIR)/.installed $(TORCHTUNE_DIR)/.installe
 # estimate under --stack; writes bench/results/stacks.json (docs/memory-model.md, "Other trainers' steps")
 bench-stacks: $(STAMP)
 	$(BIN)/python bench/stack_trace.py --json bench/results/stacks.json
+
+# the time model's --stack unsloth against Unsloth's published speed-ups (its README's benchmark seconds)
+bench-unsloth-speed: $(STAMP)
+	$(BIN)/python bench/unsloth_speed.py
 
 bench-throughput: $(STAMP)
 	$(BIN)/python bench/throughput_accuracy.py

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from lorafit import hardware, models
+from lorafit import hardware, models, stacks
 from lorafit.errors import LorafitError
 from lorafit.memory import GIB, Runtime
 from lorafit.models import ModelSpec
@@ -357,6 +357,11 @@ QUANTIZED_EXTRAS = {
 }
 TRL_KBIT = dict(fp32_norms=True)
 
+# Rows of a stack lorafit offers (the CSV's stack column) are estimated as `--stack NAME` with these settings
+# the rows share: Unsloth's notebooks run get_peft_model with lora_dropout 0 and gradient accumulation 4 (USN-*);
+# its README's context-length table one row a step (USC-*: grad_accum set per row below)
+STACK_ROWS: dict[str, dict[str, Any]] = {"unsloth": dict(stack="unsloth", lora_dropout=0.0, grad_accum=4)}
+
 FRAMEWORK_OF_PREFIX = {
     "TT": TORCHTUNE,
     "TTPR": TORCHTUNE,
@@ -537,6 +542,7 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
         settings=dict(grad_accum=1, lora_dropout=0.1, double_quant=True),
         notes=["transformers 4.48 holds Mixtral's experts as nn.Linear modules, quantised by bnb"],
     ),
+    **{f"USC-{n:02d}": dict(settings=dict(grad_accum=1)) for n in range(1, 10)},
     # Unsloth context-length table, HF + FA2 columns (kind = estimate): shown beside their bound, not scored
     "US-09": dict(settings=dict(lora_dropout=0.0, grad_accum=1, grad_ckpt=True)),
     "US-11": dict(settings=dict(lora_dropout=0.0, grad_accum=1, grad_ckpt=True)),
@@ -609,6 +615,8 @@ class Mapping:
     settings: Settings
     runtime: Runtime  # a StepRuntime for the calibration rows (torchtune's code paths beside lorafit's)
     notes: list[str] = field(default_factory=list)
+    # the row's GPU, for a stack whose step sizes itself by the free memory (Unsloth's fused loss)
+    gpu: hardware.GpuSpec | None = None
 
 
 def prefix_of(row_id: str) -> str:
@@ -650,6 +658,12 @@ def map_row(row: Row, spec: ModelSpec) -> Mapping:
     fields.update(setup.get("settings", {}))
     if method != "full" and "lora_r" not in fields:
         raise Unmappable("LoRA rank not stated")
+    if raw["stack"] in STACK_ROWS and prefix_of(row.id) not in FRAMEWORK_OF_PREFIX:
+        # a stack lorafit offers: its own Runtime and defaults, as `--stack NAME` estimates it
+        fields |= STACK_ROWS[raw["stack"]] | setup.get("settings", {})
+        facts = stacks.resolve(raw["stack"]).facts(quant != "none")
+        gpu = hardware.custom(gpu_gib_of(raw["gpu"]))  # a card sold as "24 GB" has 24 GiB (hardware.custom)
+        return Mapping(spec, Settings(**fields), Runtime(**facts), notes, gpu)
     runtime = dict(FRAMEWORK_OF_PREFIX[prefix_of(row.id)])
     if quant != "none":
         runtime.update(QUANTIZED_EXTRAS.get(prefix_of(row.id), {}))
@@ -702,12 +716,12 @@ class Report:
 
 
 def predicted_bytes(mapping: Mapping, metric: Metric) -> float:
-    result = estimate(mapping.spec, mapping.settings, runtime=mapping.runtime)
+    result = estimate(mapping.spec, mapping.settings, mapping.gpu, runtime=mapping.runtime)
     return getattr(result, ESTIMATE_FIELD[metric]) * GIB
 
 
 def lorafit_figures_gib(mapping: Mapping) -> dict[str, float]:
-    result = estimate(mapping.spec, mapping.settings, runtime=mapping.runtime)
+    result = estimate(mapping.spec, mapping.settings, mapping.gpu, runtime=mapping.runtime)
     return {metric: round(getattr(result, name), 3) for metric, name in ESTIMATE_FIELD.items()}
 
 
@@ -1136,6 +1150,45 @@ def to_json(report: Report, totals: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# The issue's targets for the rows of a stack lorafit estimates from its source (Unsloth's): on check rows whose
+# sequence length is fixed, median and worst |error|; where the source padded each batch to its longest row, the
+# estimate at the length cap must never be below the measurement
+STACK_TARGET_MEDIAN_PCT = 10.0
+STACK_TARGET_WORST_PCT = 20.0
+
+
+def print_stack_rows(report: Report, rows: dict[str, Row]) -> dict[str, Any]:
+    """Per stack routed by the CSV's stack column (STACK_ROWS): its check rows apart, fixed-length ones against
+    the median / worst target, padded ones against 'never under-predicts'."""
+    out: dict[str, Any] = {}
+    for stack in STACK_ROWS:
+        mine = [
+            f
+            for f in report.figures
+            if f.split == "check"
+            and f.row_id in rows
+            and rows[f.row_id].raw["stack"] == stack
+            and prefix_of(f.row_id) not in FRAMEWORK_OF_PREFIX
+        ]
+        fixed = [abs(f.error_pct) for f in mine if not rows[f.row_id].seq_is_max]
+        padded = [f for f in mine if rows[f.row_id].seq_is_max]
+        under = [f"{f.label} {f.error_pct:+.1f} %" for f in padded if f.error_pct < 0]
+        print(f"\n--stack {stack} check rows (routed by the CSV's stack column)")
+        if fixed:
+            median, worst = statistics.median(fixed), max(fixed)
+            met = median <= STACK_TARGET_MEDIAN_PCT and worst <= STACK_TARGET_WORST_PCT
+            print(
+                f"  fixed length: {len(fixed)} figures, median |err| {median:.1f} %, worst {worst:.1f} % (target "
+                f"<= {STACK_TARGET_MEDIAN_PCT:.0f} % / {STACK_TARGET_WORST_PCT:.0f} %: {'met' if met else 'not met'})"
+            )
+        print(
+            f"  padded to each batch's longest row, estimated at the cap: {len(padded)} figures, "
+            + (f"under-predicted: {', '.join(under)}" if under else "none under-predicted")
+        )
+        out[stack] = {"fixed_abs_err_pct": fixed, "padded_under": under}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--csv", type=Path, default=DEFAULT_CSV)
@@ -1163,6 +1216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_competitors:
         names += run_competitors(report, mappings, {row.id: row for row in rows})
     totals = print_report(report, names, time.perf_counter() - start)
+    totals["stacks"] = print_stack_rows(report, {row.id: row for row in rows})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = to_json(report, totals)
     args.out.write_text(json.dumps(result, indent=2))

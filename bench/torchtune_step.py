@@ -88,13 +88,13 @@ def checkpoint_bytes_per_layer(spec: ModelSpec, settings: Settings, runtime: mem
     return _PRODUCT["checkpoint_bytes_per_layer"](spec, settings, runtime)
 
 
-def logits_bytes(spec: ModelSpec, settings: Settings, runtime: memory.Runtime) -> float:
+def logits_bytes(spec: ModelSpec, settings: Settings, runtime: memory.Runtime, gpu_bytes: float | None = None) -> float:
     """torchtune's chunked loss keeps the fp32 log-softmax of every chunk (4 x V x N) and one chunk's three fp32
     temporaries of up to 1024 tokens (12 x V each); the other losses are memory's."""
     if isinstance(runtime, StepRuntime) and runtime.loss == "chunked":
         n, vocab = settings.tokens_per_micro_batch, spec.vocab_size
         return 4 * vocab * n + 3 * 4 * vocab * min(n, TORCHTUNE_LOSS_CHUNK_TOKENS)
-    return _PRODUCT["logits_bytes"](spec, settings, runtime)
+    return _PRODUCT["logits_bytes"](spec, settings, runtime, gpu_bytes)
 
 
 TERMS: dict[str, Callable[..., float]] = {

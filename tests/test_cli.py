@@ -471,7 +471,8 @@ def test_the_stack_and_its_facets_change_the_estimate(capsys: pytest.CaptureFixt
 def test_lorafit_stacks_lists_every_stack_and_says_which_are_not_offered(capsys: pytest.CaptureFixture[str]) -> None:
     listed = run_json(["stacks"], capsys)
     by_name = {stack["name"]: stack for stack in listed}
-    assert set(by_name) == {"lorafit", "trl", "peft-kbit", "axolotl", "llama-factory", "litgpt", "torchtune"}
+    assert set(by_name) == {"lorafit", "trl", "peft-kbit", "axolotl", "llama-factory", "litgpt", "torchtune", "unsloth"}
+    assert by_name["unsloth"]["offered"] is True and "unsloth 2026.8.19" in by_name["unsloth"]["pinned"]
     assert all(stack["pinned"] and stack["traced"] for stack in listed)
     for name in ("axolotl", "torchtune"):
         assert by_name[name]["offered"] is False and by_name[name]["not_offered_because"]

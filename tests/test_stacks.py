@@ -6,6 +6,7 @@ trainer under the live-tensor tracker (bench/stack_trace.py) and hold the estima
 """
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -135,3 +136,132 @@ def test_the_estimate_is_within_2_percent_of_the_stacks_own_cpu_step(stack: str,
         f"estimate {predicted / 2**20:.1f} MiB, traced {traced.peak_bytes / 2**20:.1f} MiB ({traced.phase})"
     )
     assert traced.peak_bytes < 0.5 * GIB  # small enough for a test
+
+
+# --- Unsloth: estimated from its source (it needs a GPU to import) --------------------------------------------
+UNSLOTH_STEP = dict(method="qlora", micro_batch=2, seq_len=2048, lora_dropout=0.0, optimizer="adamw_8bit")
+
+
+def test_unsloth_keeps_less_than_lorafit_and_trl_for_the_same_step() -> None:
+    """Its checkpoints in host memory: the same QLoRA step keeps less activation memory on the GPU than under
+    lorafit's trainer or TRL (and, with its chunked loss, less in all than lorafit's fp32 logits), and the
+    offloaded layer inputs (all but the last, c x h per token each) are counted in host memory instead."""
+    spec = resolve("llama-3.1-8b")
+    kept = {}
+    for name in ("lorafit", "trl", "unsloth"):
+        step = Settings(stack=name, **UNSLOTH_STEP)
+        kept[name] = memory.activation_bytes(spec, step, memory.stack_runtime(step))
+    assert kept["unsloth"] < kept["trl"] and kept["unsloth"] < kept["lorafit"]
+    assert (
+        allocated("llama-3.1-8b", "unsloth", **UNSLOTH_STEP)[0]
+        < allocated("llama-3.1-8b", "lorafit", **UNSLOTH_STEP)[0]
+    )
+    chosen = Settings(stack="unsloth", **UNSLOTH_STEP)
+    runtime = memory.stack_runtime(chosen)
+    on_gpu = memory.activation_bytes(spec, chosen, runtime)
+    assert on_gpu == 3 * C * spec.hidden_size * 2 * 2048  # the last layer's input and the two copy buffers
+    host = (spec.num_hidden_layers - 1) * C * spec.hidden_size * 2 * 2048
+    assert memory.offloaded_activation_bytes(spec, chosen, runtime) == host
+
+
+def test_unsloth_loss_holds_no_logits_of_the_whole_micro_batch() -> None:
+    """Its fused cross-entropy: the hidden states' gradient (N x h) and one chunk's logits; the chunks are cut so
+    that each one's fp32 logits stay under 4 GiB (8 chunks for 16 x 4096 tokens of a 128k vocabulary)."""
+    spec = resolve("llama-3.1-8b")
+    big = Settings(stack="unsloth", **(UNSLOTH_STEP | dict(micro_batch=16, seq_len=4096)))
+    n = 16 * 4096
+    assert memory.unsloth_chunk_tokens(spec, big) == n // 8
+    loss = memory.logits_bytes(spec, big, memory.stack_runtime(big))
+    assert loss == C * spec.hidden_size * n + 8 * spec.vocab_size * (n // 8)  # twice a chunk's fp32 logits
+    assert loss < 12 * spec.vocab_size * n / 4  # a quarter of the HF loss's fp32 logits and gradients
+
+
+def test_unsloth_lora_kernels_need_dropout_0() -> None:
+    """With lora_dropout above 0 Unsloth keeps peft's LoRA modules, which save more per layer."""
+    spec = resolve("llama-3.1-8b")
+    layer = {}
+    for dropout in (0.0, 0.05):
+        chosen = Settings(stack="unsloth", **(UNSLOTH_STEP | dict(lora_dropout=dropout)))
+        layer[dropout] = memory.activation_bytes_per_layer(spec, chosen, memory.stack_runtime(chosen))
+    assert layer[0.0] < layer[0.05]
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--quant", "int8"], "quant nf4"),
+        (["--method", "full"], "method qlora or lora"),
+        (["--n-gpus", "2", "--shard", "fsdp"], "ddp"),
+        (["--model", "phi-3-mini"], "llama, mistral"),
+        (["--offload-activations"], "stacks that do: lorafit"),
+    ],
+)
+def test_unsloth_refuses_what_it_does_not_run_in_one_line(args: list[str], names: str, capsys) -> None:
+    from conftest import run_cli
+
+    given = ["estimate", "--model", "llama-3.1-8b", "--method", "qlora", "--stack", "unsloth"]
+    code, _, err = run_cli([*given, *args], capsys)
+    assert code == 2 and err.count("\n") == 1 and names in err, err
+
+
+def test_lorafit_train_says_unsloth_is_plan_and_estimate_only(tmp_path: Path, capsys) -> None:
+    from conftest import run_cli
+
+    config = tmp_path / "plan.yaml"
+    config.write_text("model: llama-3.1-8b\nstack: unsloth\n")
+    code, _, err = run_cli(["train", str(config)], capsys)
+    assert code == 2 and "plans and estimates it only" in err and "FastLanguageModel" in err, err
+    code, _, err = run_cli(["train", "--stack", "unsloth"], capsys)
+    assert code == 2 and "lorafit train runs its own trainer" in err, err
+
+
+def test_the_unsloth_calibration_rows_load_and_route_to_the_stack() -> None:
+    sys.path.insert(0, str(BENCH))
+    accuracy = importlib.import_module("memory_accuracy")
+    rows = [row for row in accuracy.read_rows(accuracy.DEFAULT_CSV) if row.id.startswith(("USN-", "USC-"))]
+    assert len(rows) == 19 and {row.raw["stack"] for row in rows} == {"unsloth"}
+    for row in rows:
+        spec = accuracy.resolve_model(row.raw["model"])
+        mapping = accuracy.map_row(row, spec)
+        assert mapping.settings.stack == "unsloth" and mapping.runtime.offloaded_checkpoints
+        assert mapping.gpu is not None  # its loss sizes its chunks by the row's card
+
+
+def test_unsloth_cuts_its_loss_in_more_chunks_on_a_smaller_gpu() -> None:
+    """Its chunks hold at most half the memory free at the loss: on an 8 GB card the same step's loss is a few
+    hundred MiB, on an 80 GB one the fp32 logits of the whole micro-batch fit one chunk."""
+    spec = resolve("llama-3.1-8b")
+    step = Settings(stack="unsloth", **(UNSLOTH_STEP | dict(micro_batch=1, seq_len=4096)))
+    runtime = memory.stack_runtime(step)
+    small, big = (memory.logits_bytes(spec, step, runtime, gib * GIB) for gib in (8, 80))
+    assert memory.unsloth_chunk_tokens(spec, step, memory.unsloth_chunk_target(spec, step, runtime, 80 * GIB)) == 4096
+    assert small < big / 3
+    assert memory.unsloth_chunk_target(spec, step, runtime, 8 * GIB) < 1 * GIB
+
+
+def test_unsloth_s_own_default_dropout_0_applies_unless_given(capsys) -> None:
+    """get_peft_model's lora_dropout is 0 (which its LoRA kernels need); lorafit's own default stays 0.05."""
+    from conftest import run_cli
+
+    base = ["estimate", "--model", "llama-3.1-8b", "--method", "qlora", "--json"]
+    dropout = {}
+    for name, extra in {
+        "unsloth": ["--stack", "unsloth"],
+        "lorafit": [],
+        "given": ["--stack", "unsloth", "--lora-dropout", "0.1"],
+    }.items():
+        code, out, _ = run_cli([*base, *extra], capsys)
+        assert code == 0
+        dropout[name] = json.loads(out)["settings"]["lora_dropout"]
+    assert dropout == {"unsloth": 0.0, "lorafit": 0.05, "given": 0.1}
+
+
+def test_unsloth_keeps_checkpoints_under_2_mib_on_the_gpu() -> None:
+    """Below MINIMUM_SIZE (2 MiB a layer input) Unsloth's checkpointing offloads nothing."""
+    spec = resolve("llama-3.1-8b")  # 4096 x 2 bytes a token: 256 tokens are exactly 2 MiB
+    for tokens, on_host in ((256, False), (512, True)):
+        step = Settings(stack="unsloth", **(UNSLOTH_STEP | dict(micro_batch=1, seq_len=tokens)))
+        runtime = memory.stack_runtime(step)
+        assert (memory.offloaded_activation_bytes(spec, step, runtime) > 0) is on_host
+        layers = 3 if on_host else spec.num_hidden_layers
+        assert memory.activation_bytes(spec, step, runtime) == layers * C * spec.hidden_size * tokens

@@ -99,7 +99,7 @@ def estimate(given: Mapping[str, Any], *, exact: bool = False, from_config: str 
     request = _validated("estimate", values, given, source)
     spec = models.resolve(request.model or DEFAULT_MODEL)
     target = target_gpu(request.gpu, request.vram)
-    settings = options.settings_from(request.model_dump(), spec, target)
+    settings = options.settings_from(request.model_dump(exclude_unset=True), spec, target)
     if exact:
         if settings.stack != "lorafit":
             raise LorafitError(

@@ -19,7 +19,7 @@ Attention = Literal["sdpa", "flash", "eager"]
 Shard = Literal["none", "ddp", "zero2", "zero3", "fsdp"]
 Offload = Literal["none", "optimizer", "params"]
 # the trainers whose training step lorafit estimates (src/lorafit/catalog/stacks.toml: versions, sources, facts)
-Stack = Literal["lorafit", "trl", "peft-kbit", "axolotl", "llama-factory", "litgpt", "torchtune"]
+Stack = Literal["lorafit", "trl", "peft-kbit", "axolotl", "llama-factory", "litgpt", "torchtune", "unsloth"]
 DataFormat = Literal["alpaca", "sharegpt", "messages", "prompt_completion", "text"]
 Scheduler = Literal["cosine", "linear", "constant", "constant_with_warmup"]
 Batching = Literal["auto", "length_grouped", "padding_free", "random"]

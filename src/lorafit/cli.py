@@ -200,7 +200,13 @@ def main(argv: list[str] | None = None) -> None:
         if type(error).__name__ == "NoArgsIsHelpError" and context is not None:
             typer.echo(context.get_help())
             raise SystemExit(0) from None
-        fail(" ".join(error.format_message().split()) if hasattr(error, "format_message") else str(error))
+        message = " ".join(error.format_message().split()) if hasattr(error, "format_message") else str(error)
+        if "No such option: --stack" in message and "train" in (sys.argv[1:] if argv is None else argv):
+            message = (
+                "--stack is for plan and estimate: lorafit train runs its own trainer (drop --stack), "
+                "or run the plan with that stack's own tool"
+            )
+        fail(message)
     except LorafitError as error:
         fail(str(error).splitlines()[0] if str(error) else type(error).__name__)
     except ValidationError as error:

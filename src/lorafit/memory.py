@@ -10,6 +10,7 @@ kv = kv_heads x head_dim, I intermediate, V vocabulary, r LoRA rank, c bytes of 
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Any, Literal, NamedTuple
 
@@ -34,6 +35,14 @@ LOSS_CHUNK_TOKENS = 512  # one chunk of a 152k vocabulary: 12 x V x 512 bytes = 
 # offload_activations: checkpointed layer inputs on the GPU at once (one being copied back for its layer's
 # backward, the next one arriving)
 OFFLOAD_LAYERS_ON_GPU = 2
+# Unsloth's checkpointing (unsloth_zoo/gradient_checkpointing.py @ ce232d6c, UnslothCheckpointFunction): the last
+# layer's input stays on the GPU (LAST_GC_INDEX) and the others come back through GPU buffers A and B, resized
+# to a layer input and kept (double buffering when 512 MiB are free): three layer inputs on the GPU
+UNSLOTH_LAYERS_ON_GPU = 3
+# Unsloth's fused cross-entropy (unsloth_zoo/fused_losses/cross_entropy_loss.py @ ce232d6c, get_chunk_size):
+# chunks of at most min(half the free memory, 4 GiB) of fp32 logits, their number a multiple of 4 unless one fits;
+# the cap, and the target where no GPU is given (unsloth_chunk_target)
+UNSLOTH_CHUNK_TARGET_BYTES = 4 * 2**30
 
 
 class Runtime(BaseModel):
@@ -47,7 +56,9 @@ class Runtime(BaseModel):
     # dtype through the loss (litgpt); fused_logprob: TRL's fused LM head (trl.trainer.utils.add_fused_lm_head),
     # which folds 32768-wide vocabulary tiles of the logits into per-token log-probabilities and never holds the
     # full logits (fused_head_bytes)
-    loss: Literal["hf", "chunked_compute", "fused_logprob"] = "hf"
+    # fused_chunked: Unsloth's fused cross-entropy (unsloth_fused_ce_loss), the head and the fp32 loss over chunks
+    # of at most 4 GiB of fp32 logits, the hidden states' gradient computed in forward (fused_chunked_loss_bytes)
+    loss: Literal["hf", "chunked_compute", "fused_logprob", "fused_chunked"] = "hf"
     kbit_upcast: bool = False  # peft prepare_model_for_kbit_training: non-quantised params to fp32
     lora_dtype: Literal["fp32", "compute"] = "fp32"  # peft autocasts adapters to fp32 by default
     fused_optimizer: bool = True  # adamw_torch_fused: no param-sized temporaries in the step
@@ -93,6 +104,12 @@ class Runtime(BaseModel):
     # Params4bit off the meta device, and DeepSpeed moves a model that ZeRO-3 did not build whole to the GPU.
     # A shard not listed loads the base in host memory and moves it to the GPUs one sharded layer at a time
     quantized_whole_on_gpu: tuple[str, ...] = ("zero3",)
+    # Unsloth's gradient checkpointing ("unsloth"): every checkpointed layer input but the last goes to pinned host
+    # memory, whatever offload_activations says (checkpointed_layers_on_gpu)
+    offloaded_checkpoints: bool = False
+    # Unsloth's Triton RMSNorm / RoPE / SwiGLU and, with lora_dropout 0, its LoRA autograd functions for q/k/v, o
+    # and the MLP: fewer saved tensors per layer (triton_kernel_parts)
+    triton_kernels: bool = False
 
 
 def stack_runtime(settings: Settings, **overrides: Any) -> Runtime:
@@ -343,7 +360,37 @@ def activation_parts_per_token(
         parts["qk_norms"] = 4 * (q + kv) + 4 * (heads + kv_heads) + (c * (q + kv) if full else 0)
     if keeps_bnb_inputs(settings, runtime):
         parts["bnb_inputs"] = bnb_input_bytes_per_token(spec, settings, input_requires_grad)
+    if runtime.triton_kernels and not full:
+        parts |= triton_kernel_parts(spec, settings, lora_names, input_requires_grad)
     return parts
+
+
+def triton_kernel_parts(
+    spec: ModelSpec, settings: Settings, lora_names: set[str], input_requires_grad: bool
+) -> dict[str, float]:
+    """What Unsloth's kernels save per token in place of the HF modules' tensors (unsloth/kernels @ 015bdef0):
+    its RMSNorm its input in the compute dtype and one fp32 rsqrt (rms_layernorm.py, l. 205); RoPE nothing of q
+    and k (rope_embedding.py); SwiGLU gate and up only. With lora_dropout 0 (patch_peft_model) LoRA_QKV saves
+    the one input of q/k/v, LoRA_W o's input and LoRA_MLP the MLP's input with gate and up (fast_lora.py, l. 110,
+    418, 612): no lora_A outputs, no silu(gate), no down_proj input. A projection group not fully adapted, or
+    dropout above 0, keeps peft's modules."""
+    c, h, q, inter = DTYPE_BYTES[settings.precision], spec.hidden_size, spec.q_size, spec.intermediate_size
+    experts = max(spec.num_experts_per_tok, 1) if spec.is_moe else 1
+    kernels = settings.lora_dropout == 0
+
+    def adapted(names: tuple[str, ...]) -> bool:
+        return kernels and all(name in lora_names for name in names)
+
+    norm = c * h + 4
+    out = {"attn_norm": norm if input_requires_grad else 0.0, "mlp_norm": norm, "gated_act": experts * 2 * c * inter}
+    if adapted(("q_proj", "k_proj", "v_proj")):
+        out["qkv_inputs"] = c * h if input_requires_grad else 0.0
+    if adapted(("o_proj",)):
+        # LoRA_W saves its input, the attention's output, which flash/sdpa saved already (a view); eager's is new
+        out["o_proj_input"] = c * q if settings.attn == "eager" else 0.0
+    if adapted(("gate_proj", "up_proj", "down_proj")):
+        out |= {"mlp_inputs": experts * c * h, "down_input": 0.0}
+    return out
 
 
 def fused_qkv_lora_bytes(
@@ -428,21 +475,32 @@ def checkpoint_bytes_per_layer(spec: ModelSpec, settings: Settings, runtime: Run
     return stream_dtype_bytes(settings, runtime) * spec.hidden_size * settings.tokens_per_micro_batch
 
 
-def checkpointed_layers_on_gpu(spec: ModelSpec, settings: Settings) -> int:
+def checkpointed_layers_on_gpu(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime()) -> int:
     """Layers whose checkpointed input is on the GPU at the end of the forward pass: all of them, or with
-    offload_activations (save_on_cpu around the forward) the one or two in flight to or from host memory."""
+    offload_activations (save_on_cpu around the forward) the one or two in flight to or from host memory, or
+    under Unsloth's checkpointing the last layer's input and its two reused copy buffers."""
+    if runtime.offloaded_checkpoints and settings.grad_ckpt and unsloth_offloads(spec, settings):
+        return min(spec.num_hidden_layers, UNSLOTH_LAYERS_ON_GPU)
     if settings.offload_activations and settings.grad_ckpt:
         return min(spec.num_hidden_layers, OFFLOAD_LAYERS_ON_GPU)
     return spec.num_hidden_layers
 
 
+def unsloth_offloads(spec: ModelSpec, settings: Settings) -> bool:
+    """Unsloth offloads a layer input only above 2 MiB (MINIMUM_SIZE, gradient_checkpointing.py l. 694): below
+    that, as for micro-batches of a few hundred tokens, every checkpoint stays on the GPU."""
+    return DTYPE_BYTES[settings.precision] * spec.hidden_size * settings.tokens_per_micro_batch > 2 * 2**20
+
+
 def offloaded_activation_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime()) -> float:
     """Pinned host memory offload_activations holds: every layer's checkpointed input (N x h x c each), copied
     out in forward and back in backward."""
-    if not (settings.offload_activations and settings.grad_ckpt):
+    unsloth = runtime.offloaded_checkpoints and unsloth_offloads(spec, settings)
+    if not ((settings.offload_activations or unsloth) and settings.grad_ckpt):
         return 0.0
     width = stream_dtype_bytes(settings, runtime)
-    return spec.num_hidden_layers * width * spec.hidden_size * settings.tokens_per_micro_batch
+    layers = spec.num_hidden_layers - (1 if unsloth else 0)  # Unsloth keeps the last
+    return layers * width * spec.hidden_size * settings.tokens_per_micro_batch
 
 
 # The share of the free host RAM the offloading savers may fill: the data loader, the tokenizer and pinned
@@ -473,7 +531,7 @@ def activation_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> f
     layer's input norm needs no grad, so it saves nothing."""
     layers = spec.num_hidden_layers
     if settings.grad_ckpt:
-        return checkpointed_layers_on_gpu(spec, settings) * checkpoint_bytes_per_layer(spec, settings, runtime)
+        return checkpointed_layers_on_gpu(spec, settings, runtime) * checkpoint_bytes_per_layer(spec, settings, runtime)
     first = activation_bytes_per_layer(spec, settings, runtime, input_requires_grad=settings.method == "full")
     rest = activation_bytes_per_layer(spec, settings, runtime)
     return first + (layers - 1) * rest
@@ -523,7 +581,7 @@ def previous_step_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -
     return logits + bnb_held_bytes(spec, settings, runtime)
 
 
-def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime, gpu_bytes: float | None = None) -> float:
     """Peak of the LM head and loss. transformers upcasts all logits to fp32 for the loss: in backward the
     saved log-softmax (4V), the gradient from nll_loss (4V) and the gradient it produces (4V) are alive
     together - 12 bytes x V per token, more than the whole model's activations for a 128k vocabulary.
@@ -540,6 +598,8 @@ def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float
         return 2 * c * vocab * n + c * vocab * chunk + backward_chunk
     if runtime.loss == "fused_logprob":
         return fused_head_bytes(spec, settings, runtime)
+    if runtime.loss == "fused_chunked":
+        return fused_chunked_loss_bytes(spec, settings, unsloth_chunk_target(spec, settings, runtime, gpu_bytes))
     # Gemma-2 soft-caps the logits (tanh(logits / 30) x 30) in the compute dtype: tanh keeps its output
     softcap = DTYPE_BYTES[settings.precision] * vocab * n if spec.logit_softcapping else 0
     return 12 * vocab * n + softcap + head_weight_cast_bytes(spec, settings, runtime)
@@ -593,6 +653,54 @@ def fused_head_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> f
     return c * h * scored + buffers + c * h * scored
 
 
+def unsloth_chunk_target(
+    spec: ModelSpec, settings: Settings, runtime: Runtime, gpu_bytes: float | None = None
+) -> float:
+    """The most fp32 logits one chunk of Unsloth's fused cross-entropy may hold: half the memory free when the
+    loss starts, at most 4 GiB (_get_chunk_multiplier). Free: the GPU's memory less the CUDA context, the weights,
+    adapters, optimizer states, gradients (accumulating), the saved activations and the gradient of the hidden
+    states the loss allocates; without a GPU, the 4 GiB cap."""
+    if gpu_bytes is None:
+        return UNSLOTH_CHUNK_TARGET_BYTES
+    used = (
+        runtime.cuda_context_gib * GIB
+        + weights_bytes(spec, settings, runtime)
+        + adapter_bytes(spec, settings, runtime)
+        + (0.0 if paged(settings) else optimizer_bytes(spec, settings, runtime))
+        + (gradient_bytes(spec, settings, runtime) if settings.grad_accum > 1 else 0.0)
+        + activation_bytes(spec, settings, runtime)
+        + head_saved_bytes(spec, settings, runtime)
+        + DTYPE_BYTES[settings.precision] * spec.hidden_size * settings.tokens_per_micro_batch
+    )
+    return min(max(gpu_bytes - used, 0.0) / 2, UNSLOTH_CHUNK_TARGET_BYTES)
+
+
+def unsloth_chunk_tokens(spec: ModelSpec, settings: Settings, target_bytes: float = UNSLOTH_CHUNK_TARGET_BYTES) -> int:
+    """Tokens in one chunk of Unsloth's fused cross-entropy: the micro-batch cut into as many chunks as keep each
+    chunk's fp32 logits under `target_bytes` (unsloth_chunk_target), rounded up to a multiple of 4
+    (get_chunk_size). Where nothing is free, one token a chunk: Unsloth itself stops there."""
+    n = settings.tokens_per_micro_batch
+    if target_bytes <= 0:
+        return 1
+    exact = 4 * spec.vocab_size * n / target_bytes
+    chunks = 1 if exact <= 1 else 4 * math.ceil(exact / 4)
+    return math.ceil(n / chunks)
+
+
+def fused_chunked_loss_bytes(
+    spec: ModelSpec, settings: Settings, target_bytes: float = UNSLOTH_CHUNK_TARGET_BYTES
+) -> float:
+    """Unsloth's fused cross-entropy (UnslothFusedLoss.forward): the gradient of the hidden states it fills in
+    forward (N x h x c, saved for backward) and one chunk at its peak, twice its fp32 logits (8 x V per token):
+    compute_fused_ce_loss upcasts the logits to fp32 and torch.func.grad_and_value, compiled, turns them into
+    their gradient, and Unsloth sizes a chunk's fp32 logits to half the free memory, so that the two fit.
+    Gemma-2's soft-capping keeps its tanh output too (c x V). Read from the source, not traced: Unsloth needs a
+    GPU; checked by the USC-* rows of `make bench-memory`."""
+    c, chunk = DTYPE_BYTES[settings.precision], unsloth_chunk_tokens(spec, settings, target_bytes)
+    per_token = (8 + (c if spec.logit_softcapping else 0)) * spec.vocab_size
+    return c * spec.hidden_size * settings.tokens_per_micro_batch + per_token * chunk
+
+
 def loss_chunk_tokens(settings: Settings) -> int:
     return min(settings.tokens_per_micro_batch, LOSS_CHUNK_TOKENS)
 
@@ -644,6 +752,11 @@ def recompute_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> fl
         in_flight = grad_buffer_bytes(spec, settings)
     elif compute_dtype_adapters_under_autocast(settings, runtime):
         in_flight = 4 * c * spec.hidden_size * settings.tokens_per_micro_batch
+    elif runtime.triton_kernels:
+        # Unsloth's LoRA_MLP.backward (fast_lora.py @ 015bdef0, l. 116-200): down_proj's input gradient DW
+        # (c x I; matmul_lora adds the LoRA product in place), the SwiGLU backward in place into DW, e and g, and
+        # the hidden-sized gradients (4c x h); read from the source, not traced
+        in_flight = (c * spec.intermediate_size + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
     else:
         in_flight = (5 * c * spec.intermediate_size + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
     return activation_bytes_per_layer(spec, settings, runtime) + in_flight
@@ -890,12 +1003,12 @@ def unsimulated_reserve_bytes(settings: Settings | None) -> float:
     return 0.0 if settings is not None and settings.expandable_segments else UNSIMULATED_RESERVE_BYTES
 
 
-def transient_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+def transient_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime, gpu_bytes: float | None = None) -> float:
     """The step's largest short-lived excursion, what `reserved_bytes` is fed: the fp32 logits and their
     gradients, the recomputed layer or the unfused optimizer step's temporaries, whichever is largest, plus the
     dequantised weight."""
     return max(
-        logits_bytes(spec, settings, runtime),
+        logits_bytes(spec, settings, runtime, gpu_bytes),
         recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else 0.0,
         optimizer_step_temp_bytes(spec, settings, runtime),
     ) + dequant_bytes(spec, settings, runtime)
@@ -942,8 +1055,11 @@ def device_bytes(reserved: float, settings: Settings, runtime: Runtime, paged_st
 
 
 # --- the sum ------------------------------------------------------------------------------------------------
-def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime()) -> tuple[dict[str, float], str]:
-    """Bytes per GPU of each part alive at the peak, and which phase the peak is in."""
+def breakdown(
+    spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime(), gpu_bytes: float | None = None
+) -> tuple[dict[str, float], str]:
+    """Bytes per GPU of each part alive at the peak, and which phase the peak is in; `gpu_bytes`, the GPU's
+    memory, where a loss sizes its chunks by what is free (Unsloth's)."""
     w_share, g_share, o_share = shard_factors(settings)
     weights_host, grads_host, optimizer_host = on_host(settings)  # offloaded: in host RAM, not on the GPU
     g_share, o_share = (0.0 if grads_host else g_share), (0.0 if optimizer_host else o_share)
@@ -961,7 +1077,7 @@ def breakdown(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtime())
 
     # Gradients exist during the forward pass only from the second micro-batch of an accumulation on.
     grads_in_forward = gradients if settings.grad_accum > 1 else 0.0
-    loss = logits_bytes(spec, settings, runtime)
+    loss = logits_bytes(spec, settings, runtime, gpu_bytes)
     layer_backward = (
         recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else grad_buffer_bytes(spec, settings, runtime)
     )
@@ -1036,8 +1152,9 @@ def estimate(
     """Peak allocated, reserved and device memory of one training step, per GPU, under the settings' stack
     (or `runtime`, where a caller describes a step itself)."""
     runtime = runtime or stack_runtime(settings)
-    parts, phase = breakdown(spec, settings, runtime)
-    transient = transient_bytes(spec, settings, runtime)
+    gpu_bytes = gpu.memory_gib * GIB if gpu else None
+    parts, phase = breakdown(spec, settings, runtime, gpu_bytes)
+    transient = transient_bytes(spec, settings, runtime, gpu_bytes)
     paged_state = optimizer_bytes(spec, settings, runtime) * shard_factors(settings)[2] if paged(settings) else 0.0
     return assemble(
         parts,

@@ -815,7 +815,7 @@ def step_defaults(
     values: Mapping[str, Any], spec: ModelSpec | None = None, gpu: GpuSpec | None = None, *, on_cpu: bool = False
 ) -> dict[str, Any]:
     """The step settings that are not set but follow from what is: quant from the method, lora_alpha from the
-    rank, the attention kernel from the model, the precision from the GPU (or the CPU)."""
+    rank, the stack's own defaults, the attention kernel from the model, the precision from the GPU (or the CPU)."""
     filled: dict[str, Any] = {}
     method = values.get("method") or BY_NAME["method"].default
     stored = spec.prequantized if spec is not None else None  # a pre-quantised checkpoint's base is as stored
@@ -827,6 +827,10 @@ def step_defaults(
         filled["lora_alpha"] = 2 * (values.get("lora_r") or BY_NAME["lora_r"].default)
     if values.get("attn") is None and spec is not None and "sdpa" not in spec.attention_implementations:
         filled["attn"] = spec.attention_implementations[0]
+    stack = stacks.catalog().get(values.get("stack") or BY_NAME["stack"].default)
+    for name, value in (stack.defaults if stack else {}).items():  # e.g. Unsloth's lora_dropout 0
+        if values.get(name) is None:
+            filled[name] = value
     if values.get("precision") is None:
         if on_cpu:
             filled["precision"] = "fp32"
@@ -839,7 +843,8 @@ def check_against(
     values: Mapping[str, Any], spec: ModelSpec | None = None, gpu: GpuSpec | None = None, *, on_cpu: bool = False
 ) -> None:
     """The rules that need the model or the device: its positions, its attention kernels, bf16 on the GPU."""
-    stacks.check({"stack": BY_NAME["stack"].default, "method": BY_NAME["method"].default} | _set(values))
+    family = spec.architecture if spec is not None else None
+    stacks.check({"stack": BY_NAME["stack"].default, "method": BY_NAME["method"].default} | _set(values), family)
     attn, precision = values.get("attn"), values.get("precision")
     if spec is not None:
         spec.check_seq_len(values.get("seq_len"))
@@ -1036,6 +1041,12 @@ def validate(command: Command, values: Mapping[str, Any], source: str = "", from
     """Check the settings of `command` with every declared type, bound and rule; one line naming the setting and
     its value when something is wrong. `source` names the file the values came from, except `from_flags`."""
     known = config_keys(command)
+    if command == "train" and values.get("stack") not in (None, "lorafit"):
+        stack = stacks.resolve(values["stack"])
+        instead = stack.estimate_only or f"run it with {stack.title}, or drop stack for lorafit's own trainer"
+        raise InvalidConfig(
+            f"stack {stack.name}: lorafit plans and estimates it only, lorafit train runs its own trainer; {instead}"
+        )
     for key in values:
         if key not in known:
             where = f"{source}: " if source and key not in from_flags else ""

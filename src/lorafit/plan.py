@@ -578,6 +578,8 @@ def under_other_trainers(request: PlanRequest, chosen: Settings, gpu: GpuSpec) -
         lacks = {saver for saver in SAVERS if saver not in stack.savers} | {"kbit_prep"}
         given = {name: value for name, value in request.given.items() if name not in lacks}
         try:
+            # the stack's own refusals (its bases, methods, shards, model families)
+            stacks.check(given | {"stack": stack.name, "method": request.method}, request.model.architecture)
             there = request.model_copy(update={"fixed": Settings.given(given | {"stack": stack.name})})
             tried = candidates(there, gpu, chosen.seq_len, n_gpus=chosen.n_gpus, shard=chosen.shard)
         except LorafitError:

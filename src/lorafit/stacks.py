@@ -33,6 +33,12 @@ class StackSpec(BaseModel):
     quant: tuple[str, ...]
     savers: tuple[str, ...] = ()
     peft: bool = True  # adapters come from peft, so peft's kbit preparation applies
+    # the shards it runs on several GPUs and the model families whose step it patches; empty: all of lorafit's
+    shards: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ()
+    families: tuple[str, ...] = ()
+    defaults: dict[str, Any] = Field(default_factory=dict)  # settings the stack's own API defaults differently
+    estimate_only: str = ""  # what to use instead of `lorafit train`, for a stack whose step needs its own package
     runtime: dict[str, Any] = Field(default_factory=dict)
     qlora_runtime: dict[str, Any] = Field(default_factory=dict)
     lora_runtime: dict[str, Any] = Field(default_factory=dict)
@@ -82,11 +88,27 @@ def for_config_of(name: str) -> tuple[str, str | None]:
     )
 
 
-def check(values: Mapping[str, Any]) -> None:
+def check(values: Mapping[str, Any], family: str | None = None) -> None:
     """Refuse settings the stack cannot run, in one line naming what works. `values` are the settings that are
     set, with at least `stack` and `method` (the option rules fill their defaults), so that a plan's pinned
-    settings are checked as a whole step's."""
+    settings are checked as a whole step's; `family`: the model's architecture, where it is known."""
     stack = resolve(values["stack"])
+    if family is not None and stack.families and family not in stack.families:
+        raise InvalidConfig(
+            f"stack {stack.name} patches the step of {', '.join(stack.families)} models, not {family}; "
+            "choose one of those or another stack (`lorafit stacks`)"
+        )
+    if stack.methods and values["method"] not in stack.methods:
+        raise InvalidConfig(
+            f"method {values['method']}: stack {stack.name} is modelled for method {' or '.join(stack.methods)}; "
+            "choose that or another stack (`lorafit stacks`)"
+        )
+    shard = values.get("shard")
+    if stack.shards and shard not in (None, "none", *stack.shards):
+        raise InvalidConfig(
+            f"shard {shard}: stack {stack.name} runs on several GPUs only with {' or '.join(stack.shards)}; "
+            "choose that or another stack (`lorafit stacks`)"
+        )
     quant = values.get("quant") or default_quant(values["method"])
     if quant != "none" and quant not in stack.quant:
         can = " or ".join(stack.quant) if stack.quant else "none (no quantised base)"

@@ -465,10 +465,13 @@ def host_copy_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec, compute
     row_bytes = c * spec.hidden_size * settings.tokens_per_micro_batch
     rate = host_link_bytes_per_second(gpu)
     seconds = 0.0
-    if settings.offload_activations and settings.grad_ckpt:
+    runtime = memory.stack_runtime(settings)
+    # Unsloth's checkpointing copies the layer inputs out and back on a side stream the same way
+    unsloth = runtime.offloaded_checkpoints and memory.unsloth_offloads(spec, settings)
+    if (settings.offload_activations or unsloth) and settings.grad_ckpt:
         transfer = 2 * spec.num_hidden_layers * row_bytes / rate
         seconds += max(0.0, transfer - OFFLOAD_OVERLAP * compute_seconds)
-    if memory.offloaded_embedding_bytes(spec, settings, memory.stack_runtime(settings)):
+    if memory.offloaded_embedding_bytes(spec, settings, runtime):
         seconds += row_bytes / rate
     return seconds
 
