@@ -174,7 +174,10 @@ def test_the_trainers_line_only_when_the_trainer_changes_the_verdict(capsys: pyt
     code, out, _ = run_cli(["plan", "--model", "llama-3.1-8b", "--vram", "8"], capsys)
     out = " ".join(out.split())
     assert code == 0 and "fits, tightly, on 8 GB GPU" in out
-    assert "trainers: fits with lorafit's own trainer" in out and "with trl it needs" in out
+    assert (
+        "trainers: fits with lorafit's own trainer (7.11 of 7.20 GiB); not with unsloth (" in out
+        and "trl (8.97 GiB)" in out
+    )
     code, out, _ = run_cli(["plan", "--model", "llama-3.1-8b", "--gpu", "RTX 4090"], capsys)
     out = " ".join(out.split())
     assert code == 0 and "trainers:" not in out and "tight" not in out

@@ -142,24 +142,20 @@ def stack_title(stack: str) -> str:
 
 
 def trainers_line(plan: Plan) -> str | None:
-    """One line when the trainer changes the verdict: which trainers the step fits with, what the others need."""
-    if plan.gpu is None or not plan.trainers:
+    """One line when the trainer changes the verdict: the plan's trainer, those the job fits with, those it does not."""
+    if plan.gpu is None or not plan.trainers or all(bool(t.fits) == plan.fits for t in plan.trainers):
         return None
-    fitting = [t for t in plan.trainers if t.fits]
-    if all(bool(t.fits) == plan.fits for t in plan.trainers):
-        return None
-    others = ", ".join(
-        f"with {stack_title(t.stack)} {'it fits in' if t.fits else 'it needs'} {t.peak_device_gib:.2f} GiB"
-        for t in sorted(plan.trainers, key=lambda t: t.peak_device_gib)
-    )
     usable = plan.gpu.usable_gib(plan.estimate.headroom)
-    mine = stack_title(plan.settings.stack)
-    head = (
-        f"fits with {mine}"
-        if plan.fits
-        else f"does not fit with {mine}; fits with " + ", ".join(stack_title(t.stack) for t in fitting)
+    ranked = sorted(plan.trainers, key=lambda t: t.peak_device_gib)
+    line = (
+        f"trainers: {'fits' if plan.fits else 'does not fit'} with {stack_title(plan.settings.stack)} "
+        f"({plan.estimate.peak_device_gib:.2f} of {usable:.2f} GiB)"
     )
-    return f"trainers: {head} ({plan.estimate.peak_device_gib:.2f} of {usable:.2f} GiB); {others}"
+    if fitting := [f"{stack_title(t.stack)} ({t.peak_device_gib:.2f} GiB)" for t in ranked if t.fits]:
+        line += "; fits with " + ", ".join(fitting)
+    if missing := [f"{stack_title(t.stack)} ({t.peak_device_gib:.2f} GiB)" for t in ranked if not t.fits]:
+        line += "; not with " + ", ".join(missing)
+    return line
 
 
 def tight_line(plan: Plan) -> str:
