@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from lorafit import hardware, models
+from lorafit import hardware, models, stacks
 from lorafit.errors import LorafitError
 from lorafit.memory import GIB, Runtime
 from lorafit.models import ModelSpec
@@ -1075,8 +1075,9 @@ def print_report(report: Report, competitor_names: list[str], seconds: float) ->
         f"  Per stack, check figures (issue 28: the offered stacks median <= {TARGET_MEDIAN_PCT} %, worst <= "
         f"{STACK_WORST_PCT} %, never under by more than {STACK_UNDER_PCT} %):"
     )
+    offered = {stack.name for stack in stacks.offered()}
     for stack, numbers in by_stack.items():
-        print(f"    {stack:<13} {stack_line(numbers)}")
+        print(f"    {stack:<13} {stack_line(numbers)}{'' if stack in offered else ' (not offered by --stack)'}")
     print(
         f"  Fit rows ({len({f.row_id for f in fit})} rows, {len(fit)} figures; used to fit a constant or choose a "
         "runtime term, so their error shows the fit, not the accuracy)"

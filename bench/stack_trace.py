@@ -7,6 +7,8 @@
   SFTConfig's defaults (bf16, gradient checkpointing, adamw_torch_fused, the fused LM head of `add_fused_lm_head`);
 - peft-kbit: transformers' `Trainer` after peft's `prepare_model_for_kbit_training` and `get_peft_model`, with
   `bf16=True` and gradient checkpointing (the recipe of the peft and transformers QLoRA guides);
+- peft-kbit loop: the same preparation in the peft QLoRA scripts' plain PyTorch loop - non-reentrant checkpointing,
+  `enable_input_require_grads`, `torch.optim.AdamW`, no autocast - against `--no-autocast --no-fused-optimizer`;
 
 two optimizer steps of `Trainer.train()`, under lorafit's LiveTensorTracker, and prints the traced peak of live
 tensor bytes beside `memory.estimate(spec, settings, runtime=memory.stack_runtime(settings))`.
