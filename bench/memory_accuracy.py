@@ -63,6 +63,9 @@ GB = 10**9
 MIB = 2**20
 TARGET_MEDIAN_PCT = 5.0
 TARGET_WORST_PCT = 15.0
+# issue 28's acceptance for the stacks `--stack` offers, on check rows: worst |error| and worst under-prediction
+STACK_WORST_PCT = 12.0
+STACK_UNDER_PCT = 5.0
 
 Metric = Literal["allocated", "reserved", "device"]
 METRICS: tuple[Metric, ...] = ("allocated", "reserved", "device")
@@ -354,6 +357,10 @@ HF_TRAINER = dict(loss="hf", lora_dtype="fp32", kbit_upcast=False, fused_optimiz
 #   the TRL baseline rows (FMS-06/07/09, framework_config baseline-peft-bnb) get fp32_norms (ROW_SETUP below).
 QUANTIZED_EXTRAS = {
     "LGC": dict(bnb_saves_input=True, quantized_head=True, dequant_copies=2),
+    # lit-gpt @8641822 (LGR rows, 2023): bitsandbytes 0.41.1's MatMul4Bit keeps `ctx.tensors = (A, B)` as 0.42
+    # does, and lightning @71aed751's BitsandbytesPrecision quantises every nn.Linear (no ignore_modules given)
+    # from an fp16 copy (`_quantize_weight`)
+    "LGR": dict(bnb_saves_input=True, quantized_head=True, dequant_copies=2),
 }
 TRL_KBIT = dict(fp32_norms=True)
 
@@ -368,6 +375,7 @@ FRAMEWORK_OF_PREFIX = {
     "TTD": TORCHTUNE,
     "TAO": TORCHTUNE,
     "LGC": LITGPT,
+    "LGR": LITGPT,
     "PFD": HF_TRAINER,
     "PFR": HF_TRAINER,
     "FMS": HF_TRAINER,
@@ -494,6 +502,29 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
     "LGC-15": dict(settings=dict(lora_dropout=0.05, grad_accum=8)),
     "LGC-16": dict(settings=dict(lora_dropout=0.05, grad_accum=4, double_quant=False)),
     "LGC-17": dict(settings=dict(grad_accum=8)),
+    # lit-gpt @8641822 finetune/lora.py (tutorials/resource-tables.md, LGR rows): r8 alpha16 dropout 0.05 on
+    # query,value, gradient accumulation 128 / micro batch. Its get_batch puts the longest sample into the first
+    # micro-batch (`ix[0] = longest_seq_ix` when iter_num == 0) and pads the batch to it, so the step at that
+    # length is the first one: no previous micro-batch's logits and graph are held (keeps_previous_step); every
+    # later batch is a random, shorter one
+    **{
+        f"LGR-{index:02d}": dict(
+            settings=dict(lora_dropout=0.05, grad_accum=128 // micro_batch, double_quant=double_quant),
+            runtime=dict(keeps_previous_step=False),
+            notes=["the longest sample's step is the first (lit-gpt @8641822 get_batch): no previous micro-batch held"],
+        )
+        for index, micro_batch, double_quant in (
+            (1, 1, False),
+            (2, 1, False),
+            (3, 1, True),
+            (4, 2, False),
+            (5, 4, False),
+            (6, 1, False),
+            (7, 1, False),
+            (8, 1, True),
+            (9, 2, False),
+        )
+    },
     # peft docs (examples/sft/train.py flags quoted in the notes): dropout 0.1, AC, flash attention, packing
     "PFD-01": dict(
         settings=dict(lora_dropout=0.1, grad_accum=4, shard="zero3"),
@@ -691,6 +722,7 @@ class Figure:
     predicted_bytes: float
     notes: list[str]
     split: str = "check"  # the row's split; "machine" for the rows measured here (not in the CSV)
+    stack: str = ""  # the trainer the row ran (the CSV's `stack` column)
     competitors: dict[str, float | str] = field(default_factory=dict)  # bytes, or the reason there is none
 
     @property
@@ -728,7 +760,9 @@ def lorafit_figures_gib(mapping: Mapping) -> dict[str, float]:
 def figures_of(row: Row, mapping: Mapping) -> list[Figure]:
     assert row.peak is not None and row.unit is not None and row.metric in ESTIMATE_FIELD
     name, unit_bytes = row.unit
-    common = dict(row_id=row.id, model=row.model, method=row.method, notes=mapping.notes, split=row.split)
+    common = dict(
+        row_id=row.id, model=row.model, method=row.method, notes=mapping.notes, split=row.split, stack=row.raw["stack"]
+    )
     figures = [
         Figure(
             label=row.id,
@@ -1054,6 +1088,14 @@ def print_report(
     for method, numbers in by_method.items():
         if numbers["n"]:
             print(f"    {method:<5} {summary_line(numbers)}")
+    by_stack = per_stack(check)
+    print(
+        f"  Per stack, check figures (issue 28: the offered stacks median <= {TARGET_MEDIAN_PCT} %, worst <= "
+        f"{STACK_WORST_PCT} %, never under by more than {STACK_UNDER_PCT} %):"
+    )
+    offered = {stack.name for stack in stacks.offered()}
+    for stack, numbers in by_stack.items():
+        print(f"    {stack:<13} {stack_line(numbers)}{'' if stack in offered else ' (not offered by --stack)'}")
     print(
         f"  Fit rows ({len({f.row_id for f in fit})} rows, {len(fit)} figures; used to fit a constant or choose a "
         "runtime term, so their error shows the fit, not the accuracy)"
@@ -1085,6 +1127,7 @@ def print_report(
         "machine": on_machine,
         "lorafit": summary([figure.error_pct for figure in report.figures]),
         "lorafit_by_method_check": by_method,
+        "lorafit_by_stack_check": by_stack,
         "competitors_check": competitors_summary,
         "rows_scored": rows_scored,
         "figures_scored": len(report.figures),
@@ -1094,6 +1137,30 @@ def print_report(
 def per_metric(figures: list[Figure]) -> dict[str, dict[str, float | int]]:
     """The summary of each metric's figures: allocated, reserved and device (nvidia-smi) apart."""
     return {metric: summary([figure.error_pct for figure in figures if figure.metric == metric]) for metric in METRICS}
+
+
+def per_stack(figures: list[Figure]) -> dict[str, dict[str, Any]]:
+    """Each trainer's figures apart, with the worst under-prediction (the unsafe direction) and the verdict
+    against the offered stacks' target (issue 28)."""
+    found: dict[str, dict[str, Any]] = {}
+    for stack in sorted({figure.stack for figure in figures}):
+        errors = [figure.error_pct for figure in figures if figure.stack == stack]
+        numbers: dict[str, Any] = dict(summary(errors))
+        numbers["worst_under_pct"] = round(min(0.0, *errors), 2)
+        numbers["meets_target"] = (
+            numbers["median_abs_pct"] <= TARGET_MEDIAN_PCT
+            and numbers["worst_abs_pct"] <= STACK_WORST_PCT
+            and numbers["worst_under_pct"] >= -STACK_UNDER_PCT
+        )
+        found[stack] = numbers
+    return found
+
+
+def stack_line(numbers: dict[str, Any]) -> str:
+    return (
+        f"{numbers['n']:>3} figures: median |err| {numbers['median_abs_pct']} %, worst {numbers['worst_abs_pct']} %, "
+        f"worst under {numbers['worst_under_pct']} % -> {'meets' if numbers['meets_target'] else 'misses'} the target"
+    )
 
 
 def summary_line(numbers: dict[str, float | int]) -> str:

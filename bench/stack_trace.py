@@ -7,6 +7,8 @@
   SFTConfig's defaults (bf16, gradient checkpointing, adamw_torch_fused, the fused LM head of `add_fused_lm_head`);
 - peft-kbit: transformers' `Trainer` after peft's `prepare_model_for_kbit_training` and `get_peft_model`, with
   `bf16=True` and gradient checkpointing (the recipe of the peft and transformers QLoRA guides);
+- peft-kbit loop: the same preparation in the peft QLoRA scripts' plain PyTorch loop - non-reentrant checkpointing,
+  `enable_input_require_grads`, `torch.optim.AdamW`, no autocast - against `--no-autocast --no-fused-optimizer`;
 
 two optimizer steps of `Trainer.train()`, under lorafit's LiveTensorTracker, and prints the traced peak of live
 tensor bytes beside `memory.estimate(spec, settings, runtime=memory.stack_runtime(settings))`.
@@ -57,14 +59,28 @@ class Case:
     model: str  # a catalog name, or a label for a small shape
     spec: ModelSpec
     settings: Settings
+    # peft-kbit's classic recipe in a plain PyTorch loop: prepare_model_for_kbit_training with non-reentrant
+    # checkpointing, enable_input_require_grads, get_peft_model, torch.optim.AdamW, no autocast
+    loop: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.stack} loop" if self.loop else self.stack
 
     @property
     def name(self) -> str:
         s = self.settings
         return (
-            f"{self.stack} {self.kind} {self.model} {s.method} b{s.micro_batch}x{s.seq_len}"
+            f"{self.label} {self.kind} {self.model} {s.method} b{s.micro_batch}x{s.seq_len}"
             f" {'ckpt' if s.grad_ckpt else 'no-ckpt'}"
         )
+
+    @property
+    def estimate_settings(self) -> Settings:
+        """The settings a user of this step passes: the plain loop runs without autocast, foreach AdamW."""
+        if self.loop:
+            return self.settings.model_copy(update={"stack": self.stack, "autocast": False, "fused_optimizer": False})
+        return self.settings.model_copy(update={"stack": self.stack})
 
     @property
     def device(self) -> Literal["cuda", "cpu"]:
@@ -106,6 +122,14 @@ def cases() -> list[Case]:
             for method in ("qlora", "lora"):
                 for ckpt in (True, False):
                     found.append(Case(stack, "cpu", label, spec, settings(method, micro_batch, seq_len, ckpt)))
+    for name, (micro_batch, seq_len) in (("llama-2-7b", (1, 2048)), ("llama-3.1-8b", (4, 512))):
+        for ckpt in (True, False):
+            found.append(
+                Case("peft-kbit", "fake", name, resolve(name), settings("qlora", micro_batch, seq_len, ckpt), True)
+            )
+    for ckpt in (True, False):
+        spec = small(256, 2, 4096, 704)
+        found.append(Case("peft-kbit", "cpu", "small-a", spec, settings("qlora", 2, 256, ckpt), True))
     return found
 
 
@@ -382,6 +406,40 @@ def watch(trainer: Any, tracker: Any) -> None:
     trainer.add_callback(Labels())
 
 
+def plain_loop(case: Case, model: Any, tracker: Any) -> None:
+    """peft's classic QLoRA recipe in a plain PyTorch loop (the peft QLoRA notebooks and many scripts): kbit
+    preparation with non-reentrant checkpointing, enable_input_require_grads, get_peft_model,
+    torch.optim.AdamW (foreach), no autocast; `run_training_steps` is that loop (forward, backward, clip, step)."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    from lorafit.trace.model import parameter_tensors
+    from lorafit.trace.step import run_training_steps, token_batch
+    from lorafit.trace.tracker import PARAMETERS
+    from lorafit.train import hf_args
+
+    ckpt = case.settings.grad_ckpt
+    model = prepare_model_for_kbit_training(
+        model, use_gradient_checkpointing=ckpt, gradient_checkpointing_kwargs={"use_reentrant": False}
+    )
+    model.enable_input_require_grads()
+    model = get_peft_model(model, LoraConfig(**hf_args.lora_kwargs(case.spec, case.settings)))
+    model.train()
+    for tensor in parameter_tensors(model):
+        tracker.track(tensor, PARAMETERS)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    s = case.settings
+    run_training_steps(
+        model,
+        optimizer,
+        s,
+        tracker,
+        token_batch(case.spec.vocab_size, s.micro_batch, s.seq_len),
+        steps=STEPS,
+        autocast=False,
+    )
+
+
 def run(case: Case, model_dir: Path | None = None) -> Traced:
     """Two steps of the stack's own `train()` under the tracker: fake tensors (model_dir None) or the real
     model saved in `model_dir` on the CPU."""
@@ -408,17 +466,24 @@ def run(case: Case, model_dir: Path | None = None) -> Traced:
             stack.enter_context(eager_data_checks())
             stack.enter_context(masks_read_from_data())
             stack.enter_context(model_stays_put())
-        trainer = make_trainer(case, model, Path(tmp))
-        watch(trainer, tracker)
-        if cuda:
-            stack.enter_context(cuda_kernel_choices())
-            if case.stack == "trl":
-                stack.enter_context(cuda_fused_head())
-        stack.enter_context(tracker)
-        if fake:
-            stack.enter_context(data_standins())
-        with torch.autograd.graph.saved_tensors_hooks(tracker.pack_saved, lambda tensor: tensor):
-            trainer.train()
+        if case.loop:
+            if cuda:
+                stack.enter_context(cuda_kernel_choices())
+            if fake:
+                stack.enter_context(data_standins())
+            plain_loop(case, model, tracker)
+        else:
+            trainer = make_trainer(case, model, Path(tmp))
+            watch(trainer, tracker)
+            if cuda:
+                stack.enter_context(cuda_kernel_choices())
+                if case.stack == "trl":
+                    stack.enter_context(cuda_fused_head())
+            stack.enter_context(tracker)
+            if fake:
+                stack.enter_context(data_standins())
+            with torch.autograd.graph.saved_tensors_hooks(tracker.pack_saved, lambda tensor: tensor):
+                trainer.train()
     phase, snapshot = tracker.peak
     return Traced(
         snapshot.total_bytes,
@@ -454,7 +519,7 @@ def trace(case: Case) -> Traced:
 
 def estimate_bytes(case: Case) -> tuple[float, str]:
     """lorafit's analytic allocated peak for the case under `--stack`, and its phase."""
-    settings = case.settings.model_copy(update={"stack": case.stack})
+    settings = case.estimate_settings
     runtime = memory.stack_runtime(settings, device=case.device)
     parts, phase = memory.breakdown(case.spec, settings, runtime)
     return sum(parts.values()), phase
@@ -477,7 +542,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         and fnmatch.fnmatch(case.name, args.cases)
     ]
     print("each stack's own training step, traced, against lorafit's estimate under --stack (allocated peak)")
-    print(f"{'stack':9} {'kind':4} {'model':13} {'settings':22} {'traced':>10} {'estimate':>10} {'error':>7}  phases")
+    print(f"{'stack':14} {'kind':4} {'model':13} {'settings':22} {'traced':>10} {'estimate':>10} {'error':>7}  phases")
     results = []
     if args.layers:
         wanted = [
@@ -493,7 +558,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         shown = f"{s.method} {s.micro_batch}x{s.seq_len} {'ckpt' if s.grad_ckpt else 'no-ckpt'}"
         unit, scale = ("GiB", GIB) if case.kind == "fake" else ("MiB", 2**20)
         print(
-            f"{case.stack:9} {case.kind:4} {case.model:13} {shown:22} {traced.peak_bytes / scale:6.3f} {unit}"
+            f"{case.label:14} {case.kind:4} {case.model:13} {shown:22} {traced.peak_bytes / scale:6.3f} {unit}"
             f" {predicted / scale:6.3f} {unit} {error:+6.2f}%  {traced.phase} / {phase}",
             flush=True,
         )
@@ -501,7 +566,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             print("   traced:", {k: round(v / scale, 3) for k, v in traced.breakdown.items()})
             top = sorted(traced.phase_peaks.items(), key=lambda item: -item[1])[:8]
             print("   phases:", "; ".join(f"{p.split(': ', 1)[1]} {v / scale:.3f}" for p, v in top))
-            settings = case.settings.model_copy(update={"stack": case.stack})
+            settings = case.estimate_settings
             parts, _ = memory.breakdown(case.spec, settings, memory.stack_runtime(settings, device=case.device))
             print("   lorafit:", {k: round(v / scale, 3) for k, v in parts.items() if v})
         results.append(
@@ -536,7 +601,7 @@ def result_row(
     """One case of bench/results/stacks*.json: the traced peak beside lorafit's estimate."""
     return dict(
         case=case.name,
-        stack=case.stack,
+        stack=case.label,
         model=case.model,
         spec=spec,
         settings=settings,

@@ -84,16 +84,52 @@ def test_peft_kbit_qlora_adds_the_fp32_upcast_terms(grad_ckpt: bool) -> None:
     in fp32 (3 x 2 more bytes x I per token and layer) and with checkpointing each layer's saved input is fp32
     (2 more bytes x h); and the head's matmul saves a bf16 copy of its fp32 weight (2 x V x h) through the loss."""
     spec = resolve("llama-3.1-8b")
-    n, layers = 2048, spec.num_hidden_layers
+    n, layers, h = 2048, spec.num_hidden_layers, spec.hidden_size
     settings = dict(method="qlora", quant="nf4", micro_batch=1, seq_len=n, grad_ckpt=grad_ckpt)
     ours, ours_phase = allocated("llama-3.1-8b", "lorafit", **settings)
     kbit, kbit_phase = allocated("llama-3.1-8b", "peft-kbit", **settings)
     assert ours_phase == kbit_phase == "loss (LM head backward)"
     not_packed = spec.num_params - layers * spec.layer_linear_params
     upcast = not_packed * (4 - C)
-    stream = layers * n * (2 * spec.hidden_size if grad_ckpt else 3 * (4 - C) * spec.intermediate_size)
-    head_copy = C * spec.vocab_size * spec.hidden_size
+    stream = layers * n * (2 * h if grad_ckpt else 3 * (4 - C) * spec.intermediate_size)
+    head_copy = C * spec.vocab_size * h
     assert kbit - ours == pytest.approx(upcast + stream + head_copy)
+
+
+def test_peft_kbit_without_autocast_keeps_the_attention_in_fp32() -> None:
+    """The peft QLoRA recipe in a plain loop (--no-autocast): bitsandbytes hands q, k and v back in the fp32
+    stream's dtype and nothing casts them down, so SDPA saves q, k, v and its output in fp32. Against the same
+    step with a bf16 stream, a layer saves per token 2 more bytes for each of q, k (GQA: kv wide), v and the
+    output, plus SwiGLU's three intermediate-sized tensors in fp32 (3 x 2 x I)."""
+    spec = resolve("llama-3.1-8b")
+    chosen = Settings(method="qlora", micro_batch=1, seq_len=1024, grad_ckpt=False, autocast=False, stack="peft-kbit")
+    fp32 = memory.stack_runtime(chosen)
+    bf16 = fp32.model_copy(update={"fp32_stream": False})
+    per_token = 2 * (2 * spec.q_size + 2 * spec.kv_size) + 3 * (4 - C) * spec.intermediate_size
+    extra = memory.activation_bytes_per_layer(spec, chosen, fp32) - memory.activation_bytes_per_layer(
+        spec, chosen, bf16
+    )
+    assert extra == pytest.approx(per_token * 1024)
+    # under autocast (the Trainer's bf16=True) the attention runs in bf16: only SwiGLU's tensors stay fp32
+    mixed = chosen.model_copy(update={"autocast": True})
+    fp32, bf16 = memory.stack_runtime(mixed), memory.stack_runtime(mixed).model_copy(update={"fp32_stream": False})
+    extra = memory.activation_bytes_per_layer(spec, mixed, fp32) - memory.activation_bytes_per_layer(spec, mixed, bf16)
+    assert extra == pytest.approx(3 * (4 - C) * spec.intermediate_size * 1024)
+
+
+def test_the_peft_kbit_plain_loop_keeps_the_first_layers_input_gradient() -> None:
+    """The peft QLoRA scripts' loop calls enable_input_require_grads: without checkpointing the first layer then
+    saves what every other layer does, its input norm's fp32 input and rsqrt (4h + 4) and the q, k, v adapters'
+    dropout masks (1 byte x h each). The Trainer's path (autocast) calls it only with checkpointing."""
+    spec = resolve("llama-2-7b")
+    n, h = 2048, spec.hidden_size
+    settings = dict(method="qlora", quant="nf4", micro_batch=1, seq_len=n, grad_ckpt=False, autocast=False)
+    loop, phase = allocated("llama-2-7b", "peft-kbit", **settings)
+    chosen = Settings(**settings).model_copy(update={"stack": "peft-kbit"})
+    without = memory.stack_runtime(chosen).model_copy(update={"input_grads": False})
+    assert phase == "loss (LM head backward)"
+    assert loop - sum(memory.breakdown(spec, chosen, without)[0].values()) == pytest.approx(n * (4 * h + 4 + 3 * h))
+    assert not memory.stack_runtime(chosen.model_copy(update={"autocast": None})).input_grads
 
 
 def test_peft_kbit_over_a_16_bit_base_is_lorafits_step() -> None:
@@ -122,6 +158,21 @@ def stack_trace():
         yield importlib.import_module("stack_trace")
     finally:
         sys.path.remove(str(BENCH))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grad_ckpt", [True, False])
+def test_the_peft_kbit_plain_loop_estimate_is_within_2_percent_of_its_cpu_step(grad_ckpt: bool, stack_trace) -> None:
+    """The peft QLoRA recipe's own plain loop (kbit preparation with non-reentrant checkpointing,
+    enable_input_require_grads, torch.optim.AdamW, no autocast) on a small random Llama (2 layers, hidden 256,
+    real 4-bit base, 2 x 256 tokens) on the CPU, against `--stack peft-kbit --no-autocast --no-fused-optimizer`."""
+    name = f"peft-kbit loop cpu small-a qlora b2x256 {'ckpt' if grad_ckpt else 'no-ckpt'}"
+    (case,) = [case for case in stack_trace.cases() if case.name == name]
+    traced = stack_trace.trace(case)
+    predicted, _ = stack_trace.estimate_bytes(case)
+    assert predicted == pytest.approx(traced.peak_bytes, rel=0.02), (
+        f"estimate {predicted / 2**20:.1f} MiB, traced {traced.peak_bytes / 2**20:.1f} MiB ({traced.phase})"
+    )
 
 
 @pytest.mark.slow

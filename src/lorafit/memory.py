@@ -78,6 +78,10 @@ class Runtime(BaseModel):
     # gate and up come out fp32 and SwiGLU saves its three tensors in fp32 (autocast runs only the matmuls and
     # the attention in the compute dtype)
     fp32_stream: bool = False
+    # transformers' enable_input_require_grads (peft's kbit preparation with reentrant checkpointing, and the peft
+    # QLoRA scripts' own call in their plain loops): the embeddings' output requires grad, so the first layer saves
+    # for backward what every other layer does (its input norm, its adapters' dropout masks)
+    input_grads: bool = False
     # bitsandbytes before 0.43.2 kept each 4/8-bit layer's input for backward as a ctx attribute
     # (`ctx.tensors = (A, B)`): it lives as long as the graph does, not only until that layer's backward
     bnb_saves_input: bool = False
@@ -127,6 +131,10 @@ def stack_runtime(settings: Settings, **overrides: Any) -> Runtime:
         # peft's preparation upcasts every non-quantised parameter, the norms' weights and the embeddings too, to
         # fp32: the norms' outputs and with them the residual stream are fp32 (Runtime.fp32_norms, fp32_stream)
         fields["kbit_upcast"] = fields["fp32_norms"] = fields["fp32_stream"] = settings.kbit_prep
+    if settings.autocast is False and fields.get("kbit_upcast"):
+        # a plain loop over peft's kbit preparation (the peft QLoRA scripts) calls enable_input_require_grads; the
+        # Trainer's path calls it only with checkpointing, where the first layer's recompute counts it anyway
+        fields["input_grads"] = True
     return Runtime(**(fields | overrides))
 
 
@@ -318,17 +326,18 @@ def activation_parts_per_token(
     attn_linears = spec.attention_linears()
     qkv = {name: dims for name, dims in attn_linears.items() if name != "o_proj"}
     out_proj = {"o_proj": attn_linears["o_proj"]}
+    a = attention_dtype_bytes(settings, runtime)
     # eager (and litgpt always) repeats k/v to every head before the attention
     kv_saved = q if settings.attn == "eager" or runtime.fused_qkv else kv
     # litgpt without head groups: v is a view of the fused qkv output, which it keeps alive whole
-    v_saved = c * (q + 2 * kv) if runtime.fused_qkv and heads == spec.num_key_value_heads else c * kv_saved
+    v_saved = c * (q + 2 * kv) if runtime.fused_qkv and heads == spec.num_key_value_heads else a * kv_saved
     if settings.attn == "eager":
         # q and k for QK^T, fp32 softmax output, its bf16 cast for the AV matmul, v for the AV matmul; Gemma-2's
         # soft-capping (tanh(scores / cap) x cap) also keeps the tanh output
         scores = (4 + c + (c if spec.logit_softcapping else 0)) * heads * settings.seq_len
-        attention = c * (q + kv_saved) + scores + v_saved
+        attention = a * (q + kv_saved) + scores + v_saved
     else:
-        attention = c * (q + kv_saved) + v_saved + c * q + 4 * heads
+        attention = a * (q + kv_saved) + v_saved + a * q + 4 * heads
     if spec.arch.fused_qkv and not runtime.fused_qkv:
         # a fused qkv_proj (Phi-3's): v is a view of that output, so the saved v keeps all q + 2 kv columns alive
         attention += c * (q + kv)
@@ -463,6 +472,23 @@ def swiglu_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
     return DTYPE_BYTES[settings.precision]
 
 
+def attention_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
+    """The dtype the attention saves q, k, v and its output in: the compute dtype, or fp32 when peft's kbit
+    preparation made the residual stream fp32 and no autocast casts the attention's inputs down - bitsandbytes
+    hands q, k and v back in their fp32 input's dtype (`Linear4bit.forward`, 0.50.2) and SDPA runs in fp32.
+    Traced: `make bench-stacks` (the peft-kbit plain-loop cases, no autocast): 2 x (2q + 2kv) bytes per token
+    and layer over the bf16 count, 8h on Llama-2-7B and 5h on Llama-3.1-8B."""
+    if runtime.fp32_stream and not runtime.autocast and settings.quant != "none":
+        return 4
+    return DTYPE_BYTES[settings.precision]
+
+
+def first_layer_input_requires_grad(settings: Settings, runtime: Runtime) -> bool:
+    """The first layer's input needs a gradient - and its input norm and adapters save what the other layers'
+    do - in full fine-tuning (trainable embeddings) or after enable_input_require_grads (Runtime.input_grads)."""
+    return settings.method == "full" or runtime.input_grads
+
+
 def stream_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
     """Bytes per element of the residual stream between the layers: fp32 when fp32 norm weights (or peft's
     fp32 embeddings) promote it, else the compute dtype."""
@@ -532,7 +558,9 @@ def activation_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> f
     layers = spec.num_hidden_layers
     if settings.grad_ckpt:
         return checkpointed_layers_on_gpu(spec, settings, runtime) * checkpoint_bytes_per_layer(spec, settings, runtime)
-    first = activation_bytes_per_layer(spec, settings, runtime, input_requires_grad=settings.method == "full")
+    first = activation_bytes_per_layer(
+        spec, settings, runtime, input_requires_grad=first_layer_input_requires_grad(settings, runtime)
+    )
     rest = activation_bytes_per_layer(spec, settings, runtime)
     return first + (layers - 1) * rest
 
@@ -1091,7 +1119,9 @@ def breakdown(
     first_layer = (
         0.0
         if settings.grad_ckpt
-        else activation_bytes_per_layer(spec, settings, runtime, input_requires_grad=settings.method == "full")
+        else activation_bytes_per_layer(
+            spec, settings, runtime, input_requires_grad=first_layer_input_requires_grad(settings, runtime)
+        )
     )
     if not settings.grad_ckpt and keeps_bnb_inputs(settings, runtime):
         # old bitsandbytes' ctx attributes outlive each layer's backward: the other layers' inputs are still held
