@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lorafit.errors import LorafitError
-from lorafit.train import build
+from lorafit.train import build, model_files
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -37,12 +37,12 @@ def fake_model(
 ) -> tuple[PreTrainedModel, int]:
     """The prepared training model with fake tensors, and its parameter count before quantisation."""
     from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoModelForCausalLM
 
     config = build.checked_hf_config(spec, settings)
     try:
         with fake_mode:
-            model = AutoModelForCausalLM.from_config(config, dtype=build.compute_dtype(settings))
+            auto_class = model_files.auto_model_class(config.model_type)
+            model = auto_class.from_config(config, dtype=build.compute_dtype(settings))
     except (
         ValueError,
         TypeError,

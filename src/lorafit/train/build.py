@@ -140,12 +140,11 @@ def load_model(
     device_map: Any = None,
 ) -> PreTrainedModel:
     """Load a local model with the quantisation, dtype and attention that `settings` names."""
-    from transformers import AutoModelForCausalLM
-
     model_dir = Path(model_dir)
     check_model_dir(model_dir, allow_pickle=allow_pickle)
+    auto_class = model_files.auto_model_class(model_files.config_model_type(model_dir))
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_class.from_pretrained(
             model_dir,
             dtype=compute_dtype(settings),
             quantization_config=quantization_config(settings),
