@@ -364,7 +364,7 @@ class ModelSpec(BaseModel):
         del config["model_type"]
         return {
             "model_type": self.vision.family,
-            "text_config": config,
+            "text_config": config | self.vision.text_keys(self.head_size),
             "vision_config": self.vision.to_hf_config(self.hidden_size),
             "tie_word_embeddings": self.tie_word_embeddings,
             **self.vision.wrapper_keys(),

@@ -30,6 +30,7 @@ ImageTextFamily = Literal["gemma3", "mistral3", "qwen2_5_vl"]
 # The language model each image-text family wraps: the lorafit architecture, and the `tie_word_embeddings` that
 # transformers 5.25 uses when the config.json does not say (Gemma3Config and Mistral3Config default True,
 # Qwen2_5_VLConfig False; configuration_gemma3.py, configuration_mistral3.py, configuration_qwen2_5_vl.py).
+IMAGE_TEXT_FAMILIES: tuple[str, ...] = ("gemma3", "mistral3", "qwen2_5_vl")
 TEXT_ARCHITECTURE: dict[str, str] = {"gemma3": "gemma3", "mistral3": "mistral", "qwen2_5_vl": "qwen2"}
 TIED_BY_DEFAULT: dict[str, bool] = {"gemma3": True, "mistral3": True, "qwen2_5_vl": False}
 # Gemma 3's first config.json files name few text keys and let Gemma3TextConfig's defaults fill the rest
@@ -178,6 +179,16 @@ class VisionTower(BaseModel):
         elif self.family == "mistral3":
             config |= {"model_type": "pixtral", "head_dim": self.hidden_size // self.num_attention_heads}
         return config
+
+    def text_keys(self, head_size: int) -> dict[str, Any]:
+        """Keys the language model's config needs beside the shapes: Qwen2.5-VL's multimodal rotary embedding
+        splits each head's rotary half into [16, 24, 24] (time, height, width) for its 128-wide heads
+        (Qwen2_5_VLRotaryEmbedding's default); a narrower head (a tiny test model) gets the same proportions."""
+        if self.family != "qwen2_5_vl":
+            return {}
+        half = head_size // 2
+        time, height = half * 16 // 64, half * 24 // 64
+        return {"rope_parameters": {"rope_type": "default", "mrope_section": [time, height, half - time - height]}}
 
     def wrapper_keys(self) -> dict[str, Any]:
         """The image-text config's own keys that shape the projector."""
