@@ -243,8 +243,9 @@ def test_an_untold_tie_reads_as_transformers_builds_it(tmp_path: Path) -> None:
         ({"vision_config": {**GEMMA_3_4B_IT["vision_config"], "vision_use_head": True}}, "vision_use_head"),
         ({"vision_config": {**GEMMA_3_4B_IT["vision_config"], "hidden_size": "1152"}}, "vision_config.hidden_size"),
         ({"vision_config": {**GEMMA_3_4B_IT["vision_config"], "num_hidden_layers": 10**9}}, "vision_config"),
+        ({"text_config": {**GEMMA_3_4B_IT["text_config"], "model_type": "t5"}}, "a gemma3 model with a 't5' text"),
     ],
-    ids=["pooling-head", "not-a-number", "absurd-depth"],
+    ids=["pooling-head", "not-a-number", "absurd-depth", "other-text-model"],
 )
 def test_a_vision_config_lorafit_cannot_count_is_one_line(change: dict, words: str, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(GEMMA_3_4B_IT | change))

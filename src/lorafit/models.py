@@ -519,11 +519,19 @@ def _image_text_spec(file: Path, config: dict[str, Any], vision: VisionTower, na
     text = config.get("text_config")
     text = dict(text) if isinstance(text, dict) else dict(config)
     text = TEXT_DEFAULTS.get(vision.family, {}) | {key: value for key, value in text.items() if value is not None}
-    families = model_types()
-    architecture = families.get(text.get("model_type"), TEXT_ARCHITECTURE[vision.family])
+    families, text_type = model_types(), text.get("model_type")
+    if isinstance(text_type, str) and text_type in families:
+        architecture = families[text_type]
+    elif text_type in (None, vision.family, f"{vision.family}_text"):
+        architecture = cast(Architecture, TEXT_ARCHITECTURE[vision.family])
+    else:
+        raise InvalidConfig(
+            f"{file}: a {vision.family} model with a {text_type!r} text model is not modelled; "
+            f"supported text models: {', '.join(sorted(families))}"
+        )
     tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", TIED_BY_DEFAULT[vision.family]))
     text["tie_word_embeddings"] = tied
-    return _text_spec(file, text, cast(Architecture, architecture), name, vision)
+    return _text_spec(file, text, architecture, name, vision)
 
 
 def _text_spec(
