@@ -618,7 +618,7 @@ def test_close_names_are_suggested() -> None:
     [
         ("meta-llama/Llama-3.2-11B-Vision-Instruct", "Llama 3.2 Vision (mllama", "llama-3.1-8b"),
         ("meta-llama/Llama-3.2-90B-Vision", "Llama 3.2 Vision (mllama", "llama-3.1-70b"),
-        ("Qwen/Qwen3-VL-8B-Instruct", "Qwen2-VL / Qwen3-VL", "qwen2.5-vl-7b"),
+        ("Qwen/Qwen3-VL-8B-Instruct", "Qwen3-VL (image-text", "qwen2.5-vl-7b"),
         ("Qwen/Qwen3-30B-A3B", "Qwen3 MoE (qwen3_moe)", "qwen3-32b"),
         ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "Qwen3 MoE (qwen3_moe)", "qwen3-32b"),
         ("openai/gpt-oss-20b", "gpt-oss (MoE) (gpt_oss)", "mixtral-8x7b"),

@@ -20,7 +20,12 @@ from lorafit.schema import Settings
 torch = pytest.importorskip("torch")
 
 IMAGE_TEXT = sorted(name for name, spec in catalog().items() if spec.vision is not None)
-ONE_PER_FAMILY = {"gemma3": "gemma-3-4b", "mistral3": "mistral-small-3.1-24b", "qwen2_5_vl": "qwen2.5-vl-7b"}
+ONE_PER_FAMILY = {
+    "gemma3": "gemma-3-4b",
+    "mistral3": "mistral-small-3.1-24b",
+    "qwen2_5_vl": "qwen2.5-vl-7b",
+    "qwen2_vl": "qwen2-vl-7b",
+}
 TINY_TEXT = dict(
     num_hidden_layers=2,
     hidden_size=64,
@@ -63,6 +68,7 @@ def test_the_presets_people_ask_for_resolve() -> None:
         ("mistralai/Mistral-Small-3.2-24B-Instruct-2506", "mistral-small-3.1-24b"),
         ("mistralai/Mistral-Small-3.1-24B-Instruct-2503", "mistral-small-3.1-24b"),
         ("Qwen/Qwen2.5-VL-7B-Instruct", "qwen2.5-vl-7b"),
+        ("Qwen/Qwen2-VL-7B-Instruct", "qwen2-vl-7b"),
     ]:
         spec = resolve(hub_id)
         assert spec.vision is not None and spec.num_params == catalog()[preset].num_params, hub_id
@@ -208,6 +214,24 @@ QWEN2_5_VL_7B = {
     },
 }
 
+# Qwen2-VL's: the tower's width is embed_dim, its MLP embed_dim x mlp_ratio, its hidden_size the merger's output
+QWEN2_VL_7B = {k: v for k, v in QWEN2_5_VL_7B.items() if k != "vision_config"} | {
+    "architectures": ["Qwen2VLForConditionalGeneration"],
+    "model_type": "qwen2_vl",
+    "max_position_embeddings": 32768,
+    "vision_config": {
+        "depth": 32,
+        "embed_dim": 1280,
+        "hidden_size": 3584,
+        "mlp_ratio": 4,
+        "num_heads": 16,
+        "in_chans": 3,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+}
+
 
 @pytest.mark.parametrize(
     ("config", "preset"),
@@ -215,8 +239,9 @@ QWEN2_5_VL_7B = {
         (GEMMA_3_4B_IT, "gemma-3-4b"),
         (MISTRAL_SMALL_3_1 | {"tie_word_embeddings": False}, "mistral-small-3.1-24b"),
         (QWEN2_5_VL_7B, "qwen2.5-vl-7b"),
+        (QWEN2_VL_7B, "qwen2-vl-7b"),
     ],
-    ids=["gemma3", "mistral3", "qwen2_5_vl"],
+    ids=["gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl"],
 )
 def test_an_image_text_config_json_reads_as_its_preset(config: dict, preset: str, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -25,14 +25,19 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lorafit.errors import InvalidConfig
 
-ImageTextFamily = Literal["gemma3", "mistral3", "qwen2_5_vl"]
+ImageTextFamily = Literal["gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl"]
 
 # The language model each image-text family wraps: the lorafit architecture, and the `tie_word_embeddings` that
 # transformers 5.25 uses when the config.json does not say (Gemma3Config and Mistral3Config default True,
 # Qwen2_5_VLConfig False; configuration_gemma3.py, configuration_mistral3.py, configuration_qwen2_5_vl.py).
-IMAGE_TEXT_FAMILIES: tuple[str, ...] = ("gemma3", "mistral3", "qwen2_5_vl")
-TEXT_ARCHITECTURE: dict[str, str] = {"gemma3": "gemma3", "mistral3": "mistral", "qwen2_5_vl": "qwen2"}
-TIED_BY_DEFAULT: dict[str, bool] = {"gemma3": True, "mistral3": True, "qwen2_5_vl": False}
+IMAGE_TEXT_FAMILIES: tuple[str, ...] = ("gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl")
+TEXT_ARCHITECTURE: dict[str, str] = {
+    "gemma3": "gemma3",
+    "mistral3": "mistral",
+    "qwen2_5_vl": "qwen2",
+    "qwen2_vl": "qwen2",
+}
+TIED_BY_DEFAULT: dict[str, bool] = {"gemma3": True, "mistral3": True, "qwen2_5_vl": False, "qwen2_vl": False}
 # Gemma 3's first config.json files name few text keys and let Gemma3TextConfig's defaults fill the rest
 # (configuration_gemma3.py): the defaults, for a text_config that leaves them out
 TEXT_DEFAULTS: dict[str, dict[str, int]] = {
@@ -79,6 +84,15 @@ _KEYS: dict[str, dict[str, str]] = {
         "temporal_patch_size": "temporal_patch_size",
         "spatial_merge_size": "spatial_merge_size",
     },
+    "qwen2_vl": {  # the MLP width is embed_dim x mlp_ratio; vision_config's hidden_size is the merger's output
+        "hidden_size": "embed_dim",
+        "num_hidden_layers": "depth",
+        "num_attention_heads": "num_heads",
+        "patch_size": "patch_size",
+        "num_channels": "in_channels",
+        "temporal_patch_size": "temporal_patch_size",
+        "spatial_merge_size": "spatial_merge_size",
+    },
 }
 _DEFAULTS: dict[str, dict[str, int]] = {
     "gemma3": {  # SiglipVisionConfig
@@ -103,6 +117,16 @@ _DEFAULTS: dict[str, dict[str, int]] = {
     "qwen2_5_vl": {  # Qwen2_5_VLVisionConfig
         "hidden_size": 3584,
         "intermediate_size": 3420,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 16,
+        "patch_size": 14,
+        "num_channels": 3,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+    },
+    "qwen2_vl": {  # Qwen2VLVisionConfig (mlp_ratio 4)
+        "hidden_size": 1280,
+        "intermediate_size": 4 * 1280,
         "num_hidden_layers": 32,
         "num_attention_heads": 16,
         "patch_size": 14,
@@ -137,8 +161,10 @@ class VisionTower(BaseModel):
             return n * (4 * d * d + 2 * d * i)
         if self.family == "mistral3":  # Pixtral: q, k, v, o and gate, up, down; merging_layer, linear_1, linear_2
             return n * (4 * d * d + 3 * d * i) + merged * d + d * text_hidden + text_hidden * text_hidden
-        # Qwen2.5-VL: fused qkv (d x 3d), proj, gate, up, down; the merger's two-layer MLP
-        return n * (4 * d * d + 3 * d * i) + merged * merged + merged * text_hidden
+        merger = merged * merged + merged * text_hidden  # Qwen's merger: a two-layer MLP
+        if self.family == "qwen2_vl":  # fused qkv (d x 3d), proj, fc1, fc2
+            return n * (4 * d * d + 2 * d * i) + merger
+        return n * (4 * d * d + 3 * d * i) + merger  # Qwen2.5-VL: qkv, proj, gate, up, down
 
     def other_params(self, text_hidden: int) -> int:
         """The tower's and projector's weights outside its linears: patch embedding, positions, norms, biases,
@@ -160,8 +186,10 @@ class VisionTower(BaseModel):
         if self.family == "mistral3":
             embeddings = c * p * p * d + d  # conv without bias, ln_pre
             return embeddings + n * 2 * d + d  # attention_norm, ffn_norm; the projector's norm
-        per_layer = 3 * d + d + 2 * i + d + 2 * d  # qkv, proj, gate, up, down biases; two RMSNorms
         patch_embed = c * self.temporal_patch_size * p * p * d  # Conv3d without bias
+        if self.family == "qwen2_vl":  # biases of qkv, proj, fc1, fc2; two LayerNorms; ln_q (a LayerNorm too)
+            return patch_embed + n * (3 * d + d + i + d + 2 * 2 * d) + 2 * d + merged + text_hidden
+        per_layer = 3 * d + d + 2 * i + d + 2 * d  # qkv, proj, gate, up, down biases; two RMSNorms
         merger = d + merged + text_hidden  # ln_q, the two biases
         return patch_embed + n * per_layer + merger
 
@@ -174,6 +202,8 @@ class VisionTower(BaseModel):
         config: dict[str, Any] = {key: getattr(self, field) for field, key in keys.items()}
         if self.family == "qwen2_5_vl":
             config["out_hidden_size"] = text_hidden  # the merger's output feeds the language model
+        elif self.family == "qwen2_vl":
+            config |= {"hidden_size": text_hidden, "mlp_ratio": self.intermediate_size // self.hidden_size}
         elif self.family == "gemma3":
             config |= {"model_type": "siglip_vision_model", "vision_use_head": False}
         elif self.family == "mistral3":
@@ -184,7 +214,7 @@ class VisionTower(BaseModel):
         """Keys the language model's config needs beside the shapes: Qwen2.5-VL's multimodal rotary embedding
         splits each head's rotary half into [16, 24, 24] (time, height, width) for its 128-wide heads
         (Qwen2_5_VLRotaryEmbedding's default); a narrower head (a tiny test model) gets the same proportions."""
-        if self.family != "qwen2_5_vl":
+        if self.family not in ("qwen2_5_vl", "qwen2_vl"):
             return {}
         half = head_size // 2
         time, height = half * 16 // 64, half * 24 // 64
@@ -219,6 +249,11 @@ def read_vision(config: dict[str, Any], file: object) -> VisionTower | None:
     for field, key in _KEYS[family].items():
         if vision.get(key) is not None:
             fields[field] = vision[key]
+    if family == "qwen2_vl":
+        ratio = vision.get("mlp_ratio", 4)
+        if type(ratio) not in (int, float) or not 0 < ratio <= 64:
+            raise InvalidConfig(f"{file}: vision_config.mlp_ratio must be a number")
+        fields["intermediate_size"] = int(fields["hidden_size"] * ratio) if type(fields["hidden_size"]) is int else 0
     if family == "mistral3" and config.get("spatial_merge_size") is not None:
         fields["spatial_merge_size"] = config["spatial_merge_size"]
     for field, value in fields.items():
