@@ -1,9 +1,10 @@
 """`make bench-image-text`: lorafit's estimate beside the `--exact` trace for image-text models fine-tuned on text.
 
 Each row traces the real transformers step of the full-size model (Gemma3ForConditionalGeneration,
-Mistral3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration with their vision towers, packed by
-transformers' bitsandbytes quantizer) on fake tensors at the real shapes, a text-only batch, and prints the traced
-peak beside `memory.estimate` for the same settings. These are check rows: nothing here was fitted.
+Mistral3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration, with their
+vision towers packed by transformers' bitsandbytes quantizer) on fake tensors at the real shapes, a text-only batch,
+and prints the traced peak beside `memory.estimate` for the same settings. These are check rows: nothing here was
+fitted.
 
     python bench/image_text_trace.py [--models gemma-3-12b,...] [--json PATH]
 """
