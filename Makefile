@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-unsloth-speed bench-throughput bench-time-cpu bench-train bench-data bench-exact bench-time-trace bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-session gpu-wheels clean
+.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-unsloth-speed bench-throughput bench-time-cpu bench-train bench-data bench-exact bench-image-text bench-time-trace bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-session gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +100,11 @@ bench-data: $(STAMP)
 
 bench-exact: $(STAMP)
 	$(BIN)/python bench/exact_speed.py
+
+# image-text models fine-tuned on text (Gemma 3, Mistral Small 3.x, Qwen2.5-VL): the estimate beside the --exact
+# trace at the real shapes; writes bench/results/image-text-trace.json
+bench-image-text: $(STAMP)
+	$(BIN)/python bench/image_text_trace.py
 
 # the time model's closed form (timing.micro_batch_time) beside its roofline run over the --exact trace's op list,
 # per category, for Llama-3.1-8B on an RTX 4090 and an L4; writes bench/results/time-trace.json

@@ -29,7 +29,8 @@ from lorafit.models import (
 from lorafit.schema import Settings
 
 PRESETS = sorted(catalog())
-ONE_PER_ARCHITECTURE = sorted({spec.architecture: name for name, spec in catalog().items()}.values())
+# text models only: an image-text preset shares its language model's family (tests/test_vision.py covers it)
+ONE_PER_ARCHITECTURE = sorted({spec.architecture: name for name, spec in catalog().items() if not spec.vision}.values())
 TINY = dict(
     num_hidden_layers=2,
     hidden_size=64,
@@ -46,15 +47,16 @@ TINY_WIDE_HEADS = TINY | {"head_dim": 32}
 def build_on_meta(spec: ModelSpec):
     """The real transformers model for `spec`, with no memory behind its tensors."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from lorafit.train.build import hf_config
+    from lorafit.train.model_files import auto_model_class
 
     # Parameter shapes do not depend on the attention kernel; eager is the one every architecture has
     # (transformers 5 has no SDPA path for Gemma-2).
     settings = Settings(method="lora", quant="none", attn="eager")
+    config = hf_config(spec, settings)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config(spec, settings))
+        return auto_model_class(config.model_type).from_config(config)
 
 
 def parameter_count(model) -> int:
@@ -614,8 +616,9 @@ def test_close_names_are_suggested() -> None:
 @pytest.mark.parametrize(
     ("hub_id", "family", "nearest"),
     [
-        ("google/gemma-3-4b-it", "Gemma 3 image-text (gemma3)", "gemma-2-2b"),
-        ("google/gemma-3-27b-it", "Gemma 3 image-text (gemma3)", "gemma-2-27b"),
+        ("meta-llama/Llama-3.2-11B-Vision-Instruct", "Llama 3.2 Vision (mllama", "llama-3.1-8b"),
+        ("meta-llama/Llama-3.2-90B-Vision", "Llama 3.2 Vision (mllama", "llama-3.1-70b"),
+        ("Qwen/Qwen3-VL-8B-Instruct", "Qwen3-VL (image-text", "qwen2.5-vl-7b"),
         ("Qwen/Qwen3-30B-A3B", "Qwen3 MoE (qwen3_moe)", "qwen3-32b"),
         ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "Qwen3 MoE (qwen3_moe)", "qwen3-32b"),
         ("openai/gpt-oss-20b", "gpt-oss (MoE) (gpt_oss)", "mixtral-8x7b"),
@@ -646,33 +649,24 @@ def test_the_unmodelled_table_is_consistent_with_the_catalog() -> None:
         assert not [hub_id for hub_id in hub_index() if family.matches_hub_id(hub_id)], family.family
 
 
-GEMMA_3_4B_IT = {  # the shape of google/gemma-3-4b-it's config.json: an image-text wrapper around gemma3_text
-    # (transformers builds Gemma3ForConditionalGeneration for it, vision tower included)
-    "architectures": ["Gemma3ForConditionalGeneration"],
-    "model_type": "gemma3",
-    "text_config": {
-        "model_type": "gemma3_text",
-        "hidden_size": 2560,
-        "intermediate_size": 10240,
-        "num_hidden_layers": 34,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "vocab_size": 262208,
-    },
-    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152},
+LLAMA_3_2_11B_VISION = {  # the shape of meta-llama/Llama-3.2-11B-Vision's config.json: gated cross-attention
+    # layers to the image among Llama 3.1's self-attention layers (transformers models/mllama)
+    "architectures": ["MllamaForConditionalGeneration"],
+    "model_type": "mllama",
+    "text_config": {"model_type": "mllama_text_model", "hidden_size": 4096, "cross_attention_layers": [3, 8, 13]},
+    "vision_config": {"model_type": "mllama_vision_model", "hidden_size": 1280},
 }
 
 
 @pytest.mark.parametrize(
     ("config", "family"),
     [
-        (GEMMA_3_4B_IT, "Gemma 3 image-text (gemma3)"),
+        (LLAMA_3_2_11B_VISION, "Llama 3.2 Vision (mllama: cross-attention layers to the image are not modelled)"),
         ({"model_type": "llava", "text_config": {"model_type": "qwen3_moe", "hidden_size": 8}}, "(qwen3_moe)"),
         ({"model_type": "qwen3_moe", "hidden_size": 2048, "num_experts": 128}, "Qwen3 MoE (qwen3_moe)"),
         ({"model_type": "gpt2", "n_embd": 768}, "GPT-2 (gpt2)"),
     ],
-    ids=["gemma3", "wrapped-qwen3_moe", "qwen3_moe", "gpt2"],
+    ids=["mllama", "wrapped-qwen3_moe", "qwen3_moe", "gpt2"],
 )
 def test_a_local_config_of_an_unmodelled_family_names_it(tmp_path: Path, config: dict, family: str) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -684,13 +678,16 @@ def test_a_local_config_of_an_unmodelled_family_names_it(tmp_path: Path, config:
 
 
 def test_the_cli_refuses_an_unmodelled_family_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run_cli(["estimate", "--model", "google/gemma-3-4b-it"], capsys)
+    code, out, err = run_cli(["estimate", "--model", "meta-llama/Llama-3.2-11B-Vision-Instruct"], capsys)
     assert code == 2 and not out
-    assert err.startswith("lorafit: error: google/gemma-3-4b-it: Gemma 3 image-text (gemma3) is not modelled yet")
+    assert err.startswith(
+        "lorafit: error: meta-llama/Llama-3.2-11B-Vision-Instruct: Llama 3.2 Vision (mllama: cross-attention layers"
+    )
+    assert "the nearest supported preset is llama-3.1-8b " in err
     assert err.count("\n") == 1 and "Traceback" not in err
-    (tmp_path / "config.json").write_text(json.dumps(GEMMA_3_4B_IT))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_2_11B_VISION))
     code, out, err = run_cli(["plan", "--model", str(tmp_path)], capsys)
-    assert code == 2 and "Gemma 3 image-text (gemma3) is not modelled yet" in err and err.count("\n") == 1
+    assert code == 2 and "Llama 3.2 Vision (mllama" in err and err.count("\n") == 1
 
 
 def test_the_cli_estimates_a_variant_by_its_hub_id(capsys: pytest.CaptureFixture[str]) -> None:

@@ -165,7 +165,7 @@ def _base_weights_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -
     head_copy = spec.embedding_params if runtime.untied_head and spec.tie_word_embeddings else 0
     if settings.quant == "none":
         return (spec.num_params + head_copy) * c
-    linear = spec.num_hidden_layers * spec.layer_linear_params
+    linear = spec.quantized_linear_params
     rest = spec.num_params - linear
     if runtime.quantized_head:
         # the head quantised like the layers; the embeddings stay in the compute dtype
@@ -848,7 +848,7 @@ def quant_state_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> 
     not a parameter, so ZeRO-3 and FSDP neither shard it nor offload it; every GPU keeps all of it."""
     if settings.quant != "nf4":
         return 0.0
-    linear = spec.num_hidden_layers * spec.layer_linear_params
+    linear = spec.quantized_linear_params
     if runtime.quantized_head:
         linear += spec.lm_head_params
     return quantized_weight_bytes(linear, settings) - 0.5 * linear

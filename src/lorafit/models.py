@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
 
 from lorafit.errors import InvalidConfig, UnknownModel
+from lorafit.vision import TEXT_ARCHITECTURE, TEXT_DEFAULTS, TIED_BY_DEFAULT, VisionTower, read_vision
 
 # The families of catalog/architectures.toml, for the type checker (tests/test_architectures.py: the two agree)
 Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral"]
@@ -169,6 +170,9 @@ class ModelSpec(BaseModel):
     prequantized: PreQuantized | None = Field(
         default=None, description="the checkpoint's weights are stored quantised (a pre-quantised repo or folder)"
     )
+    vision: VisionTower | None = Field(
+        default=None, description="an image-text model's vision tower and projector: stored, frozen, unused by text"
+    )
 
     # --- derived shapes -------------------------------------------------------------------------------------
     @property
@@ -301,21 +305,38 @@ class ModelSpec(BaseModel):
 
     @property
     @memoised
+    def vision_params(self) -> int:
+        """An image-text model's vision tower and projector (0 for a text model): loaded, never trained by LoRA,
+        and not run for text-only rows."""
+        return self.vision.params(self.hidden_size) if self.vision else 0
+
+    @property
+    @memoised
+    def quantized_linear_params(self) -> int:
+        """Every weight bitsandbytes packs: the decoder's linears and the vision tower's and projector's
+        (`vision.py`: transformers' quantizer skips neither)."""
+        vision = self.vision.linear_params(self.hidden_size) if self.vision else 0
+        return self.num_hidden_layers * self.layer_linear_params + vision
+
+    @property
+    @memoised
     def num_params(self) -> int:
         """Total parameters, counting tied embeddings once (as `model.num_parameters()` does)."""
         per_layer = self.layer_linear_params + self.layer_other_params
         final_norm = self.hidden_size
-        return self.num_hidden_layers * per_layer + self.embedding_params + self.lm_head_params + final_norm
+        text = self.num_hidden_layers * per_layer + self.embedding_params + self.lm_head_params + final_norm
+        return text + self.vision_params
 
     @property
     @memoised
     def active_params(self) -> int:
-        """Parameters one token passes through (MoE routes each token to `num_experts_per_tok` experts)."""
+        """Parameters one text token passes through (MoE routes each token to `num_experts_per_tok` experts; an
+        image-text model's vision tower runs only for images)."""
         if not self.is_moe:
-            return self.num_params
+            return self.num_params - self.vision_params
         mlp_one = sum(i * o for i, o in self.mlp_linears().values())
         idle = (self.num_local_experts - self.num_experts_per_tok) * mlp_one * self.num_hidden_layers
-        return self.num_params - idle
+        return self.num_params - idle - self.vision_params
 
     @memoised
     def lora_params(self, r: int, targets: LoraTargets) -> int:
@@ -331,7 +352,7 @@ class ModelSpec(BaseModel):
                 f"--seq-len {seq_len} is past {self.name}'s maximum of {self.max_position_embeddings} tokens"
             )
 
-    def scaled(self, **overrides: int | bool | str) -> ModelSpec:
+    def scaled(self, **overrides: int | bool | str | dict) -> ModelSpec:
         """A copy with some fields changed, for tiny test models (as litgpt's `Config.from_name(..., n_layer=2)`)."""
         data = self.model_dump() | {"published_params": None, "name": f"{self.name}-scaled"} | overrides
         return ModelSpec.model_validate(data)
@@ -358,7 +379,18 @@ class ModelSpec(BaseModel):
         if self.is_moe:
             config["num_local_experts"] = self.num_local_experts
             config["num_experts_per_tok"] = self.num_experts_per_tok
-        return config
+        if self.vision is None:
+            return config
+        # an image-text model: its family's config class takes the text model's keys (the text model_type left
+        # to its default) and reads tie_word_embeddings at the top (transformers 5 ties by the outer config)
+        del config["model_type"]
+        return {
+            "model_type": self.vision.family,
+            "text_config": config | self.vision.text_keys(self.head_size),
+            "vision_config": self.vision.to_hf_config(self.hidden_size),
+            "tie_word_embeddings": self.tie_word_embeddings,
+            **self.vision.wrapper_keys(),
+        }
 
 
 # --- loading ------------------------------------------------------------------------------------------------
@@ -492,28 +524,57 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
     for layer in (config, config.get("text_config")):
         if isinstance(layer, dict) and (family := unmodelled_model_type(layer.get("model_type"))):
             raise InvalidConfig(f"{file}: {family.refusal(layer['model_type'])}")
-    config = config.get("text_config", config) if "hidden_size" not in config else config
-    model_type = config.get("model_type")
-    families = model_types()
-    if model_type not in families:
-        known = ", ".join(sorted(families))
-        raise InvalidConfig(f"{file}: model_type {model_type!r} is not supported; supported: {known}")
-    architecture = families[model_type]
+    vision = read_vision(config, file)
+    if vision is not None:
+        spec = _image_text_spec(file, config, vision, name)
+    else:
+        config = config.get("text_config", config) if "hidden_size" not in config else config
+        model_type = config.get("model_type")
+        families = model_types()
+        if model_type not in families:
+            known = ", ".join(sorted(families))
+            raise InvalidConfig(f"{file}: model_type {model_type!r} is not supported; supported: {known}")
+        spec = _text_spec(file, config, families[model_type], name)
+    return spec.model_copy(update={"prequantized": prequantized}) if prequantized is not None else spec
+
+
+def _image_text_spec(file: Path, config: dict[str, Any], vision: VisionTower, name: str | None) -> ModelSpec:
+    """An image-text config.json: the language model from text_config (Qwen2.5-VL's first configs keep its keys
+    at the top), tied as the outer config says, with the vision tower beside it."""
+    text = config.get("text_config")
+    text = dict(text) if isinstance(text, dict) else dict(config)
+    text = TEXT_DEFAULTS.get(vision.family, {}) | {key: value for key, value in text.items() if value is not None}
+    families, text_type = model_types(), text.get("model_type")
+    if isinstance(text_type, str) and text_type in families:
+        architecture = families[text_type]
+    elif text_type in (None, vision.family, f"{vision.family}_text"):
+        architecture = cast(Architecture, TEXT_ARCHITECTURE[vision.family])
+    else:
+        raise InvalidConfig(
+            f"{file}: a {vision.family} model with a {text_type!r} text model is not modelled; "
+            f"supported text models: {', '.join(sorted(families))}"
+        )
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", TIED_BY_DEFAULT[vision.family]))
+    text["tie_word_embeddings"] = tied
+    return _text_spec(file, text, architecture, name, vision)
+
+
+def _text_spec(
+    file: Path, config: dict[str, Any], architecture: Architecture, name: str | None, vision: VisionTower | None = None
+) -> ModelSpec:
     arch = architectures()[architecture]
     fields = {
         key: config[key]
         for key in ModelSpec.model_fields
         if key in config and config[key] is not None and key not in ("name", "architecture", *NOT_CONFIG_KEYS)
     }
-    if prequantized is not None:
-        fields["prequantized"] = prequantized
     fields.setdefault("num_key_value_heads", config.get("num_attention_heads"))
     check_dimensions(file, fields)
     if arch.qkv_bias:
         fields["attention_bias"] = True  # Qwen2 always has q/k/v biases; its config has no key for it
     fields.setdefault("tie_word_embeddings", arch.tie_word_embeddings)
     try:
-        return ModelSpec(name=name or file.parent.name or file.stem, architecture=architecture, **fields)
+        return ModelSpec(name=name or file.parent.name or file.stem, architecture=architecture, vision=vision, **fields)
     except ValidationError as error:
         problem = error.errors()[0]
         where = ".".join(str(part) for part in problem["loc"])
@@ -521,7 +582,7 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
 
 
 # ModelSpec fields that are lorafit's own records, never read from a config.json key of the same name
-NOT_CONFIG_KEYS = ("variant_of", "prequantized")
+NOT_CONFIG_KEYS = ("variant_of", "prequantized", "vision")
 
 
 def bitsandbytes_quantization(file: Path, quantization: object) -> PreQuantized | None:

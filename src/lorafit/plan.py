@@ -656,6 +656,11 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None, details: 
         )
     if truncated_rows:
         reasons.append(f"sequence length {seq_len} truncates {truncated_rows} rows of the data")
+    if request.model.vision is not None:
+        reasons.append(
+            "image-text model: its vision tower is counted in memory (frozen, stored like the base) but images "
+            "in the data are not modelled: memory and time are for text-only rows"
+        )
     speed = chosen.tokens_per_s if gpu else 0.0
     epoch_tokens = tokens_per_epoch(request)
     timing = time_and_cost(

@@ -351,11 +351,13 @@ def serving(spec: ModelSpec, context: int, gpu: GpuSpec | None = None, headroom:
     for name, runtime, weights in served_formats(spec):
         kv = gib(kv_cache_bytes(spec, context, table["runtime"][runtime]["kv_bytes"]))
         total = gib(weights) + kv + compute + context_gib
+        # llama.cpp keeps an image-text model's vision tower in a separate mmproj file, not loaded for text
+        params = spec.num_params - (spec.vision_params if runtime == "llama_cpp" else 0)
         rows.append(
             FormatMemory(
                 format=name,
                 runtime=table["runtime"][runtime]["label"],
-                bits_per_weight=round(weights * 8 / spec.num_params, 3),
+                bits_per_weight=round(weights * 8 / params, 3),
                 weights_bytes=round(weights),
                 weights_gib=round(gib(weights), 3),
                 kv_cache_gib=round(kv, 3),

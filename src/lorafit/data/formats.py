@@ -51,6 +51,15 @@ MAPPABLE_FIELDS = TOP_LEVEL_FIELDS + MESSAGE_FIELDS
 
 # Keys a message keeps besides role/content: chat templates read them for tool use.
 TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
+# An image-text dataset's images: TRL's and the HF image-text datasets' columns, and the content parts of the
+# OpenAI / transformers chat formats. lorafit trains image-text models (Gemma 3, Mistral Small 3.x, Qwen2.5-VL) on
+# text only, so a row with an image is refused, never trained with its image silently dropped.
+IMAGE_COLUMNS = ("images", "image")
+IMAGE_PARTS = ("image", "image_url", "input_image")
+IMAGE_ROWS = (
+    "holds an image; lorafit fine-tunes image-text models on text only (the vision tower stays frozen): "
+    "drop the image columns and image parts, or keep only the text rows"
+)
 
 # How many parsed records detection looks at before it decides.
 DETECT_SAMPLE = 100
@@ -213,7 +222,9 @@ def normalize(
     if not isinstance(record, dict):
         return None, [Issue(None, f"expected an object with columns, got {_type_name(record)}")]
     record = apply_mapping(record, mapping)
-    issues: list[Issue] = []
+    issues: list[Issue] = [
+        Issue(column, f"column {column!r} {IMAGE_ROWS}") for column in IMAGE_COLUMNS if record.get(column)
+    ]
     if fmt == "alpaca":
         messages = _from_alpaca(record, mapping, issues)
     elif fmt == "sharegpt":
@@ -343,7 +354,10 @@ def _join_text_parts(parts: list[Any], where: str, issues: list[Issue]) -> str |
             texts.append(part["text"])
         else:
             kind = part.get("type") if isinstance(part, dict) else _type_name(part)
-            issues.append(Issue(where, f"unsupported content part {kind!r}: only text parts can be trained on"))
+            if kind in IMAGE_PARTS:
+                issues.append(Issue(where, f"content part {kind!r} {IMAGE_ROWS}"))
+            else:
+                issues.append(Issue(where, f"unsupported content part {kind!r}: only text parts can be trained on"))
             return None
     return "".join(texts)
 

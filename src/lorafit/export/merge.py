@@ -28,6 +28,7 @@ from lorafit.files import default_mode, write_atomic
 from lorafit.models import from_config_json
 from lorafit.train.build import quiet_libraries
 from lorafit.train.chat import load_tokenizer
+from lorafit.train.model_files import auto_model_class, config_model_type
 
 if TYPE_CHECKING:
     import torch
@@ -240,11 +241,11 @@ def _write_dequantised(source: RunSource, folder: Path) -> int:
     import torch
     from peft.utils.integrations import dequantize_bnb_weight
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
 
     quiet_libraries()
     dtype = getattr(torch, _stored_dtype(source.model_dir))
-    model = AutoModelForCausalLM.from_pretrained(source.model_dir, local_files_only=True, dtype=dtype)
+    auto_class = auto_model_class(config_model_type(source.model_dir))
+    model = auto_class.from_pretrained(source.model_dir, local_files_only=True, dtype=dtype)
     tensors: dict[str, torch.Tensor] = {}
     for module_name, module in model.named_modules():
         weight = getattr(module, "weight", None)
@@ -305,9 +306,9 @@ def check_logits(source: RunSource, merged_dir: Path, texts: tuple[str, ...] = C
     reason) where not even that fits."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     quiet_libraries()
+    auto_class = auto_model_class(config_model_type(source.model_dir))
     stored = next(iter(safetensors_header(weight_files(merged_dir)[0]).values()))["dtype"]
     parameters = parameters_of(merged_dir)
     available = _available_ram()
@@ -326,10 +327,10 @@ def check_logits(source: RunSource, merged_dir: Path, texts: tuple[str, ...] = C
         with torch.no_grad():
             return [model(**batch).logits.float()[0] for batch in batches]
 
-    base = AutoModelForCausalLM.from_pretrained(source.model_dir, dtype=dtype, local_files_only=True)
+    base = auto_class.from_pretrained(source.model_dir, dtype=dtype, local_files_only=True)
     reference = logits_of(PeftModel.from_pretrained(base, source.run_dir))
     del base
-    merged = logits_of(AutoModelForCausalLM.from_pretrained(merged_dir, dtype=dtype, local_files_only=True))
+    merged = logits_of(auto_class.from_pretrained(merged_dir, dtype=dtype, local_files_only=True))
     difference = max(float((a - b).abs().max()) for a, b in zip(reference, merged, strict=True))
     scale = max(1.0, max(float(a.abs().max()) for a in reference))
     # bitsandbytes' own 4-bit matmul on the CPU rounds its inputs (0.4 % per layer measured against the exact

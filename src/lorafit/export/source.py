@@ -17,6 +17,7 @@ from typing import Any
 from lorafit.errors import ExportError, LorafitError
 from lorafit.train import runfolder
 from lorafit.train.chat import base_dir_of, check_folder, run_folder
+from lorafit.vision import IMAGE_TEXT_FAMILIES
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -177,6 +178,7 @@ def open_run(run_dir: Path) -> RunSource:
         base_dir = base_dir_of(adapter_config)
     except LorafitError as error:
         raise ExportError(str(error)) from None
+    _refuse_image_text(base_dir, run_dir)
     adapter = read_adapter(run_dir)
     recorded = (runfolder.read_run_file(run_folder(run_dir)) or {}).get("base_digest")
     if recorded and recorded != runfolder.model_digest(base_dir):
@@ -188,6 +190,22 @@ def open_run(run_dir: Path) -> RunSource:
     if not quantized:  # packed 4-bit tensors have other shapes; the dequantising merge checks those
         check_shapes(adapter, tensor_shapes(base_dir), base_dir)
     return RunSource(run_dir, base_dir, adapter, tokenizer_dir or base_dir, quantized)
+
+
+def _refuse_image_text(base_dir: Path, run_dir: Path) -> None:
+    """An image-text base (Gemma 3, Mistral Small 3.x, Qwen2.5-VL): transformers saves it under another key layout
+    than the modules the adapter names (language_model.model.* for model.language_model.*), which lorafit's merge
+    does not translate, and lorafit's GGUF writer has none of these families; peft and llama.cpp do both."""
+    try:
+        model_type = json.loads((base_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # _quantized says why the config cannot be read
+    if model_type in IMAGE_TEXT_FAMILIES:
+        raise ExportError(
+            f"lorafit cannot export runs on an image-text model ({model_type}) yet; the adapter in {run_dir} "
+            "loads with peft (PeftModel.from_pretrained on AutoModelForImageTextToText, then merge_and_unload and "
+            "save_pretrained), and llama.cpp's convert_hf_to_gguf.py converts that merged folder"
+        )
 
 
 def _quantized(model_dir: Path) -> bool:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from lorafit.errors import ExportError
 from lorafit.train.build import quiet_libraries
 from lorafit.train.chat import quiet_stderr
+from lorafit.train.model_files import auto_model_class, config_model_type
 
 if TYPE_CHECKING:
     import numpy as np
@@ -222,10 +223,10 @@ def tokenizer_matches(model: Any, tokenizer: PreTrainedTokenizerBase, vocabulary
 
 def reference_model(merged_dir: Path) -> PreTrainedModel:
     import torch
-    from transformers import AutoModelForCausalLM
 
     quiet_libraries()
-    model = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32, local_files_only=True)
+    auto_class = auto_model_class(config_model_type(merged_dir))
+    model = auto_class.from_pretrained(merged_dir, dtype=torch.float32, local_files_only=True)
     model.eval()
     return model
 

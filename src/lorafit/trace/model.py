@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lorafit.errors import LorafitError
-from lorafit.train import build
+from lorafit.train import build, model_files
 
 if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -37,12 +37,18 @@ def fake_model(
 ) -> tuple[PreTrainedModel, int]:
     """The prepared training model with fake tensors, and its parameter count before quantisation."""
     from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     config = build.checked_hf_config(spec, settings)
+    # a vision tower's initialisers (SigLIP's truncated normal) read values, which fake tensors do not hold; the
+    # values are never used, so they are left uninitialised
+    skip_init = no_init_weights() if spec.vision is not None else contextlib.nullcontext()
     try:
-        with fake_mode:
-            model = AutoModelForCausalLM.from_config(config, dtype=build.compute_dtype(settings))
+        with fake_mode, skip_init:
+            auto_class = model_files.auto_model_class(config.model_type)
+            model = auto_class.from_config(config, dtype=build.compute_dtype(settings))
+            if spec.vision is not None:
+                model.tie_weights()  # part of the init_weights that no_init_weights skipped
     except (
         ValueError,
         TypeError,

@@ -140,14 +140,13 @@ def load_model(
     device_map: Any = None,
 ) -> PreTrainedModel:
     """Load a local model with the quantisation, dtype and attention that `settings` names."""
-    from transformers import AutoModelForCausalLM
-
     model_dir = Path(model_dir)
     check_model_dir(model_dir, allow_pickle=allow_pickle)
     stored = stored_quantization(model_dir, settings, trust_remote_code)
     quantized = {"config": stored} if stored is not None else {"quantization_config": quantization_config(settings)}
+    auto_class = model_files.auto_model_class(model_files.config_model_type(model_dir))
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_class.from_pretrained(
             model_dir,
             dtype=compute_dtype(settings),
             **quantized,

@@ -24,7 +24,7 @@ from rich.table import Table
 from lorafit.files import fsync_dir, ordinary_mode, write_atomic
 from lorafit.models import ModelSpec, catalog
 from lorafit.schema import Plan, Settings
-from lorafit.train import launch, recipe
+from lorafit.train import launch, model_files, recipe
 from lorafit.train.build import hf_config
 from lorafit.train.chat import answer
 from lorafit.train.config import TrainConfig, validate
@@ -109,15 +109,15 @@ def build_model(
     `dtype` ("bfloat16", "float16") builds and saves in that type directly, so a full-size model for a benchmark
     never exists in fp32 next to its 16-bit copy."""
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     config = hf_config(spec, Settings(method="full", quant="none", precision="fp32"))
-    config.pad_token_id = tokenizer.pad_token_id
-    config.eos_token_id = tokenizer.eos_token_id
-    config.bos_token_id = None
+    for layer in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+        layer.pad_token_id = tokenizer.pad_token_id  # an image-text model's text_config as well
+        layer.eos_token_id = tokenizer.eos_token_id
+        layer.bos_token_id = None
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model = model_files.auto_model_class(config.model_type).from_config(config, dtype=getattr(torch, dtype))
     torch.nn.init.normal_(model.lm_head.weight, std=lm_head_std)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id

@@ -69,12 +69,18 @@ def quant_storage(settings: Settings) -> str:
 
 
 def lora_kwargs(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
-    """peft LoraConfig arguments."""
+    """peft LoraConfig arguments. An image-text model's vision tower has modules of the same names (SigLIP's and
+    Pixtral's q_proj, Qwen's gate_proj), so its targets are a pattern peft matches against the full module name
+    (`re.fullmatch`) that keeps the adapters on the language model."""
+    names = list(spec.lora_target_names(settings.lora_targets))
+    targets: list[str] | str = names
+    if spec.vision is not None:
+        targets = rf".*\.language_model\..*\.({'|'.join(names)})"
     return {
         "r": settings.lora_r,
         "lora_alpha": settings.lora_alpha,
         "lora_dropout": settings.lora_dropout,
-        "target_modules": list(spec.lora_target_names(settings.lora_targets)),
+        "target_modules": targets,
         "bias": "none",
         "task_type": "CAUSAL_LM",
     }

@@ -148,12 +148,36 @@ def check_tensors(model_dir: Path, config: dict[str, Any], headers: dict[Path, d
                 )
 
 
+def auto_model_class(model_type: object) -> Any:
+    """transformers' auto class that builds a model_type for training on text: AutoModelForCausalLM, or, for an
+    image-text model that has no causal-LM entry (Mistral 3, Qwen2.5-VL), AutoModelForImageTextToText, whose
+    class (Mistral3ForConditionalGeneration, ...) trains on text rows alone. Gemma 3 is in both tables, as the same
+    Gemma3ForConditionalGeneration."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+def config_model_type(model_dir: Path) -> object:
+    """The model_type of a folder's config.json (None where it cannot be read: the loader then says why)."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def needed_tensors(model_dir: Path, data: dict[str, Any]) -> dict[tuple[str, ...], list[int]] | None:
     """The tensors the model of config.json (`data`) loads, names that share one tensor (tied embeddings)
     together, with their shapes, from the model built on the meta device. None for a model type transformers
     does not know (the catalog says so in its words) or one that brings its own code."""
     import torch
-    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     if data.get("model_type") not in CONFIG_MAPPING or "auto_map" in data:
         return None
@@ -162,7 +186,7 @@ def needed_tensors(model_dir: Path, data: dict[str, Any]) -> dict[tuple[str, ...
         if hasattr(config, "quantization_config"):
             del config.quantization_config  # the meta model is built in full precision
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = auto_model_class(data.get("model_type")).from_config(config)
     except (ValueError, KeyError, AttributeError, TypeError, AssertionError, OSError) as error:
         raise TrainError(
             f"{model_dir / 'config.json'}: transformers cannot build this model: {_reason(error)}"

@@ -1,0 +1,370 @@
+"""Image-text models fine-tuned on text (Gemma 3, Mistral Small 3.1 / 3.2, Qwen2.5-VL): the vision tower and
+projector counted as transformers builds and bitsandbytes packs them, config.json files of these families read,
+LoRA kept on the language model, estimate against the trace, image rows refused, and `lorafit train` on tiny
+random models of each family on the CPU."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from lorafit import memory
+from lorafit.errors import InvalidConfig
+from lorafit.models import ModelSpec, catalog, from_config_json, resolve
+from lorafit.schema import Settings
+
+torch = pytest.importorskip("torch")
+
+IMAGE_TEXT = sorted(name for name, spec in catalog().items() if spec.vision is not None)
+ONE_PER_FAMILY = {
+    "gemma3": "gemma-3-4b",
+    "mistral3": "mistral-small-3.1-24b",
+    "qwen2_5_vl": "qwen2.5-vl-7b",
+    "qwen2_vl": "qwen2-vl-7b",
+}
+TINY_TEXT = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+)
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28)
+
+
+def tiny(name: str, vision: dict | None = None, **text: int) -> ModelSpec:
+    """A 2-layer copy of an image-text preset with a 2-layer vision tower."""
+    spec = catalog()[name]
+    assert spec.vision is not None
+    tower = spec.vision.model_copy(update=vision or TINY_VISION).model_dump()
+    return spec.scaled(**(TINY_TEXT | text), vision=tower)
+
+
+def build_on_meta(spec: ModelSpec):
+    from lorafit.train.build import hf_config
+    from lorafit.train.model_files import auto_model_class
+
+    config = hf_config(spec, Settings(method="lora", quant="none", attn="eager"))
+    with torch.device("meta"):
+        return auto_model_class(config.model_type).from_config(config)
+
+
+def is_language_model(name: str) -> bool:
+    return ".language_model." in f".{name}" or name.startswith("lm_head")
+
+
+# --- the weights ------------------------------------------------------------------------------------------------
+def test_the_presets_people_ask_for_resolve() -> None:
+    for hub_id, preset in [
+        ("google/gemma-3-4b-it", "gemma-3-4b"),
+        ("google/gemma-3-12b-it", "gemma-3-12b"),
+        ("google/gemma-3-27b-it", "gemma-3-27b"),
+        ("mistralai/Mistral-Small-3.2-24B-Instruct-2506", "mistral-small-3.1-24b"),
+        ("mistralai/Mistral-Small-3.1-24B-Instruct-2503", "mistral-small-3.1-24b"),
+        ("Qwen/Qwen2.5-VL-7B-Instruct", "qwen2.5-vl-7b"),
+        ("Qwen/Qwen2-VL-7B-Instruct", "qwen2-vl-7b"),
+    ]:
+        spec = resolve(hub_id)
+        assert spec.vision is not None and spec.num_params == catalog()[preset].num_params, hub_id
+
+
+@pytest.mark.parametrize("name", IMAGE_TEXT)
+def test_a_preset_is_the_model_transformers_builds_tower_included(name: str) -> None:
+    spec = catalog()[name]
+    model = build_on_meta(spec)
+    parameters = dict(model.named_parameters())
+    assert sum(p.numel() for p in parameters.values()) == spec.num_params == spec.published_params
+    tower = sum(p.numel() for key, p in parameters.items() if not is_language_model(key))
+    assert tower == spec.vision_params > 0
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert tied == spec.tie_word_embeddings
+
+
+def test_the_gemma_3_vision_tower_summed_by_hand() -> None:
+    """SigLIP-So400m as Gemma 3 uses it (1152 wide, 27 layers, MLP 4304, 14-pixel patches of an 896-pixel image,
+    no pooling head) and Gemma 3's projector (a 1152 x text-width matrix and a 1152-wide RMSNorm), from the module
+    listing of transformers' modeling_siglip.py / modeling_gemma3.py."""
+    d, i, layers, patch, image = 1152, 4304, 27, 14, 896
+    embeddings = 3 * patch * patch * d + d + (image // patch) ** 2 * d
+    layer = 4 * (d * d + d) + (d * i + i) + (i * d + d) + 2 * 2 * d
+    tower = embeddings + layers * layer + 2 * d
+    for name, text_width in [("gemma-3-4b", 2560), ("gemma-3-12b", 3840), ("gemma-3-27b", 5376)]:
+        assert resolve(name).vision_params == tower + d * text_width + d
+
+
+@pytest.mark.parametrize("family", sorted(ONE_PER_FAMILY))
+def test_bitsandbytes_packs_the_linears_the_estimate_counts(family: str) -> None:
+    """transformers' quantizer skips only get_keys_to_not_convert (tied embeddings, the LM head): the vision
+    tower's and projector's linears are packed like the language model's."""
+    import bitsandbytes as bnb
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    spec = tiny(ONE_PER_FAMILY[family])
+    model = build_on_meta(spec)
+    model = replace_with_bnb_linear(
+        model,
+        modules_to_not_convert=get_keys_to_not_convert(model),
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True),
+    )
+    packed = {n: m.in_features * m.out_features for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert sum(packed.values()) == spec.quantized_linear_params
+    assert any(not is_language_model(name) for name in packed)  # the tower is packed too
+
+
+@pytest.mark.parametrize("family", sorted(ONE_PER_FAMILY))
+def test_lora_adapts_the_language_model_only(family: str) -> None:
+    from peft import get_peft_model
+
+    from lorafit.train.build import lora_config
+
+    spec = tiny(ONE_PER_FAMILY[family])
+    settings = Settings(method="lora", quant="none", attn="eager", lora_r=4, lora_targets="all")
+    model = get_peft_model(build_on_meta(spec), lora_config(spec, settings))
+    trained = {name: p.numel() for name, p in model.named_parameters() if p.requires_grad}
+    assert sum(trained.values()) == spec.lora_params(4, "all") > 0
+    assert all(".language_model." in name for name in trained)
+
+
+# --- config.json ------------------------------------------------------------------------------------------------
+# google/gemma-3-4b-it's config.json names few text keys; Gemma3TextConfig's defaults fill the rest (the shape of
+# the original file as quoted in public test fixtures: text_config hidden 2560, MLP 10240, 34 layers; SigLIP 1152)
+GEMMA_3_4B_IT = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "mm_tokens_per_image": 256,
+    "text_config": {
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
+# Mistral Small 3.1's config.json (the keys of the TensorRT-LLM fixture the catalog cites)
+MISTRAL_SMALL_3_1 = {
+    "architectures": ["Mistral3ForConditionalGeneration"],
+    "model_type": "mistral3",
+    "multimodal_projector_bias": False,
+    "spatial_merge_size": 2,
+    "vision_feature_layer": -1,
+    "text_config": {
+        "head_dim": 128,
+        "hidden_size": 5120,
+        "intermediate_size": 32768,
+        "max_position_embeddings": 131072,
+        "model_type": "mistral",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 40,
+        "num_key_value_heads": 8,
+        "vocab_size": 131072,
+    },
+    "vision_config": {
+        "head_dim": 64,
+        "hidden_size": 1024,
+        "image_size": 1540,
+        "intermediate_size": 4096,
+        "model_type": "pixtral",
+        "num_attention_heads": 16,
+        "num_channels": 3,
+        "num_hidden_layers": 24,
+        "patch_size": 14,
+    },
+}
+# Qwen2.5-VL's first config.json files keep the text model's keys at the top, beside vision_config
+QWEN2_5_VL_7B = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "model_type": "qwen2_5_vl",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 128000,
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "tie_word_embeddings": False,
+    "vocab_size": 152064,
+    "vision_config": {
+        "depth": 32,
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "in_chans": 3,
+        "out_hidden_size": 3584,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+}
+
+# Qwen2-VL's: the tower's width is embed_dim, its MLP embed_dim x mlp_ratio, its hidden_size the merger's output
+QWEN2_VL_7B = {k: v for k, v in QWEN2_5_VL_7B.items() if k != "vision_config"} | {
+    "architectures": ["Qwen2VLForConditionalGeneration"],
+    "model_type": "qwen2_vl",
+    "max_position_embeddings": 32768,
+    "vision_config": {
+        "depth": 32,
+        "embed_dim": 1280,
+        "hidden_size": 3584,
+        "mlp_ratio": 4,
+        "num_heads": 16,
+        "in_chans": 3,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "preset"),
+    [
+        (GEMMA_3_4B_IT, "gemma-3-4b"),
+        (MISTRAL_SMALL_3_1 | {"tie_word_embeddings": False}, "mistral-small-3.1-24b"),
+        (QWEN2_5_VL_7B, "qwen2.5-vl-7b"),
+        (QWEN2_VL_7B, "qwen2-vl-7b"),
+    ],
+    ids=["gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl"],
+)
+def test_an_image_text_config_json_reads_as_its_preset(config: dict, preset: str, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    read, listed = from_config_json(tmp_path), catalog()[preset]
+    assert read.vision == listed.vision
+    assert read.num_params == listed.num_params and read.tie_word_embeddings == listed.tie_word_embeddings
+    assert read.quantized_linear_params == listed.quantized_linear_params
+    assert read.lora_params(16, "all") == listed.lora_params(16, "all")
+
+
+def test_an_untold_tie_reads_as_transformers_builds_it(tmp_path: Path) -> None:
+    """Mistral3Config ties the LM head to the embeddings unless the outer config says otherwise (transformers
+    5.25 configuration_mistral3.py), so a config.json without the key is planned as the tied model it builds."""
+    (tmp_path / "config.json").write_text(json.dumps(MISTRAL_SMALL_3_1))
+    spec = from_config_json(tmp_path)
+    assert spec.tie_word_embeddings
+    config = build_on_meta(spec)
+    assert config.get_output_embeddings().weight is config.get_input_embeddings().weight
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"vision_config": {**GEMMA_3_4B_IT["vision_config"], "vision_use_head": True}}, "vision_use_head"),
+        ({"vision_config": {**GEMMA_3_4B_IT["vision_config"], "hidden_size": "1152"}}, "vision_config.hidden_size"),
+        ({"vision_config": {**GEMMA_3_4B_IT["vision_config"], "num_hidden_layers": 10**9}}, "vision_config"),
+        ({"text_config": {**GEMMA_3_4B_IT["text_config"], "model_type": "t5"}}, "a gemma3 model with a 't5' text"),
+    ],
+    ids=["pooling-head", "not-a-number", "absurd-depth", "other-text-model"],
+)
+def test_a_vision_config_lorafit_cannot_count_is_one_line(change: dict, words: str, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA_3_4B_IT | change))
+    with pytest.raises(InvalidConfig) as error:
+        from_config_json(tmp_path)
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+# --- the estimate ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", sorted(ONE_PER_FAMILY))
+def test_estimate_is_within_3_percent_of_the_trace(family: str) -> None:
+    """Scaled down (a 256-wide text model with a 128-wide, 4-layer tower, so that the tower's packed weights are a
+    real share of the total), QLoRA at 256 tokens, traced with the CPU's kernels. The full-size figures
+    (Gemma-3-12B, Mistral-Small-3.2 at 2048 tokens) are `make bench-image-text`."""
+    from lorafit.trace import trace_depth
+
+    vision = TINY_VISION | {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4}
+    spec = tiny(ONE_PER_FAMILY[family], vision, hidden_size=256, intermediate_size=704, head_dim=64, vocab_size=2048)
+    settings = Settings(method="qlora", quant="nf4", micro_batch=2, seq_len=256, grad_ckpt=True)
+    traced = trace_depth(spec, settings, device="cpu").peak_bytes
+    analytic = sum(memory.breakdown(spec, settings, memory.Runtime(device="cpu"))[0].values())
+    assert analytic == pytest.approx(traced, rel=0.03), (
+        f"analytic {analytic / 2**20:.3f} MiB, traced {traced / 2**20:.3f}"
+    )
+
+
+def test_the_plan_says_images_are_not_modelled(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(["plan", "--model", "google/gemma-3-12b-it", "--gpu", "rtx-4090"], capsys)
+    assert code == 0
+    assert "images in the data are not modelled" in " ".join(out.split())
+    code, out, _ = run_cli(["plan", "--model", "gemma-3-1b", "--gpu", "rtx-4090"], capsys)
+    assert code == 0 and "images in the data" not in " ".join(out.split())
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+TEXT_TURNS = [{"role": "user", "content": "What is a heron?"}, {"role": "assistant", "content": "A wading bird."}]
+IMAGE_TURNS = [
+    {"role": "user", "content": [{"type": "image", "url": "heron.png"}, {"type": "text", "text": "What is this?"}]},
+    {"role": "assistant", "content": "A heron."},
+]
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [[{"messages": IMAGE_TURNS}] * 3, [{"messages": TEXT_TURNS, "images": ["heron.png"]}] * 3],
+    ids=["image-part", "images-column"],
+)
+def test_image_rows_are_refused_in_one_line(
+    rows: list[dict], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    code, out, err = run_cli(["plan", "--model", "gemma-3-12b", "--gpu", "rtx-4090", "--data", str(data)], capsys)
+    assert code == 2 and not out and err.count("\n") == 1
+    assert "image-text models on text only" in err and "keep only the text rows" in err
+
+
+# --- training -------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer():
+    from lorafit.train.demo import build_tokenizer, corpus
+
+    return build_tokenizer(corpus(), vocab_size=512)
+
+
+@pytest.mark.parametrize("family", sorted(ONE_PER_FAMILY))
+def test_train_runs_on_a_tiny_image_text_model_and_export_says_what_works(
+    family: str, tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors import safe_open
+
+    from lorafit.train.demo import build_model
+
+    build_model(tmp_path / "model", tokenizer, tiny(ONE_PER_FAMILY[family], vocab_size=len(tokenizer)), seed=0)
+    rng = random.Random(0)
+    words = ["the", "keeper", "paints", "a", "tower", "red", "while", "otters", "steal", "fish"]
+    rows = [
+        {"instruction": " ".join(rng.choices(words, k=6)), "input": "", "output": " ".join(rng.choices(words, k=6))}
+        for _ in range(16)
+    ]
+    data = write_rows(tmp_path / "data.jsonl", rows)
+    run = tmp_path / "run"
+    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
+    code, _, err = run_cli([*args, "--method", "qlora", "--micro-batch", "4", "--max-steps", "2"], capsys)
+    assert code == 0, err
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert metrics and all(row.get("loss", 1.0) == row.get("loss", 1.0) for row in metrics)  # no NaN
+    with safe_open(run / "adapter_model.safetensors", "pt") as adapter:
+        names = list(adapter.keys())
+    assert names and all(".language_model." in name for name in names)
+    for to in ("merged", "gguf"):
+        code, out, err = run_cli(["export", str(run), "--to", to, "-o", str(tmp_path / to)], capsys)
+        assert code == 2 and err.count("\n") == 1 and f"image-text model ({family})" in err
+        assert "convert_hf_to_gguf.py" in err and not (tmp_path / to).exists()
