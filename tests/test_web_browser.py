@@ -323,6 +323,9 @@ def test_the_headline_is_yes_tight_or_no_in_the_pages_language(
         for figure in (expected["tokens_per_s"], expected["tokens_per_epoch"]):  # as the page's locale writes them
             assert page.evaluate(f"number({figure}, 0)") in time.inner_text()
         assert page.evaluate(f"money({expected['cost_local_usd']})") in time.inner_text()
+        if expected["break_even_runs"]:  # buy or rent
+            shown = page.evaluate(f"number({expected['break_even_runs']}, 0)")
+            assert words["ui.break_even_line"].replace("{n}", shown) in time.inner_text()
     else:
         expect(time).to_be_hidden()
     if expected["verdict"] == "tight":

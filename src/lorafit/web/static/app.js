@@ -427,7 +427,8 @@ function timeLine(plan) {
     cost_cloud: money(plan.cost_cloud_usd),
     cost_local: money(plan.cost_local_usd),
   };
-  return t(plan.cost_cloud_usd == null ? "ui.time_line_no_rent" : "ui.time_line", fill);
+  const line = t(plan.cost_cloud_usd == null ? "ui.time_line_no_rent" : "ui.time_line", fill);
+  return plan.break_even_runs ? `${line} ${t("ui.break_even_line", { n: number(plan.break_even_runs, 0) })}` : line;
 }
 
 function trainersLine(plan) {
@@ -641,10 +642,6 @@ function gpuLabel(row) {
   return `${count > 1 ? `${count}x ` : ""}${row.gpu.name}${how.length ? `, ${how.join(" + ")}` : ""}`;
 }
 
-function hourly(row) {
-  return row.gpu.rent_usd_per_hour == null ? null : row.gpu.rent_usd_per_hour * gpuCount(row);
-}
-
 function servingAnswer(row) {
   // the smallest-loss format (the list runs from f16 down) that runs on this card after the fine-tune
   const fitting = (row.serving?.formats || []).find((format) => format.fits_gpu);
@@ -681,8 +678,8 @@ function renderGpus() {
     line.dataset.fits = String(row.fits);
     line.dataset.count = String(gpuCount(row));
     if (row.gpu.name === mine) { line.classList.add("mine"); line.setAttribute("aria-current", "true"); }
-    const price = hourly(row);
-    if (cap != null && price != null && price > cap) line.dataset.overCap = "true";
+    // the cap is per GPU, as --max-price-hour's declaration says
+    if (cap != null && row.gpu.rent_usd_per_hour != null && row.gpu.rent_usd_per_hour > cap) line.dataset.overCap = "true";
     const s = row.settings;
     const cells = [
       gpuLabel(row) + (row.gpu.name === mine ? ` (${t("ui.your_card")})` : ""),
