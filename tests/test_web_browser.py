@@ -361,6 +361,11 @@ def test_no_train_command_for_a_plan_that_does_not_fit(server: str, page: Page) 
     ran = page.evaluate("q => fetch('/api/run?' + new URLSearchParams(q)).then(r => r.json())", nearest)
     assert fitting["fits"] and fitting["gpu"]["name"] == (first["gpu"] or plan["gpu"]["name"])
     assert command.inner_text() == ran["command"]
+    page.select_option("#lang-select", "es")  # in another language: the same command, the words translated
+    expect(page.locator("#run-instead")).to_contain_text(first["change"])
+    expect(page.locator("#run-instead")).not_to_contain_text("This plan does not fit")
+    expect(command).to_have_text(ran["command"])
+    page.select_option("#lang-select", "en")
     # the plan that fits on the card shows its own command and no "instead"
     page.select_option("#f-gpu", "RTX 5090")
     expect(page.locator("#verdict")).to_have_attribute("data-fits", "true", timeout=20_000)

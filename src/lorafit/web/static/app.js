@@ -357,6 +357,7 @@ function waitForMemory() {
 async function loadRun(request) {
   // the command of this plan when it fits; else of the nearest plan that fits; else none
   const nearest = page.plan.fits ? null : nearestFitting(page.plan);
+  for (const id of ["train-command", "train-yaml"]) document.getElementById(id).textContent = ""; // never the last plan's
   if (!page.plan.fits && !nearest) return;
   const response = await fetch(`/api/run?${nearest ? query(nearest.values) : query()}`);
   const body = await response.json();
@@ -518,8 +519,6 @@ function renderRun(plan) {
   instead.hidden = plan.fits;
   commands.hidden = !plan.fits && !nearest;
   document.getElementById("run-help").hidden = commands.hidden;
-  document.getElementById("train-command").textContent = "";
-  document.getElementById("train-yaml").textContent = "";
   if (plan.fits) return;
   instead.textContent = nearest
     ? t("ui.run_nearest", { change: nearest.row.change, settings: settingsSummary(nearest.row.settings) + (nearest.row.gpu && nearest.row.gpu !== plan.gpu.name ? ` (${nearest.row.gpu})` : "") })
