@@ -55,6 +55,21 @@ def test_data_with_errors_is_refused_like_the_trainer_would(tmp_path: Path) -> N
         token_profile(path)
 
 
+def test_bad_rows_skipped_on_request_are_counted_with_their_errors(tmp_path: Path) -> None:
+    path = text_rows(tmp_path / "a.jsonl", [40, 80, 400])  # 10, 20, 100 tokens
+    path.write_text(path.read_text() + "{broken\n" + json.dumps({"no_text": 1}) + "\n")
+    with pytest.raises(DataError):
+        length_profile(path)
+    kept = length_profile(path, skip_bad_rows=True)
+    assert (kept.profile.rows, kept.profile.total_tokens, kept.skipped_rows) == (3, 130, 2)
+    assert [problem.row for problem in kept.skipped_because] == [3, 4]
+    assert "invalid JSON" in kept.skipped_because[0].message
+    only_bad = tmp_path / "b.jsonl"
+    only_bad.write_text("{broken\n")
+    with pytest.raises(DataError, match=r"b.jsonl:1 \(row 0\): invalid JSON"):  # nothing sound: refused even so
+        length_profile(only_bad, skip_bad_rows=True)
+
+
 def test_seq_len_is_passed_through(tmp_path: Path) -> None:
     profile = length_profile(text_rows(tmp_path / "a.jsonl", [40, 4000]), seq_len=64)
     assert profile.truncated_rows(64) == 1

@@ -221,12 +221,38 @@ def test_an_uploaded_dataset_gives_the_plan_of_lorafit_plan_data(
     assert served["hours"] == local["hours"] and served["settings"] == local["settings"]
 
 
+def test_a_dataset_with_some_bad_rows_is_planned_without_them_and_says_why(
+    client: TestClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = [json.dumps({"instruction": "word " * i, "output": "answer " * (3 * i)}) for i in range(1, 48)]
+    bad = {5: '{"instruction": ', 20: json.dumps({"instruction": "no answer"}), 30: "not json"}
+    rows = list(good)
+    for index, row in sorted(bad.items()):
+        rows.insert(index, row)
+    uploaded = client.post("/api/upload?kind=data&name=mine.jsonl", content=("\n".join(rows) + "\n").encode())
+    assert uploaded.status_code == 200, uploaded.text
+    skipped = uploaded.json()["skipped"]
+    assert (skipped["rows"], skipped["of"]) == (3, 50)
+    assert [problem["row"] for problem in skipped["problems"]] == sorted(bad)
+    assert skipped["problems"][0]["message"].startswith("mine.jsonl:6 (row 5): invalid JSON")
+    assert "missing column 'output'" in skipped["problems"][1]["message"]
+    served = client.get(
+        "/api/plan", params={"model": "llama-2-7b", "gpu": "rtx-4090", "data": uploaded.json()["value"]}
+    )
+    assert served.status_code == 200, served.text
+    (tmp_path / "good.jsonl").write_text("\n".join(good) + "\n")  # the same file without its bad rows
+    local = cli_json(
+        ["plan", "--model", "llama-2-7b", "--gpu", "rtx-4090", "--data", str(tmp_path / "good.jsonl")], capsys
+    )
+    assert served.json()["tokens"]["rows"] == 47 and served.json()["hours"] == local["hours"]
+
+
 BAD_UPLOADS = {
     "malformed config": ("model", "config.json", b"{not json", 400, "config.json is not valid JSON"),
     "config of an unknown family": ("model", "config.json", b'{"model_type": "zz"}', 400, "config.json"),
     "empty": ("data", "d.jsonl", b"", 400, "empty"),
     "not a dataset": ("data", "notes.exe", b"MZ", 400, "a dataset upload is"),
-    "rows with errors": ("data", "d.jsonl", b'{"instruction": "a", "output": "b"}\n{"instruction": \n', 400, "d.jsonl"),
+    "no sound row": ("data", "d.jsonl", b'{"instruction": "a"}\n{"instruction": \n', 400, "d.jsonl"),
     "unknown kind": ("weights", "w.bin", b"x", 400, "must be model"),
     "oversized config": ("model", "config.json", b" " * ((1 << 20) + 1), 413, "larger than the 1 MiB"),
 }
@@ -251,7 +277,7 @@ REJECTED_UPLOADS = {
     "hidden_size as text": ("model", json.dumps(CONFIG | {"hidden_size": "2048"}).encode(), "hidden_size"),
     "100,000-deep JSON": ("model", DEEP_JSON, "nested too deeply"),
     "a 5,000-digit integer": ("model", LONG_INTEGER, "digits"),
-    "a dataset with errors": ("data", b'{"instruction": "a", "output": "b"}\n{"instruction": \n', "d.jsonl"),
+    "a dataset with no sound row": ("data", b'{"instruction": "a"}\n{"instruction": \n', "d.jsonl"),
 }
 
 

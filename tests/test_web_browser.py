@@ -14,10 +14,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import parse_qsl, urlparse
 
 import pytest
 
 from conftest import run_cli
+from lorafit import models
 
 CHROMIUM = next((path for name in ("chromium", "chromium-browser") if (path := shutil.which(name))), None)
 if CHROMIUM is None and os.environ.get("LORAFIT_BROWSER_REQUIRED") != "1":
@@ -127,7 +129,7 @@ def test_a_what_if_control_changes_the_chart_at_once(server: str, page: Page) ->
     wait_for_plan(page, "RTX 4060 Ti 16GB")
     before = float(page.get_attribute("#total-device", "data-gib"))
     expect(page.locator("#whatif-badge")).to_be_hidden()
-    page.select_option("#whatif-micro_batch", "16")
+    page.fill("#whatif-micro_batch", "16")
     page.wait_for_function(f"Number(document.querySelector('#total-device').dataset.gib) > {before}")
     expect(page.locator("#whatif-badge")).to_be_visible()
     settings = page.evaluate("page.plan.settings")
@@ -139,6 +141,27 @@ def test_a_what_if_control_changes_the_chart_at_once(server: str, page: Page) ->
     assert page.get_attribute("#chart", "data-fits") == str(answer["fits"]).lower()
     page.click("#whatif-reset")
     expect(page.locator("#total-device")).to_have_attribute("data-gib", str(before))
+
+
+def test_the_what_if_length_takes_the_forms_values(server: str, page: Page) -> None:
+    # a 3000-token plan: touching checkpointing alone keeps 3000 tokens, not the next power of two
+    page.goto(server + "/?model=llama-2-7b&gpu=A40&seq_len=3000")
+    wait_for_plan(page, "A40")
+    assert page.input_value("#whatif-seq_len") == "3000"
+    with page.expect_request(lambda request: "/api/estimate?" in request.url) as sent:
+        page.click("#whatif-grad_ckpt")
+    asked = dict(parse_qsl(urlparse(sent.value.url).query))
+    assert asked["seq_len"] == "3000" and asked["grad_ckpt"] == "true"
+    settings = {k: v for k, v in page.evaluate("page.plan.settings").items() if v is not None}
+    answer = page.evaluate(
+        "q => fetch('/api/estimate?' + new URLSearchParams(q)).then(r => r.json())",
+        settings | {"grad_ckpt": True, "model": "llama-2-7b", "gpu": "A40"},
+    )
+    expect(page.locator("#total-device")).to_have_attribute("data-gib", str(answer["peak_device_gib"]))
+    assert answer["settings"]["seq_len"] == 3000
+    page.fill("#whatif-seq_len", "2500")  # any length the form takes
+    with page.expect_request(lambda request: "/api/estimate?" in request.url and "seq_len=2500" in request.url):
+        pass
 
 
 def test_a_shared_url_reopens_the_same_plan(server: str, browser: Browser, page: Page) -> None:
@@ -249,7 +272,12 @@ def test_a_dropped_dataset_and_an_uploaded_config_are_planned(
     page.wait_for_function("page.plan && page.plan.model.num_hidden_layers === 22")
     expected = cli_plan(capsys, "--model", str(config), "--gpu", "RTX 4090", "--data", str(data))
     assert page.evaluate("page.plan.estimate") == expected["estimate"]
-    assert page.input_value("#f-model").startswith("upload:")
+    # named by what the config describes, never by the digest the server stores it under
+    spec = models.from_config_json(config)
+    expect(page.locator("#uploaded-model")).to_contain_text(f"{spec.architecture}, {spec.num_params / 1e9:.1f}B")
+    expect(page.locator("#verdict")).to_contain_text(f"{spec.architecture}, {spec.num_params / 1e9:.1f}B")
+    digest = page.evaluate("page.values.model").removeprefix("upload:").split("/")[0]
+    assert page.input_value("#f-model") == "" and digest not in page.inner_text("main")
 
 
 def test_on_a_phone_in_dark_mode_nothing_runs_off_the_screen(server: str, browser: Browser, tmp_path: Path) -> None:
@@ -266,3 +294,169 @@ def test_on_a_phone_in_dark_mode_nothing_runs_off_the_screen(server: str, browse
     phone.reload()
     expect(phone.locator("html")).to_have_attribute("data-theme", "light")
     context.close()
+
+
+@pytest.mark.parametrize(
+    ("query", "language"),
+    [
+        ("model=llama-2-7b&gpu=RTX+4090", "en"),
+        ("model=llama-3.1-8b&vram=8", "es"),
+        ("model=tinyllama-1.1b&vram=4&method=full", "pt"),
+    ],
+)
+def test_the_headline_is_yes_tight_or_no_in_the_pages_language(
+    query: str, language: str, server: str, page: Page, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lorafit.web import strings
+
+    flags = [part for pair in parse_qsl(query) for part in (f"--{pair[0].replace('_', '-')}", pair[1])]
+    expected = cli_plan(capsys, *flags)
+    page.goto(f"{server}/?{query}&lang={language}")
+    word = page.locator("#verdict-word")
+    expect(word).to_have_attribute("data-verdict", expected["verdict"], timeout=20_000)
+    words = strings(language)
+    expect(word).to_have_text(words[f"ui.verdict_{expected['verdict']}"])
+    assert len({words["ui.verdict_fits"], words["ui.verdict_tight"], words["ui.verdict_no"]}) == 3
+    time = page.locator("#time-line")
+    if expected["fits"]:  # the time, what it is for (tokens and where they came from), the speed and the cost
+        expect(time).to_contain_text(words["ui.tokens_default"])
+        for figure in (expected["tokens_per_s"], expected["tokens_per_epoch"]):  # as the page's locale writes them
+            assert page.evaluate(f"number({figure}, 0)") in time.inner_text()
+        assert page.evaluate(f"money({expected['cost_local_usd']})") in time.inner_text()
+        if expected["break_even_runs"]:  # buy or rent
+            shown = page.evaluate(f"number({expected['break_even_runs']}, 0)")
+            assert words["ui.break_even_line"].replace("{n}", shown) in time.inner_text()
+    else:
+        expect(time).to_be_hidden()
+    if expected["verdict"] == "tight":
+        expect(page.locator("#tight-line")).to_be_visible()
+    changes_verdict = any(bool(t["fits"]) != expected["fits"] for t in expected["trainers"])
+    trainers = page.locator("#trainers-line")
+    if changes_verdict:  # which trainers it fits with
+        fitting = [t["stack"] for t in expected["trainers"] if t["fits"]]
+        expect(trainers).to_contain_text(
+            ", ".join(([expected["settings"]["stack"]] if expected["fits"] else []) + fitting)
+        )
+    else:
+        expect(trainers).to_be_hidden()
+
+
+def test_the_time_says_where_its_tokens_came_from(server: str, page: Page) -> None:
+    page.goto(server + "/?model=llama-2-7b&gpu=RTX+4090&tokens_per_epoch=2000000")
+    expect(page.locator("#time-line")).to_contain_text(
+        "2,000,000 tokens (the dataset size you entered)", timeout=20_000
+    )
+
+
+def test_no_train_command_for_a_plan_that_does_not_fit(server: str, page: Page) -> None:
+    page.goto(server + "/?model=tinyllama-1.1b&vram=4&method=full")
+    expect(page.locator("#verdict")).to_have_attribute("data-fits", "false", timeout=20_000)
+    plan = page.evaluate("page.plan")
+    first = plan["suggestions"][0]
+    expect(page.locator("#run-instead")).to_contain_text(first["change"])
+    command = page.locator("#train-command")
+    expect(command).not_to_be_empty(timeout=20_000)
+    nearest = page.evaluate("nearestFitting(page.plan).values")
+    fitting = page.evaluate("q => fetch('/api/plan?' + new URLSearchParams(q)).then(r => r.json())", nearest)
+    ran = page.evaluate("q => fetch('/api/run?' + new URLSearchParams(q)).then(r => r.json())", nearest)
+    assert fitting["fits"] and fitting["gpu"]["name"] == (first["gpu"] or plan["gpu"]["name"])
+    assert command.inner_text() == ran["command"]
+    page.select_option("#lang-select", "es")  # in another language: the same command, the words translated
+    expect(page.locator("#run-instead")).to_contain_text(first["change"])
+    expect(page.locator("#run-instead")).not_to_contain_text("This plan does not fit")
+    expect(command).to_have_text(ran["command"])
+    page.select_option("#lang-select", "en")
+    # the plan that fits on the card shows its own command and no "instead"
+    page.select_option("#f-gpu", "RTX 5090")
+    expect(page.locator("#verdict")).to_have_attribute("data-fits", "true", timeout=20_000)
+    expect(page.locator("#run-instead")).to_be_hidden()
+
+
+def test_the_70b_table_names_every_card_a_row_needs(server: str, page: Page) -> None:
+    page.goto(server + "/?model=llama-2-70b&gpu=RTX+4090&max_price_hour=1")
+    wait_for_plan(page, "RTX 4090")
+    page.wait_for_function("page.gpuRows.length > 0", timeout=300_000)  # the comparison of every card
+    rows = {plan["gpu"]["name"]: plan for plan in page.evaluate("page.gpuRows")}
+    several = [name for name, plan in rows.items() if plan["settings"]["n_gpus"] > 1]
+    assert several, "a 70B job needs several of the small cards"
+    for name, plan in rows.items():
+        cell = page.locator(f'#gpus tbody tr[data-gpu="{name}"] td').first.inner_text()
+        settings = plan["settings"]
+        if settings["n_gpus"] > 1:
+            assert cell.startswith(f"{settings['n_gpus']}x {name}, {settings['shard'].upper()}"), cell
+            assert ("offload" in cell) == (settings["offload"] != "none"), cell
+        else:
+            assert cell.startswith(name) and "x " not in cell.removeprefix(name)[:3], cell
+    mine = page.locator("#gpus tbody tr.mine")
+    expect(mine).to_have_count(1)
+    expect(mine).to_have_attribute("data-gpu", "RTX 4090")
+    under = page.evaluate("page.cheapestUnderPrice")
+    if under:
+        expect(page.locator("#price-cap")).to_contain_text(under)
+        assert rows[under]["settings"]["n_gpus"] == 1 or f"{rows[under]['settings']['n_gpus']}x" in page.inner_text(
+            "#price-cap"
+        )
+    cheapest = page.evaluate("page.cheapest")
+    n = rows[cheapest]["settings"]["n_gpus"]
+    expect(page.locator("#cheapest")).to_contain_text(f"{n}x {cheapest}" if n > 1 else cheapest)
+
+
+def test_my_card_waits_for_its_memory_and_a_typed_memory_switches_to_it(server: str, page: Page) -> None:
+    from lorafit.web import strings
+
+    page.goto(server + "/?model=llama-2-7b&gpu=RTX+4090")
+    wait_for_plan(page, "RTX 4090")
+    page.wait_for_function("page.gpuRows.length > 0")  # the comparison of this plan is in
+    asked: list[str] = []
+    page.on("request", lambda request: asked.append(request.url) if "/api/plan?" in request.url else None)
+    page.select_option("#f-gpu", "")
+    expect(page.locator("#error-vram")).to_have_text(strings("en")["ui.type_vram"])
+    page.wait_for_timeout(1000)
+    assert asked == []  # no plan for some other card while the number is missing
+    page.fill("#f-vram", "12")
+    wait_for_plan(page, "12 GB GPU")
+    expect(page.locator("#error-vram")).to_be_hidden()
+    page.select_option("#f-gpu", "A40")  # a catalog card drops the typed memory
+    wait_for_plan(page, "A40")
+    assert page.input_value("#f-vram") == ""
+    page.fill("#f-vram", "16")  # and typed memory drops the catalog card
+    wait_for_plan(page, "16 GB GPU")
+    assert page.input_value("#f-gpu") == "" and "gpu=" not in page.url
+    expect(page.locator("#form-error")).to_be_hidden()
+
+
+def test_serving_context_changes_what_the_card_runs_afterwards(server: str, page: Page) -> None:
+    page.goto(server + "/?model=llama-2-7b&gpu=RTX+4060+Ti+16GB")
+    wait_for_plan(page, "RTX 4060 Ti 16GB")
+    row = page.locator('#serving tbody tr[data-format="gguf q4_k_m"] td').nth(2)
+    before = row.inner_text()
+    expect(page.locator("#serving-caption")).to_contain_text("4,096")
+    page.goto(server + "/?model=llama-2-7b&gpu=RTX+4060+Ti+16GB&serve_context=1024")
+    expect(page.locator("#serving-caption")).to_contain_text("1,024", timeout=20_000)
+    assert row.inner_text() != before
+
+
+def test_a_dataset_with_some_bad_rows_is_used_with_a_line_that_says_why(
+    server: str, page: Page, tmp_path: Path
+) -> None:
+    good = [json.dumps({"instruction": "q " * i, "output": "a " * (5 * i)}) for i in range(1, 48)]
+    rows = (
+        good[:5]
+        + ['{"instruction": ']
+        + good[5:19]
+        + [json.dumps({"instruction": "x"})]
+        + good[19:28]
+        + ["oops"]
+        + good[28:]
+    )
+    data = tmp_path / "some-bad.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    page.goto(server + "/?model=llama-2-7b&gpu=RTX+4090")
+    wait_for_plan(page, "RTX 4090")
+    page.set_input_files("#f-data", str(data))
+    line = page.locator("#skipped-rows")
+    expect(line).to_contain_text("3 of 50 rows skipped", timeout=20_000)
+    expect(line).to_contain_text("some-bad.jsonl:6 (row 5): invalid JSON")
+    expect(line).to_contain_text("missing column 'output'")
+    page.wait_for_function("page.plan && page.plan.tokens && page.plan.tokens.rows === 47")
+    expect(page.locator("#form-error")).to_be_hidden()

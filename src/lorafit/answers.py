@@ -156,11 +156,13 @@ def plan(
     from_config: str | None = None,
     card: GpuSpec | None = None,
     device: Device | None = None,
+    skip_bad_rows: bool = False,
 ) -> PlanAnswer:
     """`lorafit plan` for the settings that were set (over those of the config file `from_config`: the run it
     describes, its step settings pinned). `data_path` turns the `data` setting into the file to profile (the
     web server maps it into its upload folder). `card` and `device`: the card to plan for in place of --gpu,
-    --vram or the detected one, and where the run happens (`lorafit measure`: this machine's GPU or CPU)."""
+    --vram or the detected one, and where the run happens (`lorafit measure`: this machine's GPU or CPU).
+    `skip_bad_rows`: plan the dataset's sound rows where some have errors (the page's uploads)."""
     flags = given
     given, source = with_config("plan", from_config, flags)
     asked = _validated("plan", given, flags, source)
@@ -175,7 +177,7 @@ def plan(
         from lorafit.data import length_profile  # the data package loads only for data: `plan` starts faster
 
         options.check_against({"seq_len": asked.seq_len}, spec)
-        lengths = length_profile(data_path(asked.data), tokenizer=asked.tokenizer)
+        lengths = length_profile(data_path(asked.data), tokenizer=asked.tokenizer, skip_bad_rows=skip_bad_rows)
         profile = lengths.profile
         truncated = lengths.truncated_rows(asked.seq_len or min(profile.max, spec.max_position_embeddings))
     request = PlanRequest(

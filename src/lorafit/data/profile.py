@@ -15,6 +15,7 @@ from pathlib import Path
 
 from lorafit.data.check import TokenStats, check, token_stats
 from lorafit.data.check import truncated_rows as _count_above
+from lorafit.data.problems import Problem
 from lorafit.data.tokens import TokenCounter
 from lorafit.errors import DataError
 from lorafit.schema import TokenProfile
@@ -22,10 +23,13 @@ from lorafit.schema import TokenProfile
 
 @dataclass(frozen=True)
 class LengthProfile:
-    """A TokenProfile plus the sorted token length of every valid row (a numpy int64 array)."""
+    """A TokenProfile plus the sorted token length of every valid row (a numpy int64 array), and where rows with
+    errors were skipped (`skip_bad_rows`), how many and the errors `lorafit data check` reports for them."""
 
     profile: TokenProfile
     lengths: Sequence[int] = field(repr=False)
+    skipped_rows: int = 0
+    skipped_because: tuple[Problem, ...] = ()
 
     def truncated_rows(self, seq_len: int) -> int:
         return _count_above(self.lengths, seq_len)
@@ -37,19 +41,22 @@ def length_profile(
     format: str | None = None,
     mapping: Mapping[str, str] | Iterable[str] | None = None,
     seq_len: int | None = None,
+    skip_bad_rows: bool = False,
 ) -> LengthProfile:
     """Check the dataset and profile its valid rows. Raises DataError, as the trainer would, if any row has an
-    error (the message names the first and the command that lists them all)."""
+    error (the message names the first and the command that lists them all); with `skip_bad_rows` (a plan of
+    the rows that are sound: the web page's upload) only if no row is sound."""
     report = check(path, tokenizer=tokenizer, seq_len=seq_len, format=format, mapping=mapping)
     errors = [problem for problem in report.problems if problem.severity == "error"]
-    if errors:
+    if errors and not (skip_bad_rows and report.valid_rows):
         first = errors[0]
         error_rows = len({(problem.file, problem.row) for problem in errors})
         more = f" (and {error_rows - 1} more rows with errors)" if error_rows > 1 else ""
         raise DataError(f"{first.where()}: {first.message}{more}; run `lorafit data check {path}` for the full list")
     if report.tokens is None:
         raise DataError(f"{path} has no rows to profile; run `lorafit data check {path}`")
-    return LengthProfile(_profile(report.tokens, str(path), report.valid_rows), report.lengths)
+    profile = _profile(report.tokens, str(path), report.valid_rows)
+    return LengthProfile(profile, report.lengths, report.rejected_rows, tuple(errors))
 
 
 def profile_of_lengths(

@@ -34,6 +34,7 @@ UPLOAD_PREFIX = "upload:"
 # A config.json is a few kB; a dataset for a plan is read only for its token lengths.
 UPLOAD_LIMITS = {"model": 1 << 20, "data": 64 << 20}
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")
+SKIPPED_SHOWN = 3  # errors of skipped rows named on the page; `lorafit data check` lists them all
 FALSE, TRUE = ("false", "0", "no", "off"), ("true", "1", "yes", "on")
 
 
@@ -228,6 +229,21 @@ class Uploads:
         return given
 
 
+def data_described(path: Path, name: str) -> dict[str, Any]:
+    """An uploaded dataset's token profile, and where some rows have errors, how many the plan skips and why (the
+    first few errors as `lorafit data check` words them, the file named as the user named it)."""
+    lengths = length_profile(path, skip_bad_rows=True)
+    described: dict[str, Any] = {"tokens": lengths.profile.model_dump(mode="json")}
+    if lengths.skipped_rows:
+        problems = [
+            {"message": f"{p.where()}: {p.message}".replace(str(path), name), "row": p.row}
+            for p in lengths.skipped_because[:SKIPPED_SHOWN]
+        ]
+        total = lengths.profile.rows + lengths.skipped_rows
+        described["skipped"] = {"rows": lengths.skipped_rows, "of": total, "problems": problems}
+    return described
+
+
 # --- the app ------------------------------------------------------------------------------------------------
 def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: int | None = None) -> Any:
     """The page and its API, answering requests addressed to `host` (and `port`, where given) only."""
@@ -249,7 +265,9 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
             given = uploads.model(given)
             result: answers.PlanAnswer | answers.EstimateAnswer
             if command == "plan":
-                result = answers.plan(given, compare=on["compare"], data_path=lambda v: uploads.path(v, "data"))
+                result = answers.plan(
+                    given, compare=on["compare"], data_path=lambda v: uploads.path(v, "data"), skip_bad_rows=True
+                )
             else:
                 result = answers.estimate(given, exact=on["exact"])
             body = uploads.hide(result.to_json())
@@ -309,7 +327,7 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
                 spec = models.from_config_json(path)
                 described["model"] = spec.model_dump(mode="json") | {"num_params": spec.num_params}
             else:
-                described["tokens"] = length_profile(path).profile.model_dump(mode="json")
+                described |= data_described(path, name or path.name)
         except LorafitError as error:  # the file as the user named it, not where the server keeps it
             uploads.discard(value)
             message = str(error).splitlines()[0].replace(str(path), name or path.name)

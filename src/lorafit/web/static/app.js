@@ -10,7 +10,7 @@ const DEFAULTS = { model: "llama-2-7b", gpu: "RTX 4090" }; // what `lorafit plan
 const PARTS = ["weights", "lora_adapters", "gradients", "optimizer_states", "paged_optimizer_states", "activations",
   "logits_and_loss", "previous_micro_batch", "layer_backward", "dequant_buffer", "optimizer_step_temp",
   "sharded_gather", "allocator_reserve", "cuda_context"];
-const MICRO_BATCHES = [1, 2, 4, 8, 16, 32, 64];
+const DEFAULT_TOKENS_PER_EPOCH = 15000000; // plan.DEFAULT_TOKENS_PER_EPOCH: the Alpaca-sized run with no data
 
 const page = {
   lang: document.documentElement.dataset.lang || "en",
@@ -23,6 +23,8 @@ const page = {
   gpuRows: [],
   sort: { key: "fits", descending: true },
   requests: 0,
+  customCard: false, // "my card has N GB" picked: wait for the number before planning
+  described: {},     // what /api/upload said of each uploaded file, by its value
 };
 
 // --- words and numbers --------------------------------------------------------------------------------------
@@ -178,13 +180,26 @@ function field(row) {
   error.hidden = true;
   box.append(upload, help, error);
   if (row.name !== "data") {
-    input.addEventListener("change", () => { page.values[row.name] = input.value; changed(); });
+    input.addEventListener("change", () => { setValue(row.name, input.value); changed(); });
     if (input.tagName === "INPUT") input.addEventListener("input", debounce(() => {
-      page.values[row.name] = input.value;
+      setValue(row.name, input.value);
       changed();
     }, 350));
   }
   return box;
+}
+
+function setValue(name, value) {
+  // a catalog GPU and a typed memory size are two ways to name one card: choosing one drops the other
+  page.values[name] = value;
+  if (name === "gpu") {
+    page.customCard = value === "";
+    if (value) { delete page.values.vram; document.getElementById("f-vram").value = ""; }
+  } else if (name === "vram" && value !== "") {
+    page.customCard = true;
+    delete page.values.gpu;
+    document.getElementById("f-gpu").value = "";
+  }
 }
 
 function buildForm() {
@@ -207,22 +222,39 @@ function fillForm() {
     if (!input || input.type === "file") continue;
     input.value = page.values[row.name] ?? "";
   }
+  const model = document.getElementById("f-model");
+  if (model && page.values.model?.startsWith("upload:")) model.value = ""; // named by the line below it, not its digest
+  if (page.customCard) document.getElementById("f-gpu").value = "";
   showUpload("model", page.values.model?.startsWith("upload:") ? page.values.model : null);
   showUpload("data", page.values.data ?? null);
 }
 
-function showUpload(kind, value, described) {
+function modelLabel(model) {
+  // an uploaded config by what it is ("llama, 8.0B"), never by the digest it is stored under
+  return `${model.architecture}, ${number(model.num_params / 1e9, 1)}B`;
+}
+
+function skippedLine(skipped) {
+  const reasons = skipped.problems.map((problem) => problem.message);
+  return t("ui.skipped_rows", { skipped: number(skipped.rows, 0), rows: number(skipped.of, 0), reasons: reasons.join("; ") });
+}
+
+function showUpload(kind, value, described = page.described[value]) {
   const line = document.getElementById(`uploaded-${kind}`);
   if (!line) return;
   line.replaceChildren();
   line.hidden = !value;
   if (!value) return;
   const text = document.createElement("span");
+  let skipped = null;
   if (described && kind === "model") {
-    text.textContent = t("ui.uploaded_model", { name: described.model.name, params: number(described.model.num_params / 1e9, 2) + " B" });
+    text.textContent = t("ui.uploaded_model", { name: modelLabel(described.model) });
   } else if (described && kind === "data") {
     const tokens = described.tokens;
     text.textContent = t("ui.uploaded_data", { rows: number(tokens.rows, 0), tokens: number(tokens.total_tokens ?? tokens.tokens ?? 0, 0), max: number(tokens.max, 0) });
+    if (described.skipped) {
+      skipped = Object.assign(document.createElement("span"), { className: "skipped", id: "skipped-rows", textContent: skippedLine(described.skipped) });
+    }
   } else {
     text.textContent = value.split("/").pop();
   }
@@ -232,10 +264,12 @@ function showUpload(kind, value, described) {
   remove.textContent = t("ui.remove_upload");
   remove.addEventListener("click", () => {
     delete page.values[kind];
+    if (kind === "model") document.getElementById("f-model").placeholder = defaultText(option("model"));
     fillForm();
     changed();
   });
   line.append(text, " ", remove);
+  if (skipped) line.append(skipped);
 }
 
 async function sendFile(kind, file) {
@@ -244,8 +278,9 @@ async function sendFile(kind, file) {
   const body = await response.json();
   if (!response.ok) return showError(body);
   page.values[kind] = body.value;
+  page.described[body.value] = body;
   const input = document.getElementById(`f-${kind}`);
-  if (kind === "model" && input) input.value = body.value;
+  if (kind === "model" && input) { input.value = ""; input.placeholder = modelLabel(body.model); }
   showUpload(kind, body.value, body);
   changed();
 }
@@ -256,6 +291,7 @@ function readUrl() {
   page.values = {};
   for (const [key, value] of params) if (key !== "lang" && value !== "") page.values[key] = value;
   if (!params.has("model") && !params.has("gpu") && !params.has("vram")) Object.assign(page.values, DEFAULTS);
+  page.customCard = Boolean(page.values.vram) && !page.values.gpu;
 }
 
 function query(values = page.values) {
@@ -294,6 +330,7 @@ function showError(body) {
 async function changed() {
   writeUrl();
   const request = ++page.requests;
+  if (page.customCard && !page.values.vram) return waitForMemory();
   const response = await fetch(`/api/plan?${query()}`);
   const body = await response.json();
   if (request !== page.requests) return; // a newer change is on its way
@@ -307,8 +344,22 @@ async function changed() {
   loadGpus(request);
 }
 
+function waitForMemory() {
+  // "my card has N GB" with no number yet: ask for it instead of planning for some other card
+  clearErrors();
+  const line = document.getElementById("error-vram");
+  line.textContent = t("ui.type_vram");
+  line.hidden = false;
+  document.getElementById("results").classList.add("stale");
+  document.getElementById("f-vram").focus();
+}
+
 async function loadRun(request) {
-  const response = await fetch(`/api/run?${query()}`);
+  // the command of this plan when it fits; else of the nearest plan that fits; else none
+  const nearest = page.plan.fits ? null : nearestFitting(page.plan);
+  for (const id of ["train-command", "train-yaml"]) document.getElementById(id).textContent = ""; // never the last plan's
+  if (!page.plan.fits && !nearest) return;
+  const response = await fetch(`/api/run?${nearest ? query(nearest.values) : query()}`);
   const body = await response.json();
   if (request !== page.requests || !response.ok) return;
   document.getElementById("train-command").textContent = body.command;
@@ -326,6 +377,7 @@ const loadGpus = debounce(async (request) => {
   if (request !== page.requests || !response.ok) return;
   page.gpuRows = body.plans;
   page.cheapest = body.cheapest;
+  page.cheapestUnderPrice = body.cheapest_under_price;
   renderGpus();
 }, 300);
 
@@ -352,33 +404,125 @@ function saversOf(settings) {
   return on;
 }
 
+function modelName(plan) {
+  const value = page.values.model;
+  if (!value?.startsWith("upload:")) return plan.model.name;
+  const described = page.described[value];
+  return modelLabel(described ? described.model : { architecture: plan.model.architecture, num_params: plan.estimate.total_params });
+}
+
+function tokensSource(plan) {
+  // where the tokens the hours are for came from: the dataset, the form's Dataset size, or the default run
+  if (plan.tokens) return t("ui.tokens_from_data", { rows: number(plan.tokens.rows, 0) });
+  if (page.values.tokens_per_epoch || plan.tokens_per_epoch !== DEFAULT_TOKENS_PER_EPOCH) return t("ui.tokens_from_form");
+  return t("ui.tokens_default");
+}
+
+function timeLine(plan) {
+  const fill = {
+    hours: duration(plan.hours) + (plan.hours_range ? ` (${duration(plan.hours_range[0])} – ${duration(plan.hours_range[1])})` : ""),
+    epochs: number(plan.epochs, 2),
+    tokens: number(plan.tokens_per_epoch, 0),
+    source: tokensSource(plan),
+    speed: number(plan.tokens_per_s, 0),
+    cost_cloud: money(plan.cost_cloud_usd),
+    cost_local: money(plan.cost_local_usd),
+  };
+  const line = t(plan.cost_cloud_usd == null ? "ui.time_line_no_rent" : "ui.time_line", fill);
+  return plan.break_even_runs ? `${line} ${t("ui.break_even_line", { n: number(plan.break_even_runs, 0) })}` : line;
+}
+
+function trainersLine(plan) {
+  // said only when the trainer changes the verdict: which trainers the step fits with
+  const rows = plan.trainers || [];
+  if (!plan.gpu || rows.every((row) => Boolean(row.fits) === plan.fits)) return "";
+  const fitting = [plan.fits ? plan.settings.stack : null, ...rows.filter((row) => row.fits).map((row) => row.stack)].filter(Boolean);
+  const failing = [plan.fits ? null : plan.settings.stack, ...rows.filter((row) => !row.fits).map((row) => row.stack)].filter(Boolean);
+  return t("ui.trainers_line", { fit: fitting.join(", ") || "–", no: failing.join(", ") });
+}
+
 function renderPlan() {
   const plan = page.plan;
   const verdict = document.getElementById("verdict");
   const name = plan.gpu.name;
+  const state = plan.verdict || (plan.fits ? "fits" : "no");
+  const word = document.getElementById("verdict-word");
+  word.textContent = t(`ui.verdict_${state}`);
+  word.dataset.verdict = state;
   const fill = {
     verdict: plan.fits ? t("ui.fits", { gpu: name }) : t("ui.does_not_fit", { gpu: name }),
+    model: modelName(plan),
     settings: settingsSummary(plan.settings),
     peak: gib(plan.estimate.peak_device_gib),
     usable: gib(usableGib(plan)),
-    hours: duration(plan.hours) + (plan.hours_range ? ` (${duration(plan.hours_range[0])} – ${duration(plan.hours_range[1])})` : ""),
-    epochs: number(plan.epochs, 2),
-    cost_cloud: money(plan.cost_cloud_usd),
-    cost_local: money(plan.cost_local_usd),
   };
-  const key = !plan.fits ? "ui.verdict_no_fit" : plan.cost_cloud_usd == null ? "ui.verdict_line_no_rent" : "ui.verdict_line";
-  verdict.textContent = t(key, fill);
+  verdict.textContent = t(plan.fits ? "ui.verdict_fit" : "ui.verdict_no_fit", fill);
   verdict.dataset.fits = String(plan.fits);
+  verdict.dataset.verdict = state;
+  const time = document.getElementById("time-line");
+  time.hidden = !plan.fits;
+  time.textContent = plan.fits ? timeLine(plan) : "";
+  const tight = document.getElementById("tight-line");
+  tight.hidden = state !== "tight";
+  tight.textContent = t("ui.tight_line", { leanest: gib(plan.leanest_peak_gib ?? plan.estimate.peak_device_gib), usable: gib(usableGib(plan)) });
+  const trainers = document.getElementById("trainers-line");
+  trainers.textContent = trainersLine(plan);
+  trainers.hidden = !trainers.textContent;
   const savers = saversOf(plan.settings);
   const saversLine = document.getElementById("savers-line");
   saversLine.hidden = savers.length === 0;
   saversLine.textContent = t("ui.savers_on", { savers: savers.join(", ") });
   const reasons = document.getElementById("reasons");
   reasons.replaceChildren(...plan.reasons.map((reason) => Object.assign(document.createElement("li"), { textContent: reason })));
+  if (page.values.model?.startsWith("upload:")) showUpload("model", page.values.model, { model: page.described[page.values.model]?.model ?? { architecture: plan.model.architecture, num_params: plan.estimate.total_params } });
   renderSuggestions(plan);
+  renderRun(plan);
+  renderServing(plan);
   setWhatif(plan.settings);
   page.shown = plan.estimate;
   renderChart();
+}
+
+function renderServing(plan) {
+  // will the merged model run on this card afterwards, at the form's serving context
+  const serving = plan.serving;
+  const box = document.getElementById("serving-box");
+  box.hidden = !serving;
+  if (!serving) return;
+  document.getElementById("serving-caption").textContent = t("ui.serving_caption", { context: number(serving.context, 0), gpu: serving.gpu ?? plan.gpu.name });
+  box.querySelector("tbody").replaceChildren(...serving.formats.map((row) => {
+    const line = document.createElement("tr");
+    line.dataset.format = row.format;
+    line.dataset.fits = String(row.fits_gpu);
+    for (const text of [row.format, row.runtime, gib(row.total_gib), row.fits_gpu ? t("ui.yes") : t("ui.no"), row.smallest_gpu ?? "–"]) {
+      line.append(Object.assign(document.createElement("td"), { textContent: text }));
+    }
+    return line;
+  }));
+}
+
+function nearestFitting(plan) {
+  // the settings of the first suggestion, as a query for /api/run: the nearest plan that fits
+  const row = (plan.suggestions || [])[0];
+  if (!row) return null;
+  const values = {};
+  for (const key of ["model", "data", "tokens_per_epoch", "epochs", "headroom", "vram", "gpu"]) if (page.values[key]) values[key] = page.values[key];
+  for (const [key, value] of Object.entries(row.settings)) if (value != null) values[key] = value;
+  if (row.gpu && row.gpu !== plan.gpu.name) { values.gpu = row.gpu; delete values.vram; }
+  return { row, values };
+}
+
+function renderRun(plan) {
+  const instead = document.getElementById("run-instead");
+  const commands = document.getElementById("run-commands");
+  const nearest = plan.fits ? null : nearestFitting(plan);
+  instead.hidden = plan.fits;
+  commands.hidden = !plan.fits && !nearest;
+  document.getElementById("run-help").hidden = commands.hidden;
+  if (plan.fits) return;
+  instead.textContent = nearest
+    ? t("ui.run_nearest", { change: nearest.row.change, settings: settingsSummary(nearest.row.settings) + (nearest.row.gpu && nearest.row.gpu !== plan.gpu.name ? ` (${nearest.row.gpu})` : "") })
+    : t("ui.run_none");
 }
 
 function renderSuggestions(plan) {
@@ -451,22 +595,24 @@ function renderChart() {
 
 // --- what if -------------------------------------------------------------------------------------------------
 function setWhatif(settings) {
-  const slider = document.getElementById("whatif-seq_len");
-  slider.value = String(Math.round(Math.log2(settings.seq_len)));
-  document.getElementById("whatif-seq_len-value").textContent = number(settings.seq_len, 0);
-  const micro = document.getElementById("whatif-micro_batch");
-  if (!micro.options.length) for (const n of MICRO_BATCHES) micro.append(new Option(String(n), String(n)));
-  micro.value = String(settings.micro_batch);
+  // number fields that take what the form's fields take (any length, any micro-batch), not a fixed ladder
+  for (const name of ["seq_len", "micro_batch"]) {
+    const input = document.getElementById(`whatif-${name}`);
+    const bounds = option(name)?.bounds ?? {};
+    if (bounds.le ?? bounds.lt) input.max = String(bounds.le ?? bounds.lt);
+    input.value = String(settings[name]);
+  }
   document.getElementById("whatif-grad_ckpt").checked = settings.grad_ckpt;
 }
 
 async function whatifChanged() {
   const plan = page.plan;
-  const seqLen = 2 ** Number(document.getElementById("whatif-seq_len").value);
-  document.getElementById("whatif-seq_len-value").textContent = number(seqLen, 0);
+  const seqLen = Number(document.getElementById("whatif-seq_len").value);
+  const microBatch = Number(document.getElementById("whatif-micro_batch").value);
+  if (!Number.isInteger(seqLen) || seqLen < 1 || !Number.isInteger(microBatch) || microBatch < 1) return;
   page.whatif = {
     seq_len: seqLen,
-    micro_batch: Number(document.getElementById("whatif-micro_batch").value),
+    micro_batch: microBatch,
     grad_ckpt: document.getElementById("whatif-grad_ckpt").checked,
   };
   const values = { ...plan.settings, ...page.whatif };
@@ -483,15 +629,34 @@ async function whatifChanged() {
 }
 
 // --- the GPU table -------------------------------------------------------------------------------------------
+function gpuCount(row) {
+  return row.settings.n_gpus * (row.settings.nodes ?? 1);
+}
+
+function gpuLabel(row) {
+  // "2x RTX A5000, FSDP + offload": every card the row needs and how they share the model
+  const count = gpuCount(row);
+  const s = row.settings;
+  const how = [s.shard && s.shard !== "none" ? s.shard.toUpperCase() : "", s.offload && s.offload !== "none" ? t(`ui.offload.${s.offload}`) : ""].filter(Boolean);
+  return `${count > 1 ? `${count}x ` : ""}${row.gpu.name}${how.length ? `, ${how.join(" + ")}` : ""}`;
+}
+
+function servingAnswer(row) {
+  // the smallest-loss format (the list runs from f16 down) that runs on this card after the fine-tune
+  const fitting = (row.serving?.formats || []).find((format) => format.fits_gpu);
+  return fitting ? fitting.format : t("ui.no");
+}
+
 function gpuValue(row, key) {
   return {
     gpu: row.gpu.name,
     memory: row.gpu.memory_gib,
-    fits: row.fits ? 1 : 0,
+    fits: { fits: 2, tight: 1 }[row.verdict] ?? 0,
     tokens_per_s: row.tokens_per_s,
     hours: row.hours,
     cost_cloud: row.cost_cloud_usd ?? Infinity,
     cost_local: row.cost_local_usd ?? Infinity,
+    break_even: row.break_even_runs ?? Infinity,
   }[key];
 }
 
@@ -500,24 +665,32 @@ function renderGpus() {
   const rows = [...page.gpuRows].sort((a, b) => {
     const x = gpuValue(a, key);
     const y = gpuValue(b, key);
-    const order = typeof x === "string" ? x.localeCompare(y) : x - y;
+    const order = typeof x === "string" ? x.localeCompare(y) : x === y ? 0 : x < y ? -1 : 1;
     return descending ? -order : order;
   });
+  const mine = page.plan?.gpu?.name;
+  const cap = page.values.max_price_hour ? Number(page.values.max_price_hour) : null;
   const body = document.querySelector("#gpus tbody");
   body.replaceChildren(...rows.map((row) => {
     const line = document.createElement("tr");
     line.dataset.gpu = row.gpu.name;
     line.dataset.fits = String(row.fits);
+    line.dataset.count = String(gpuCount(row));
+    if (row.gpu.name === mine) { line.classList.add("mine"); line.setAttribute("aria-current", "true"); }
+    // the cap is per GPU, as --max-price-hour's declaration says
+    if (cap != null && row.gpu.rent_usd_per_hour != null && row.gpu.rent_usd_per_hour > cap) line.dataset.overCap = "true";
     const s = row.settings;
     const cells = [
-      row.gpu.name,
+      gpuLabel(row) + (row.gpu.name === mine ? ` (${t("ui.your_card")})` : ""),
       `${number(row.gpu.memory_gb, 0)} GB`,
-      row.fits ? t("ui.yes") : t("ui.no"),
-      `mb ${s.micro_batch} × ${s.grad_accum}${s.n_gpus > 1 ? ` × ${s.n_gpus} GPUs` : ""}${s.grad_ckpt ? ", ckpt" : ""}`,
+      t(`ui.verdict_${row.verdict ?? (row.fits ? "fits" : "no")}`),
+      `mb ${s.micro_batch} × ${s.grad_accum}${s.grad_ckpt ? ", ckpt" : ""}`,
       number(row.tokens_per_s, 0),
-      duration(row.hours),
-      money(row.cost_cloud_usd),
-      money(row.cost_local_usd),
+      row.fits ? duration(row.hours) : "–",
+      row.fits ? money(row.cost_cloud_usd) : "–",
+      row.fits ? money(row.cost_local_usd) : "–",
+      row.fits && row.break_even_runs ? t("ui.runs", { n: number(row.break_even_runs, 0) }) : "–",
+      servingAnswer(row),
     ];
     for (const text of cells) line.append(Object.assign(document.createElement("td"), { textContent: text }));
     return line;
@@ -525,7 +698,16 @@ function renderGpus() {
   for (const header of document.querySelectorAll("#gpus th[data-sort]")) {
     header.setAttribute("aria-sort", header.dataset.sort === key ? (descending ? "descending" : "ascending") : "none");
   }
-  document.getElementById("cheapest").textContent = page.cheapest ? t("ui.cheapest", { gpu: page.cheapest }) : "";
+  const cheapest = page.gpuRows.find((row) => row.gpu.name === page.cheapest);
+  document.getElementById("cheapest").textContent = cheapest ? t("ui.cheapest", { gpu: gpuLabel(cheapest), hours: duration(cheapest.hours), cost: money(cheapest.cost_cloud_usd) }) : t("ui.cheapest_none");
+  const capLine = document.getElementById("price-cap");
+  capLine.hidden = cap == null;
+  if (cap != null) {
+    const under = page.gpuRows.find((row) => row.gpu.name === page.cheapestUnderPrice);
+    capLine.textContent = under
+      ? t("ui.cheapest_under", { cap: money(cap), gpu: gpuLabel(under), hours: duration(under.hours), cost: money(under.cost_cloud_usd) })
+      : t("ui.cheapest_under_none", { cap: money(cap) });
+  }
 }
 
 // --- language and theme --------------------------------------------------------------------------------------
@@ -557,7 +739,7 @@ async function start() {
   });
   document.getElementById("lang-select").addEventListener("change", (event) => setLanguage(event.target.value));
   for (const id of ["whatif-seq_len", "whatif-micro_batch", "whatif-grad_ckpt"]) {
-    document.getElementById(id).addEventListener("input", debounce(whatifChanged, 120));
+    document.getElementById(id).addEventListener("input", debounce(whatifChanged, 250));
   }
   document.getElementById("whatif-reset").addEventListener("click", () => {
     page.whatif = null;
