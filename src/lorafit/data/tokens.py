@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from lorafit.data.chat_text import ensure_chat_template, row_text, token_lengths
 from lorafit.data.formats import Format, Messages, plain_text
 from lorafit.errors import DataError
 from lorafit.models import catalog
@@ -28,6 +29,9 @@ if TYPE_CHECKING:
 CHARS_PER_TOKEN = 4.0
 CHAR_ESTIMATE_ERROR = 0.13
 CHAR_ESTIMATE_NAME = "chars"
+# A model folder holds a tokenizer when it has either (AutoTokenizer reads tokenizer.json, or the slow files that
+# tokenizer_config.json names)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 class TokenCount(NamedTuple):
@@ -39,8 +43,9 @@ class TokenCount(NamedTuple):
 
 
 class TokenCounter(Protocol):
-    name: str | None  # None: the character estimate
+    name: str | None  # None: an estimate
     estimate_error: float | None
+    basis: str  # where the counts come from, in words (the plan quotes it)
 
     def count(self, conversations: Sequence[Messages], fmt: Format) -> list[TokenCount]: ...
 
@@ -52,6 +57,10 @@ class CharEstimate:
     chars_per_token: float = CHARS_PER_TOKEN
     name: str | None = None
     estimate_error: float | None = CHAR_ESTIMATE_ERROR
+    basis: str = (
+        f"estimated at {CHARS_PER_TOKEN:g} characters a token, turns joined as 'role: content' (mean row error "
+        f"{CHAR_ESTIMATE_ERROR:.0%}, make bench-data); pass a model folder with its tokenizer to count exactly"
+    )
 
     def tokens(self, text: str) -> int:
         return math.ceil(len(text) / self.chars_per_token)
@@ -66,38 +75,34 @@ class CharEstimate:
 
 
 class TokenizerCounter:
-    """A real tokenizer. With a chat template the row is rendered exactly as the trainer will render it;
-    without one, turns are joined as 'role: content'. The answer share counts the assistant turns' tokens."""
+    """A real tokenizer, counting each row exactly as `lorafit train` tokenizes it (data/chat_text.py): through
+    its chat template (default system prompt and turn markers included), or the trainer's 'role: content'
+    template when it has none; raw text plus EOS. The answer share counts the assistant turns' own tokens."""
 
     estimate_error: float | None = None
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, name: str) -> None:
         self.tokenizer = tokenizer
         self.name = name
-        self.has_template = bool(getattr(tokenizer, "chat_template", None))
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        had_template = not ensure_chat_template(tokenizer)
+        template = "its chat template" if had_template else "lorafit's 'role: content' turns (it has no chat template)"
+        self.basis = f"counted as lorafit train tokenizes them: the tokenizer of {name}, {template}"
 
-    def lengths(self, texts: Sequence[str], special_tokens: bool) -> list[int]:
-        if not texts:
-            return []
-        if self._backend is not None:
-            return [
-                len(encoding.ids)
-                for encoding in self._backend.encode_batch_fast(list(texts), add_special_tokens=special_tokens)
-            ]
-        encoded = self.tokenizer(list(texts), add_special_tokens=special_tokens, return_attention_mask=False)
-        return [len(ids) for ids in encoded["input_ids"]]
+    def lengths(self, texts: Sequence[str], raw_text: bool) -> list[int]:
+        return token_lengths(self.tokenizer, texts, raw_text)
 
     def count(self, conversations: Sequence[Messages], fmt: Format) -> list[TokenCount]:
-        if fmt == "text" or not self.has_template:
-            texts: list[str | None] = [plain_text(messages, fmt) for messages in conversations]
-            errors: list[str | None] = [None] * len(texts)
-            special_tokens = True
-        else:
-            texts, errors = self._render(conversations)
-            special_tokens = False  # the template writes BOS/EOS itself
-        rendered = [text for text in texts if text is not None]
-        totals = iter(self.lengths(rendered, special_tokens))
+        raw_text = fmt == "text"
+        texts: list[str | None] = []
+        errors: list[str | None] = []
+        for messages in conversations:
+            try:
+                texts.append(row_text(self.tokenizer, messages, raw_text))
+                errors.append(None)
+            except Exception as error:  # the template is user code (jinja raises many types): a row problem
+                texts.append(None)
+                errors.append(f"rejected by the chat template: {_first_line(error)}")
+        totals = iter(self.lengths([text for text in texts if text is not None], raw_text))
         answers = [m["content"] for messages in conversations for m in messages if m["role"] == "assistant"]
         answer_lengths = iter(self.lengths(answers, False))
         counts = []
@@ -109,26 +114,6 @@ class TokenizerCounter:
                 total = next(totals)
                 counts.append(TokenCount(total, min(answer, total)))
         return counts
-
-    def _render(self, conversations: Sequence[Messages]) -> tuple[list[str | None], list[str | None]]:
-        """The whole batch through the template at once; row by row only when it rejects something."""
-        try:
-            return list(self.tokenizer.apply_chat_template(list(conversations), tokenize=False)), [None] * len(
-                conversations
-            )
-        except Exception:  # a template is user code; find the row it rejects below
-            pass
-        texts: list[str | None] = []
-        errors: list[str | None] = []
-        for messages in conversations:
-            try:
-                texts.append(self.tokenizer.apply_chat_template(messages, tokenize=False))
-                errors.append(None)
-            except Exception as error:  # jinja raises many types; each becomes a row problem
-                texts.append(None)
-                reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-                errors.append(f"rejected by the chat template: {reason}")
-        return texts, errors
 
 
 def load_counter(spec: str | None) -> TokenCounter:
@@ -155,6 +140,18 @@ def load_counter(spec: str | None) -> TokenCounter:
             raise DataError(f"--tokenizer {spec}: cannot load it: {_first_line(error)}") from None
     hub_id = _preset_hub_id(spec)
     return TokenizerCounter(_from_pretrained(hub_id, spec), hub_id)
+
+
+def counter_for(model: str | None, tokenizer: str | None) -> TokenCounter:
+    """The counter of `lorafit plan --data`: `--tokenizer` where given; else, when `--model` is a local folder
+    with a tokenizer, that folder's (the one `lorafit train` loads from it, so plan and run count alike); else
+    the estimate. Importing transformers happens only on the tokenizer paths."""
+    if tokenizer is not None:
+        return load_counter(tokenizer)
+    folder = Path(model).expanduser() if model else None
+    if folder is not None and folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return TokenizerCounter(_from_pretrained(str(folder), str(folder)), str(folder))
+    return CharEstimate()
 
 
 def _preset_hub_id(spec: str) -> str:
