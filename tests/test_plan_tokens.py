@@ -4,13 +4,15 @@ tokenizer and chat template (its default system prompt included), through the tr
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, tiny_spec
+from conftest import ROOT, run_cli, tiny_spec
 from lorafit.data import load_conversations
 from lorafit.data.chat_text import ensure_chat_template
 from lorafit.train.examples import encode
@@ -134,3 +136,48 @@ def test_a_folder_without_a_tokenizer_is_estimated_without_loading_transformers(
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert json.loads(result.stdout) == [None, False, False]
+
+
+# --- catalog models: the family's chat template, estimated --------------------------------------------------
+def catalog_table(name: str) -> dict:
+    return tomllib.loads((ROOT / "src" / "lorafit" / "catalog" / name).read_text())
+
+
+def test_a_catalog_model_counts_its_familys_template_around_the_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """By hand, from the table: 4 characters a token of each message's text, the markers of each message, the
+    default system turn when a row has none (Qwen2.5's), and nothing else."""
+    data = chat_rows(tmp_path / "chat.jsonl", 40)
+    qwen = catalog_table("chat_templates.toml")["template"]["qwen2.5"]
+    expected = []
+    for line in data.read_text().splitlines():
+        messages = json.loads(line)["messages"]
+        text = sum(math.ceil(len(m["content"]) / 4) for m in messages)
+        system = 0 if messages[0]["role"] == "system" else qwen["default_system_tokens"]
+        expected.append(text + qwen["tokens_per_message"] * len(messages) + system + qwen["fixed_tokens"])
+    code, out, err = run_cli(["plan", "--model", "Qwen/Qwen2.5-7B-Instruct", "--data", str(data), "--json"], capsys)
+    assert code == 0, err
+    tokens = json.loads(out)["tokens"]
+    assert (tokens["total_tokens"], tokens["max"]) == (sum(expected), max(expected))
+    assert tokens["tokenizer"] is None and "the chat template of Qwen/Qwen2.5-7B-Instruct" in tokens["basis"]
+
+
+def test_every_family_template_has_its_measured_error_and_the_plan_quotes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """catalog/token_accuracy.toml is bench-tokens' output for the families of chat_templates.toml: a family
+    added or renamed without rerunning the bench fails here."""
+    families = catalog_table("chat_templates.toml")["template"]
+    measured = catalog_table("token_accuracy.toml")["family"]
+    assert set(measured) == set(families)
+    data = chat_rows(tmp_path / "chat.jsonl", 8)
+    for name, model in (("llama-3.1", "llama-3.1-8b"), ("smollm2", "smollm2-135m")):
+        code, out, err = run_cli(["plan", "--model", model, "--data", str(data), "--json"], capsys)
+        assert code == 0, err
+        basis, entry = json.loads(out)["tokens"]["basis"], measured[name]
+        if entry["rows"]:
+            assert f"total {entry['total_error']:+.1%}, longest row {entry['longest_error']:+.1%}" in basis
+        else:  # no real tokenizer: said, with no figure
+            assert f"its error is not measured: {entry['why']}" in basis
+    assert not measured["smollm2"]["rows"] and measured["llama-3.1"]["rows"] >= 1000

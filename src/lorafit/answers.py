@@ -175,7 +175,7 @@ def plan(
         from lorafit.data import counter_for, length_profile  # loads only for data: `plan` starts faster
 
         options.check_against({"seq_len": asked.seq_len}, spec)
-        lengths = length_profile(data_path(asked.data), tokenizer=counter_for(asked.model, asked.tokenizer))
+        lengths = length_profile(data_path(asked.data), tokenizer=counter_for(asked.model, asked.tokenizer, spec))
         profile = lengths.profile
         truncated = lengths.truncated_rows(asked.seq_len or min(profile.max, spec.max_position_embeddings))
     request = PlanRequest(

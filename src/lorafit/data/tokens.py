@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from lorafit.data.chat_text import ensure_chat_template, row_text, token_lengths
 from lorafit.data.formats import Format, Messages, plain_text
+from lorafit.data.template_cost import TemplateCost, accuracy_line, template_for, token_accuracy
 from lorafit.errors import DataError
-from lorafit.models import catalog
+from lorafit.models import ModelSpec, catalog
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -70,6 +71,32 @@ class CharEstimate:
         for messages in conversations:
             total = self.tokens(plain_text(messages, fmt))
             answer = sum(self.tokens(m["content"]) for m in messages if m["role"] == "assistant")
+            counts.append(TokenCount(total, min(answer, total)))
+        return counts
+
+
+class TemplateEstimate(CharEstimate):
+    """The character estimate of each message's text plus the tokens the family's chat template adds around
+    it (catalog/chat_templates.toml): for a catalog model, whose tokenizer is not at hand."""
+
+    def __init__(self, cost: TemplateCost) -> None:
+        super().__init__()
+        self.cost = cost
+        measured = token_accuracy().get(cost.name, {})
+        self.estimate_error = measured.get("row_error") if measured.get("rows") else None
+        self.basis = (
+            f"estimated: {CHARS_PER_TOKEN:g} characters a token plus {cost.describe()}; "
+            f"{accuracy_line(cost.name)}; pass a model folder with its tokenizer to count exactly"
+        )
+
+    def count(self, conversations: Sequence[Messages], fmt: Format) -> list[TokenCount]:
+        if fmt == "text":  # raw text is not put through a chat template
+            return super().count(conversations, fmt)
+        counts = []
+        for messages in conversations:
+            text = [self.tokens(m["content"]) for m in messages]
+            answer = sum(n for n, m in zip(text, messages, strict=True) if m["role"] == "assistant")
+            total = sum(text) + self.cost.tokens([m["role"] for m in messages])
             counts.append(TokenCount(total, min(answer, total)))
         return counts
 
@@ -142,16 +169,19 @@ def load_counter(spec: str | None) -> TokenCounter:
     return TokenizerCounter(_from_pretrained(hub_id, spec), hub_id)
 
 
-def counter_for(model: str | None, tokenizer: str | None) -> TokenCounter:
-    """The counter of `lorafit plan --data`: `--tokenizer` where given; else, when `--model` is a local folder
-    with a tokenizer, that folder's (the one `lorafit train` loads from it, so plan and run count alike); else
-    the estimate. Importing transformers happens only on the tokenizer paths."""
+def counter_for(model: str | None, tokenizer: str | None, spec: ModelSpec | None = None) -> TokenCounter:
+    """The counter of `lorafit plan --data` (and of the page's dataset upload): `--tokenizer` where given;
+    else, when `--model` is a local folder with a tokenizer, that folder's (the one `lorafit train` loads from
+    it, so plan and run count alike); else the estimate with the chat template of the model's family, where
+    catalog/chat_templates.toml has it (`spec`: the model `--model` resolved to); else the plain character
+    estimate. transformers is imported only on the tokenizer paths."""
     if tokenizer is not None:
         return load_counter(tokenizer)
     folder = Path(model).expanduser() if model else None
     if folder is not None and folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES):
         return TokenizerCounter(_from_pretrained(str(folder), str(folder)), str(folder))
-    return CharEstimate()
+    cost = template_for(model, spec.name if spec else None, spec.hf_id if spec else None)
+    return TemplateEstimate(cost) if cost is not None else CharEstimate()
 
 
 def _preset_hub_id(spec: str) -> str:

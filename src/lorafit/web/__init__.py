@@ -23,7 +23,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from lorafit import answers, files, hardware, models, options
-from lorafit.data import length_profile
+from lorafit.data import counter_for, length_profile
+from lorafit.data.tokens import TokenCounter
 from lorafit.errors import LorafitError
 from lorafit.web.access import AccessGuard, Listening, check_can_listen, shown
 
@@ -228,6 +229,18 @@ class Uploads:
         return given
 
 
+def data_counter(uploads: Uploads, model: str | None) -> TokenCounter:
+    """How an uploaded dataset's tokens are counted: as `lorafit plan --data` counts them for the model chosen
+    (the chat template of its family), through the same function (data.counter_for)."""
+    try:
+        spec = models.resolve(uploads.model({"model": model})["model"]) if model else None
+    except LorafitError:  # a model the page cannot plan for (the plan says why): the plain estimate
+        spec = None
+    if spec is None:
+        return counter_for(None, None)
+    return counter_for(None if model.startswith(UPLOAD_PREFIX) else model, None, spec)
+
+
 # --- the app ------------------------------------------------------------------------------------------------
 def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: int | None = None) -> Any:
     """The page and its API, answering requests addressed to `host` (and `port`, where given) only."""
@@ -309,7 +322,8 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
                 spec = models.from_config_json(path)
                 described["model"] = spec.model_dump(mode="json") | {"num_params": spec.num_params}
             else:
-                described["tokens"] = length_profile(path).profile.model_dump(mode="json")
+                counter = data_counter(uploads, request.query_params.get("model"))
+                described["tokens"] = length_profile(path, tokenizer=counter).profile.model_dump(mode="json")
         except LorafitError as error:  # the file as the user named it, not where the server keeps it
             uploads.discard(value)
             message = str(error).splitlines()[0].replace(str(path), name or path.name)
