@@ -35,7 +35,7 @@ SEED = 0
 # The checkpoint each vocab-only GGUF was made from (llama.cpp convert_hf_to_gguf_update.py, the same sdist)
 VOCAB_SOURCE = {
     "ggml-vocab-llama-bpe.gguf": "Meta-Llama-3-8B's tokenizer",
-    "ggml-vocab-qwen2.gguf": "Qwen1.5-7B's tokenizer (the BPE Qwen2.5 and Qwen3 kept)",
+    "ggml-vocab-qwen2.gguf": "Qwen1.5-7B's tokenizer, the BPE Qwen2.5 and Qwen3 kept",
     "ggml-vocab-phi-3.gguf": "Phi-3-mini-4k-instruct's tokenizer",
     "ggml-vocab-llama-spm.gguf": "Llama-2-7b-hf's tokenizer",
 }
@@ -109,12 +109,17 @@ def measure(rows: list[Messages], real: TokenizerCounter, cost: TemplateCost) ->
         raise SystemExit(f"{cost.name}: the real template refuses a generated row: {errors[0]}")
     truth = np.array([c.total for c in counted], dtype=np.float64)
     guess = np.array([c.total for c in TemplateEstimate(cost).count(rows, "messages")], dtype=np.float64)
+    # the template's own tokens, real (the row less its messages' text tokenized alone) against the table's
+    text = iter(real.lengths([m["content"] for row in rows for m in row], raw_text=False))
+    around = [c.total - sum(next(text) for _ in row) for c, row in zip(counted, rows, strict=True)]
+    table = [cost.tokens([m["role"] for m in row]) for row in rows]
     return {
         "rows": len(rows),
         "total_error": round(float((guess.sum() - truth.sum()) / truth.sum()), 4),
         "longest_error": round(float((guess.max() - truth.max()) / truth.max()), 4),
         "p99_error": round(float((np.percentile(guess, 99) - np.percentile(truth, 99)) / np.percentile(truth, 99)), 4),
         "row_error": round(float(np.mean(np.abs(guess - truth) / truth)), 4),
+        "template_tokens_error": round(float(np.mean(np.subtract(table, around))), 2),
     }
 
 
@@ -124,7 +129,9 @@ def toml_text(results: dict[str, dict], version: str) -> str:
         "# (catalog/chat_templates.toml; data/tokens.py TemplateEstimate), on generated chat rows (all check rows,",
         "# nothing fitted): total_error and longest_error are (estimate - real) / real of the dataset's total and",
         "# longest row, p99_error the same of its 99th percentile length, row_error the mean of |estimate - real| /",
-        f"# real over rows. Written by `make bench-tokens` (bench/token_estimate.py) on {date.today():%Y-%m-%d},",
+        "# real over rows; template_tokens_error the mean of (table - real) tokens the template adds to a row (real:",
+        "# the row's tokens less its messages' text tokenized alone).",
+        f"# Written by `make bench-tokens` (bench/token_estimate.py) on {date.today():%Y-%m-%d},",
         f"# with llama.cpp's vocab-only GGUFs and templates of the llama-cpp-python {version} sdist; lorafit plan",
         "# quotes it.",
         "",
@@ -147,7 +154,7 @@ def main() -> None:
     rows = chat_rows(args.rows)
     results: dict[str, dict] = {}
     loaded: dict[str, object] = {}
-    print(f"{'family':<10} {'tokenizer':<28} {'total':>7} {'longest':>8} {'p99':>7} {'row':>6}")
+    print(f"{'family':<10} {'tokenizer':<28} {'total':>7} {'longest':>8} {'p99':>7} {'row':>6} {'template':>9}")
     for name, cost in templates().items():
         if not cost.vocab:
             why = f"llama.cpp ships no {cost.name} vocabulary, and lorafit downloads no model"
@@ -155,10 +162,10 @@ def main() -> None:
             print(f"{name:<10} {'-':<28} not measured: {why}")
             continue
         entry = measure(rows, real_counter(args.llama_cpp, cost, loaded), cost)
-        results[name] = {"tokenizer": f"{VOCAB_SOURCE.get(cost.vocab, cost.vocab)}, llama.cpp {cost.vocab}"} | entry
+        results[name] = {"tokenizer": f"{VOCAB_SOURCE.get(cost.vocab, cost.vocab)} (llama.cpp's {cost.vocab})"} | entry
         print(
             f"{name:<10} {cost.vocab:<28} {entry['total_error']:>+7.1%} {entry['longest_error']:>+8.1%} "
-            f"{entry['p99_error']:>+7.1%} {entry['row_error']:>6.1%}"
+            f"{entry['p99_error']:>+7.1%} {entry['row_error']:>6.1%} {entry['template_tokens_error']:>+9.2f}"
         )
         sys.stdout.flush()
     if not args.no_write:

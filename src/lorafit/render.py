@@ -176,7 +176,7 @@ def time_line(plan: Plan) -> str:
 
 def data_line(tokens: TokenProfile) -> str:
     """'72 rows, 4,420 tokens, longest row 66 (counted as lorafit train tokenizes them: ...)'."""
-    basis = tokens.basis or ("counted with " + tokens.tokenizer if tokens.tokenizer else "estimated")
+    basis = tokens.basis or (f"counted with the tokenizer of {tokens.tokenizer}" if tokens.tokenizer else "estimated")
     return f"{tokens.rows:,} rows, {tokens.total_tokens:,} tokens, longest row {tokens.max:,} ({basis})"
 
 
