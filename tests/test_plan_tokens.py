@@ -181,3 +181,17 @@ def test_every_family_template_has_its_measured_error_and_the_plan_quotes_it(
         else:  # no real tokenizer: said, with no figure
             assert f"its error is not measured: {entry['why']}" in basis
     assert not measured["smollm2"]["rows"] and measured["llama-3.1"]["rows"] >= 1000
+
+
+def test_a_model_folder_with_a_broken_tokenizer_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = model_folder(tmp_path / "model", TEMPLATE)
+    (folder / "tokenizer.json").write_text("{not json")
+    data = chat_rows(tmp_path / "chat.jsonl", 4)
+    code, out, err = run_cli(["plan", "--model", str(folder), "--data", str(data)], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith(f"lorafit: error: the tokenizer of --model {folder}: no usable local tokenizer")
+    assert "--tokenizer chars" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run_cli(["plan", "--model", str(folder), "--data", str(data), "--tokenizer", "chars"], capsys)
+    assert code == 0, err

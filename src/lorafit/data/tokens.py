@@ -155,7 +155,7 @@ def load_counter(spec: str | None) -> TokenCounter:
         )
     path = Path(spec).expanduser()
     if path.is_dir():
-        return TokenizerCounter(_from_pretrained(str(path), spec), str(path))
+        return TokenizerCounter(_from_pretrained(str(path), f"--tokenizer {spec}"), str(path))
     if path.is_file():
         if path.suffix != ".json":
             raise DataError(f"--tokenizer {spec}: expected a tokenizer directory or a tokenizer.json file")
@@ -166,7 +166,7 @@ def load_counter(spec: str | None) -> TokenCounter:
         except Exception as error:  # tokenizers raises plain Exception subclasses for bad files
             raise DataError(f"--tokenizer {spec}: cannot load it: {_first_line(error)}") from None
     hub_id = _preset_hub_id(spec)
-    return TokenizerCounter(_from_pretrained(hub_id, spec), hub_id)
+    return TokenizerCounter(_from_pretrained(hub_id, f"--tokenizer {spec}"), hub_id)
 
 
 def counter_for(model: str | None, tokenizer: str | None, spec: ModelSpec | None = None) -> TokenCounter:
@@ -179,7 +179,7 @@ def counter_for(model: str | None, tokenizer: str | None, spec: ModelSpec | None
         return load_counter(tokenizer)
     folder = Path(model).expanduser() if model else None
     if folder is not None and folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES):
-        return TokenizerCounter(_from_pretrained(str(folder), str(folder)), str(folder))
+        return TokenizerCounter(_from_pretrained(str(folder), f"the tokenizer of --model {model}"), str(folder))
     cost = template_for(model, spec.name if spec else None, spec.hf_id if spec else None)
     return TemplateEstimate(cost) if cost is not None else CharEstimate()
 
@@ -197,16 +197,16 @@ def _preset_hub_id(spec: str) -> str:
     )
 
 
-def _from_pretrained(source: str, spec: str) -> PreTrainedTokenizerBase:
+def _from_pretrained(source: str, what: str) -> PreTrainedTokenizerBase:
+    """`what`: the option the tokenizer came from, as the error names it."""
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(source, local_files_only=True)
     except Exception as error:  # transformers raises OSError/ValueError/KeyError for bad dirs
         raise DataError(
-            f"--tokenizer {spec}: no usable local tokenizer ({_first_line(error)}); lorafit never downloads: "
-            "pass "
-            f"a directory with tokenizer.json, or `--tokenizer {CHAR_ESTIMATE_NAME}`"
+            f"{what}: no usable local tokenizer ({_first_line(error)}); lorafit never downloads: pass "
+            f"a directory with tokenizer.json, or `--tokenizer {CHAR_ESTIMATE_NAME}` for the estimate"
         ) from None
 
 
