@@ -157,7 +157,7 @@ def main() -> None:
     print(f"{'family':<10} {'tokenizer':<28} {'total':>7} {'longest':>8} {'p99':>7} {'row':>6} {'template':>9}")
     for name, cost in templates().items():
         if not cost.vocab:
-            why = f"llama.cpp ships no {cost.name} vocabulary, and lorafit downloads no model"
+            why = f"llama.cpp ships no vocabulary of {cost.template}'s tokenizer, and lorafit downloads no model"
             results[name] = {"rows": 0, "why": why}
             print(f"{name:<10} {'-':<28} not measured: {why}")
             continue
