@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-unsloth-speed bench-throughput bench-time-cpu bench-train bench-data bench-exact bench-image-text bench-time-trace bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-session gpu-wheels clean
+.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-unsloth-speed bench-throughput bench-time-cpu bench-train bench-data bench-tokens bench-exact bench-image-text bench-time-trace bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-session gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -97,6 +97,20 @@ bench-train: $(STAMP)
 
 bench-data: $(STAMP)
 	$(BIN)/python bench/data_stream.py
+
+# The chat-template token estimate against real tokenizers: llama.cpp's vocab-only GGUFs and its copies of the
+# checkpoints' chat templates, from the llama-cpp-python sdist on PyPI; writes src/lorafit/catalog/token_accuracy.toml
+LLAMA_CPP_SDIST_VERSION := 0.3.36
+LLAMA_CPP_SDIST := bench/out/llama-cpp-sdist
+$(LLAMA_CPP_SDIST)/.extracted: | $(STAMP)
+	rm -rf $(LLAMA_CPP_SDIST) && mkdir -p $(LLAMA_CPP_SDIST)
+	$(BIN)/pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_SDIST_VERSION) -d $(LLAMA_CPP_SDIST)
+	tar xzf $(LLAMA_CPP_SDIST)/llama_cpp_python-$(LLAMA_CPP_SDIST_VERSION).tar.gz -C $(LLAMA_CPP_SDIST) --strip-components=2 \
+		--wildcards '*/vendor/llama.cpp/models/*' '*/vendor/llama.cpp/tests/test-chat-template.cpp'
+	touch $@
+
+bench-tokens: $(LLAMA_CPP_SDIST)/.extracted
+	$(BIN)/python bench/token_estimate.py --llama-cpp $(LLAMA_CPP_SDIST)/llama.cpp --version $(LLAMA_CPP_SDIST_VERSION)
 
 bench-exact: $(STAMP)
 	$(BIN)/python bench/exact_speed.py

@@ -10,6 +10,7 @@ import pytest
 
 from lorafit.data import CHAR_ESTIMATE_ERROR, length_profile, token_profile, truncated_rows
 from lorafit.data.profile import profile_of_lengths
+from lorafit.data.tokens import CharEstimate
 from lorafit.errors import DataError
 from lorafit.schema import TokenProfile
 
@@ -92,7 +93,12 @@ def test_a_file_and_its_lengths_give_the_same_profile(tmp_path: Path) -> None:
     lengths = [math.ceil(n / 4) for n in char_counts]  # raw text: every token is an answer token
     from_file = token_profile(path)
     from_lengths = profile_of_lengths(
-        lengths, str(path), answer_tokens=sum(lengths), tokenizer=None, estimate_error=CHAR_ESTIMATE_ERROR
+        lengths,
+        str(path),
+        answer_tokens=sum(lengths),
+        tokenizer=None,
+        estimate_error=CHAR_ESTIMATE_ERROR,
+        basis=CharEstimate().basis,
     )
     assert from_lengths == from_file
 

@@ -109,18 +109,20 @@ def test_counts_follow_the_chat_template(tmp_path: Path, tokenizers_dir: dict[st
 def test_without_a_template_turns_are_joined_as_role_colon_content(
     tmp_path: Path, tokenizers_dir: dict[str, Path]
 ) -> None:
+    """As the trainer renders them: 'role: content' turns, EOS after each answer, no BOS added."""
     from transformers import AutoTokenizer
 
     convs = conversations(3)
     report = check(write_messages(tmp_path / "a.jsonl", convs), tokenizer=str(tokenizers_dir["plain"]))
     tokenizer = AutoTokenizer.from_pretrained(tokenizers_dir["plain"])
-    joined = [f"user: {c[0]['content']}\n\nassistant: {c[1]['content']}" for c in convs]
-    expected = [len(tokenizer(text)["input_ids"]) for text in joined]  # with the BOS the tokenizer adds
+    joined = [f"user: {c[0]['content']}\n\nassistant: {c[1]['content']}</s>" for c in convs]
+    expected = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in joined]
     assert sorted(report.lengths) == sorted(expected)
     by_file = check(
         write_messages(tmp_path / "b.jsonl", convs), tokenizer=str(tokenizers_dir["plain"] / "tokenizer.json")
     )
-    assert list(by_file.lengths) == list(report.lengths)
+    # a bare tokenizer.json names no EOS token: the same turns, without it
+    assert [length + 1 for length in by_file.lengths] == list(report.lengths)
 
 
 def test_a_row_the_template_refuses_is_an_error_and_the_rest_still_count(
@@ -142,7 +144,8 @@ def test_raw_text_is_tokenized_as_is_even_with_a_template(tmp_path: Path, tokeni
     path.write_text("the model reads every token\n")
     report = check(path, tokenizer=str(tokenizers_dir["chat"]))
     tokenizer = AutoTokenizer.from_pretrained(tokenizers_dir["chat"])
-    assert report.tokens.total == len(tokenizer("the model reads every token")["input_ids"])
+    # as the trainer tokenizes raw text: the tokenizer's BOS, the text, EOS
+    assert report.tokens.total == len(tokenizer("the model reads every token</s>")["input_ids"])
 
 
 @pytest.mark.parametrize("spec", ["no-such-tokenizer", "llama-2-7b", "someone/some-model"])

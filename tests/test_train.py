@@ -825,7 +825,7 @@ def test_loss_is_on_the_answer_tokens_only(tiny: dict[str, Path]) -> None:
 def test_a_template_less_tokenizer_gets_role_turns(tiny: dict[str, Path]) -> None:
     from transformers import AutoTokenizer
 
-    from lorafit.train.examples import ensure_chat_template, render
+    from lorafit.data.chat_text import ensure_chat_template, render
 
     tokenizer = AutoTokenizer.from_pretrained(tiny["model"])
     tokenizer.chat_template = None

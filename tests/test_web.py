@@ -247,6 +247,22 @@ def test_a_dataset_with_some_bad_rows_is_planned_without_them_and_says_why(
     assert served.json()["tokens"]["rows"] == 47 and served.json()["hours"] == local["hours"]
 
 
+def test_an_uploaded_dataset_is_counted_with_the_chosen_models_chat_template(
+    client: TestClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The upload's token count is the plan's: the chat template of the model chosen on the page (Qwen2.5's
+    default system turn and markers), as `lorafit plan --model ... --data` counts it."""
+    rows = "".join(json.dumps({"instruction": "word " * i, "output": "answer " * i}) + "\n" for i in range(1, 30))
+    (tmp_path / "data.jsonl").write_text(rows)
+    local = cli_json(
+        ["plan", "--model", "qwen2.5-7b", "--gpu", "rtx-4090", "--data", str(tmp_path / "data.jsonl")], capsys
+    )
+    uploaded = client.post("/api/upload?kind=data&name=d.jsonl&model=qwen2.5-7b", content=rows.encode()).json()
+    plain = client.post("/api/upload?kind=data&name=d.jsonl", content=rows.encode()).json()
+    assert uploaded["tokens"]["total_tokens"] == local["tokens"]["total_tokens"] > plain["tokens"]["total_tokens"]
+    assert "chat template of Qwen/Qwen2.5-7B-Instruct" in uploaded["tokens"]["basis"]
+
+
 BAD_UPLOADS = {
     "malformed config": ("model", "config.json", b"{not json", 400, "config.json is not valid JSON"),
     "config of an unknown family": ("model", "config.json", b'{"model_type": "zz"}', 400, "config.json"),

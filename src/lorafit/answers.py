@@ -174,10 +174,14 @@ def plan(
     spec = models.resolve(asked.model or DEFAULT_MODEL)
     profile, truncated = None, None
     if asked.data is not None:
-        from lorafit.data import length_profile  # the data package loads only for data: `plan` starts faster
+        from lorafit.data import counter_for, length_profile  # loads only for data: `plan` starts faster
 
         options.check_against({"seq_len": asked.seq_len}, spec)
-        lengths = length_profile(data_path(asked.data), tokenizer=asked.tokenizer, skip_bad_rows=skip_bad_rows)
+        lengths = length_profile(
+            data_path(asked.data),
+            tokenizer=counter_for(asked.model, asked.tokenizer, spec),
+            skip_bad_rows=skip_bad_rows,
+        )
         profile = lengths.profile
         truncated = lengths.truncated_rows(asked.seq_len or min(profile.max, spec.max_position_embeddings))
     request = PlanRequest(

@@ -16,7 +16,7 @@ from lorafit.configs import KIND_TITLES
 from lorafit.hardware import GpuSpec, LocalMachine
 from lorafit.models import ModelSpec, variants
 from lorafit.plan import DEFAULT_TOKENS_PER_EPOCH
-from lorafit.schema import TIGHT_SHARE, Estimate, Plan, Settings
+from lorafit.schema import TIGHT_SHARE, Estimate, Plan, Settings, TokenProfile
 from lorafit.serving import Serving
 
 if TYPE_CHECKING:
@@ -213,6 +213,12 @@ def time_line(plan: Plan) -> str:
     )
 
 
+def data_line(tokens: TokenProfile) -> str:
+    """'72 rows, 4,420 tokens, longest row 66 (counted as lorafit train tokenizes them: ...)'."""
+    basis = tokens.basis or (f"counted with the tokenizer of {tokens.tokenizer}" if tokens.tokenizer else "estimated")
+    return f"{tokens.rows:,} rows, {tokens.total_tokens:,} tokens, longest row {tokens.max:,} ({basis})"
+
+
 def time_basis_line(plan: Plan) -> str:
     """Where the speed comes from and what the range means."""
     if plan.time_basis == "measured":
@@ -242,6 +248,8 @@ def show_plan(plan: Plan, out: Console | None = None) -> None:
         out.print(f"  - {line}")
     for reason in plan.reasons:
         out.print(f"  - {reason}")
+    if plan.tokens:
+        out.print(f"  data: {data_line(plan.tokens)}")
     if plan.gpu and plan.fits:
         out.print(f"  time: {time_line(plan)}")
         out.print(f"        {time_basis_line(plan)}")

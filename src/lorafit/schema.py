@@ -60,6 +60,7 @@ class TokenProfile(Frozen):
     tokenizer: str | None = Field(default=None, description="None: estimated from characters")
     estimate_error: float | None = Field(default=None, description="relative error of a character estimate")
     answer_token_share: float | None = None
+    basis: str | None = Field(default=None, description="where the counts come from, in words")
 
 
 class Estimate(Frozen):

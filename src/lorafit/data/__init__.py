@@ -1,9 +1,10 @@
 """Datasets: loaders, format detection and conversion, checks, and the token profile the planner uses.
 
 For the trainer: `load_conversations(path, format=None, mapping=None)` returns the valid rows as conversations
-(`.format` says which format they were read as) or raises DataError. For the planner: `token_profile(...)`,
-`length_profile(...)`, `profile_of_lengths(...)` and `truncated_rows(...)`. Importing this package stays cheap:
-datasets, transformers and matplotlib load only inside the functions that use them.
+(`.format` says which format they were read as) or raises DataError. For the planner: `counter_for(...)` (how
+to count a model's tokens), `token_profile(...)`, `length_profile(...)`, `profile_of_lengths(...)` and
+`truncated_rows(...)`. Importing this package stays cheap: datasets, transformers and matplotlib load only inside
+the functions that use them.
 """
 
 from lorafit.data.check import CheckReport, check
@@ -12,7 +13,7 @@ from lorafit.data.dataset import Conversations, Dataset, detect, load_conversati
 from lorafit.data.formats import FORMATS, TARGETS, Format, Messages, Target, parse_mapping
 from lorafit.data.problems import Problem
 from lorafit.data.profile import LengthProfile, length_profile, profile_of_lengths, token_profile, truncated_rows
-from lorafit.data.tokens import CHAR_ESTIMATE_ERROR, CHARS_PER_TOKEN
+from lorafit.data.tokens import CHAR_ESTIMATE_ERROR, CHARS_PER_TOKEN, counter_for
 
 __all__ = [
     "CHARS_PER_TOKEN",
@@ -30,6 +31,7 @@ __all__ = [
     "Target",
     "check",
     "convert",
+    "counter_for",
     "detect",
     "length_profile",
     "load_conversations",

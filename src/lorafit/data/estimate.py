@@ -89,7 +89,7 @@ def measure_char_estimate(texts: Sequence[str], counter: TokenizerCounter) -> Es
     import numpy as np
 
     texts = [text for text in texts if text.strip()]
-    real = np.array(counter.lengths(texts, False), dtype=np.float64)
+    real = np.array(counter.lengths(texts, raw_text=False), dtype=np.float64)
     estimate = CharEstimate()
     guessed = np.array([estimate.tokens(text) for text in texts], dtype=np.float64)
     chars = np.array([len(text) for text in texts], dtype=np.float64)

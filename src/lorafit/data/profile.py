@@ -16,7 +16,7 @@ from pathlib import Path
 from lorafit.data.check import TokenStats, check, token_stats
 from lorafit.data.check import truncated_rows as _count_above
 from lorafit.data.problems import Problem
-from lorafit.data.tokens import TokenCounter
+from lorafit.data.tokens import TokenCounter, load_counter
 from lorafit.errors import DataError
 from lorafit.schema import TokenProfile
 
@@ -46,7 +46,8 @@ def length_profile(
     """Check the dataset and profile its valid rows. Raises DataError, as the trainer would, if any row has an
     error (the message names the first and the command that lists them all); with `skip_bad_rows` (a plan of
     the rows that are sound: the web page's upload) only if no row is sound."""
-    report = check(path, tokenizer=tokenizer, seq_len=seq_len, format=format, mapping=mapping)
+    counter = load_counter(tokenizer) if tokenizer is None or isinstance(tokenizer, str) else tokenizer
+    report = check(path, tokenizer=counter, seq_len=seq_len, format=format, mapping=mapping)
     errors = [problem for problem in report.problems if problem.severity == "error"]
     if errors and not (skip_bad_rows and report.valid_rows):
         first = errors[0]
@@ -55,7 +56,7 @@ def length_profile(
         raise DataError(f"{first.where()}: {first.message}{more}; run `lorafit data check {path}` for the full list")
     if report.tokens is None:
         raise DataError(f"{path} has no rows to profile; run `lorafit data check {path}`")
-    profile = _profile(report.tokens, str(path), report.valid_rows)
+    profile = _profile(report.tokens, str(path), report.valid_rows, counter.basis)
     return LengthProfile(profile, report.lengths, report.rejected_rows, tuple(errors))
 
 
@@ -66,6 +67,7 @@ def profile_of_lengths(
     answer_tokens: int,
     tokenizer: str | None,
     estimate_error: float | None = None,
+    basis: str | None = None,
 ) -> TokenProfile:
     """The TokenProfile of one token count per row (any order): the trainer's, from the exact tokens it renders,
     is built here as `length_profile`'s is, so the planner reads the same figures from either."""
@@ -74,10 +76,10 @@ def profile_of_lengths(
     import numpy as np
 
     ordered = np.sort(np.asarray(lengths, dtype=np.int64))
-    return _profile(token_stats(ordered, answer_tokens, tokenizer, estimate_error), source, len(ordered))
+    return _profile(token_stats(ordered, answer_tokens, tokenizer, estimate_error), source, len(ordered), basis)
 
 
-def _profile(stats: TokenStats, source: str, rows: int) -> TokenProfile:
+def _profile(stats: TokenStats, source: str, rows: int, basis: str | None = None) -> TokenProfile:
     return TokenProfile(
         source=source,
         rows=rows,
@@ -90,6 +92,7 @@ def _profile(stats: TokenStats, source: str, rows: int) -> TokenProfile:
         tokenizer=stats.tokenizer,
         estimate_error=stats.estimate_error,
         answer_token_share=stats.answer_token_share,
+        basis=basis,
     )
 
 

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from lorafit.data.chat_text import ensure_chat_template, row_text, token_lengths
 from lorafit.data.formats import Format, Messages, plain_text
+from lorafit.data.template_cost import TemplateCost, accuracy_line, template_for, token_accuracy
 from lorafit.errors import DataError
-from lorafit.models import catalog
+from lorafit.models import ModelSpec, catalog
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -28,6 +30,9 @@ if TYPE_CHECKING:
 CHARS_PER_TOKEN = 4.0
 CHAR_ESTIMATE_ERROR = 0.13
 CHAR_ESTIMATE_NAME = "chars"
+# A model folder holds a tokenizer when it has either (AutoTokenizer reads tokenizer.json, or the slow files that
+# tokenizer_config.json names)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 class TokenCount(NamedTuple):
@@ -39,8 +44,9 @@ class TokenCount(NamedTuple):
 
 
 class TokenCounter(Protocol):
-    name: str | None  # None: the character estimate
+    name: str | None  # None: an estimate
     estimate_error: float | None
+    basis: str  # where the counts come from, in words (the plan quotes it)
 
     def count(self, conversations: Sequence[Messages], fmt: Format) -> list[TokenCount]: ...
 
@@ -52,6 +58,10 @@ class CharEstimate:
     chars_per_token: float = CHARS_PER_TOKEN
     name: str | None = None
     estimate_error: float | None = CHAR_ESTIMATE_ERROR
+    basis: str = (
+        f"estimated at {CHARS_PER_TOKEN:g} characters a token, turns joined as 'role: content' (mean row error "
+        f"{CHAR_ESTIMATE_ERROR:.0%}, make bench-data); pass a model folder with its tokenizer to count exactly"
+    )
 
     def tokens(self, text: str) -> int:
         return math.ceil(len(text) / self.chars_per_token)
@@ -65,39 +75,61 @@ class CharEstimate:
         return counts
 
 
+class TemplateEstimate(CharEstimate):
+    """The character estimate of each message's text plus the tokens the family's chat template adds around
+    it (catalog/chat_templates.toml): for a catalog model, whose tokenizer is not at hand."""
+
+    def __init__(self, cost: TemplateCost) -> None:
+        super().__init__()
+        self.cost = cost
+        measured = token_accuracy().get(cost.name, {})
+        self.estimate_error = measured.get("row_error") if measured.get("rows") else None
+        self.basis = (
+            f"estimated: {CHARS_PER_TOKEN:g} characters a token plus {cost.describe()}; "
+            f"{accuracy_line(cost.name)}; pass a model folder with its tokenizer to count exactly"
+        )
+
+    def count(self, conversations: Sequence[Messages], fmt: Format) -> list[TokenCount]:
+        if fmt == "text":  # raw text is not put through a chat template
+            return super().count(conversations, fmt)
+        counts = []
+        for messages in conversations:
+            text = [self.tokens(m["content"]) for m in messages]
+            answer = sum(n for n, m in zip(text, messages, strict=True) if m["role"] == "assistant")
+            total = sum(text) + self.cost.tokens([m["role"] for m in messages])
+            counts.append(TokenCount(total, min(answer, total)))
+        return counts
+
+
 class TokenizerCounter:
-    """A real tokenizer. With a chat template the row is rendered exactly as the trainer will render it;
-    without one, turns are joined as 'role: content'. The answer share counts the assistant turns' tokens."""
+    """A real tokenizer, counting each row exactly as `lorafit train` tokenizes it (data/chat_text.py): through
+    its chat template (default system prompt and turn markers included), or the trainer's 'role: content'
+    template when it has none; raw text plus EOS. The answer share counts the assistant turns' own tokens."""
 
     estimate_error: float | None = None
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, name: str) -> None:
         self.tokenizer = tokenizer
         self.name = name
-        self.has_template = bool(getattr(tokenizer, "chat_template", None))
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        had_template = not ensure_chat_template(tokenizer)
+        template = "its chat template" if had_template else "lorafit's 'role: content' turns (it has no chat template)"
+        self.basis = f"counted as lorafit train tokenizes them: the tokenizer of {name}, {template}"
 
-    def lengths(self, texts: Sequence[str], special_tokens: bool) -> list[int]:
-        if not texts:
-            return []
-        if self._backend is not None:
-            return [
-                len(encoding.ids)
-                for encoding in self._backend.encode_batch_fast(list(texts), add_special_tokens=special_tokens)
-            ]
-        encoded = self.tokenizer(list(texts), add_special_tokens=special_tokens, return_attention_mask=False)
-        return [len(ids) for ids in encoded["input_ids"]]
+    def lengths(self, texts: Sequence[str], raw_text: bool) -> list[int]:
+        return token_lengths(self.tokenizer, texts, raw_text)
 
     def count(self, conversations: Sequence[Messages], fmt: Format) -> list[TokenCount]:
-        if fmt == "text" or not self.has_template:
-            texts: list[str | None] = [plain_text(messages, fmt) for messages in conversations]
-            errors: list[str | None] = [None] * len(texts)
-            special_tokens = True
-        else:
-            texts, errors = self._render(conversations)
-            special_tokens = False  # the template writes BOS/EOS itself
-        rendered = [text for text in texts if text is not None]
-        totals = iter(self.lengths(rendered, special_tokens))
+        raw_text = fmt == "text"
+        texts: list[str | None] = []
+        errors: list[str | None] = []
+        for messages in conversations:
+            try:
+                texts.append(row_text(self.tokenizer, messages, raw_text))
+                errors.append(None)
+            except Exception as error:  # the template is user code (jinja raises many types): a row problem
+                texts.append(None)
+                errors.append(f"rejected by the chat template: {_first_line(error)}")
+        totals = iter(self.lengths([text for text in texts if text is not None], raw_text))
         answers = [m["content"] for messages in conversations for m in messages if m["role"] == "assistant"]
         answer_lengths = iter(self.lengths(answers, False))
         counts = []
@@ -109,26 +141,6 @@ class TokenizerCounter:
                 total = next(totals)
                 counts.append(TokenCount(total, min(answer, total)))
         return counts
-
-    def _render(self, conversations: Sequence[Messages]) -> tuple[list[str | None], list[str | None]]:
-        """The whole batch through the template at once; row by row only when it rejects something."""
-        try:
-            return list(self.tokenizer.apply_chat_template(list(conversations), tokenize=False)), [None] * len(
-                conversations
-            )
-        except Exception:  # a template is user code; find the row it rejects below
-            pass
-        texts: list[str | None] = []
-        errors: list[str | None] = []
-        for messages in conversations:
-            try:
-                texts.append(self.tokenizer.apply_chat_template(messages, tokenize=False))
-                errors.append(None)
-            except Exception as error:  # jinja raises many types; each becomes a row problem
-                texts.append(None)
-                reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-                errors.append(f"rejected by the chat template: {reason}")
-        return texts, errors
 
 
 def load_counter(spec: str | None) -> TokenCounter:
@@ -143,7 +155,7 @@ def load_counter(spec: str | None) -> TokenCounter:
         )
     path = Path(spec).expanduser()
     if path.is_dir():
-        return TokenizerCounter(_from_pretrained(str(path), spec), str(path))
+        return TokenizerCounter(_from_pretrained(str(path), f"--tokenizer {spec}"), str(path))
     if path.is_file():
         if path.suffix != ".json":
             raise DataError(f"--tokenizer {spec}: expected a tokenizer directory or a tokenizer.json file")
@@ -154,7 +166,22 @@ def load_counter(spec: str | None) -> TokenCounter:
         except Exception as error:  # tokenizers raises plain Exception subclasses for bad files
             raise DataError(f"--tokenizer {spec}: cannot load it: {_first_line(error)}") from None
     hub_id = _preset_hub_id(spec)
-    return TokenizerCounter(_from_pretrained(hub_id, spec), hub_id)
+    return TokenizerCounter(_from_pretrained(hub_id, f"--tokenizer {spec}"), hub_id)
+
+
+def counter_for(model: str | None, tokenizer: str | None, spec: ModelSpec | None = None) -> TokenCounter:
+    """The counter of `lorafit plan --data` (and of the page's dataset upload): `--tokenizer` where given;
+    else, when `--model` is a local folder with a tokenizer, that folder's (the one `lorafit train` loads from
+    it, so plan and run count alike); else the estimate with the chat template of the model's family, where
+    catalog/chat_templates.toml has it (`spec`: the model `--model` resolved to); else the plain character
+    estimate. transformers is imported only on the tokenizer paths."""
+    if tokenizer is not None:
+        return load_counter(tokenizer)
+    folder = Path(model).expanduser() if model else None
+    if folder is not None and folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return TokenizerCounter(_from_pretrained(str(folder), f"the tokenizer of --model {model}"), str(folder))
+    cost = template_for(model, spec.name if spec else None, spec.hf_id if spec else None)
+    return TemplateEstimate(cost) if cost is not None else CharEstimate()
 
 
 def _preset_hub_id(spec: str) -> str:
@@ -170,16 +197,16 @@ def _preset_hub_id(spec: str) -> str:
     )
 
 
-def _from_pretrained(source: str, spec: str) -> PreTrainedTokenizerBase:
+def _from_pretrained(source: str, what: str) -> PreTrainedTokenizerBase:
+    """`what`: the option the tokenizer came from, as the error names it."""
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(source, local_files_only=True)
     except Exception as error:  # transformers raises OSError/ValueError/KeyError for bad dirs
         raise DataError(
-            f"--tokenizer {spec}: no usable local tokenizer ({_first_line(error)}); lorafit never downloads: "
-            "pass "
-            f"a directory with tokenizer.json, or `--tokenizer {CHAR_ESTIMATE_NAME}`"
+            f"{what}: no usable local tokenizer ({_first_line(error)}); lorafit never downloads: pass "
+            f"a directory with tokenizer.json, or `--tokenizer {CHAR_ESTIMATE_NAME}` for the estimate"
         ) from None
 
 

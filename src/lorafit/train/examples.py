@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lorafit.data.chat_text import adds_special_tokens, render, row_text
 from lorafit.data.profile import profile_of_lengths
 from lorafit.errors import DataError
 
@@ -22,17 +23,6 @@ if TYPE_CHECKING:
     from lorafit.schema import TokenProfile
 
 IGNORE_INDEX = -100
-
-# For tokenizers without a chat template (base models): the 'role: content' turns the data checker counts,
-# with the end-of-sequence token after each answer so that the model learns to stop.
-PLAIN_CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if not loop.first %}{{ '\\n\\n' }}{% endif -%}"
-    "{{ message['role'] }}: {{ message['content'] }}"
-    "{%- if message['role'] == 'assistant' %}{{ eos_token }}{% endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt %}{{ '\\n\\nassistant: ' }}{% endif -%}"
-)
 
 
 @dataclass
@@ -53,14 +43,6 @@ class Encoded:
         return sum(sum(1 for label in labels if label != IGNORE_INDEX) for labels in self.labels)
 
 
-def ensure_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Give a template-less tokenizer the plain 'role: content' template; True if it had none."""
-    if getattr(tokenizer, "chat_template", None):
-        return False
-    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
-    return True
-
-
 def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> None:
     """Padding positions are masked out of attention and loss, so any token can stand in for a missing pad."""
     if tokenizer.pad_token is None:
@@ -68,15 +50,10 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> None:
     tokenizer.padding_side = "right"
 
 
-def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-
 def answer_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]
-) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character spans of its assistant turns."""
-    full = render(tokenizer, messages, False)
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], full: str
+) -> list[tuple[int, int]]:
+    """The character spans of the assistant turns in `full`, the rendered conversation (`row_text`)."""
     spans = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -84,9 +61,9 @@ def answer_spans(
         before = render(tokenizer, messages[:index], True) if index else ""
         upto = render(tokenizer, messages[: index + 1], False)
         if not (full.startswith(upto) and upto.startswith(before)):
-            return full, _last_answer_span(tokenizer, messages, full)
+            return _last_answer_span(tokenizer, messages, full)
         spans.append((len(before), len(upto)))
-    return full, spans
+    return spans
 
 
 def _last_answer_span(
@@ -121,21 +98,22 @@ def encode(
     texts: list[str] = []
     all_spans: list[list[tuple[int, int]]] = []
     for messages in conversations:
-        if raw_text:
-            text = "".join(message["content"] for message in messages) + (tokenizer.eos_token or "")
-            texts.append(text)
-            all_spans.append([(0, len(text))])
-            continue
         try:
-            text, spans = answer_spans(tokenizer, messages)
+            text = row_text(tokenizer, messages, raw_text)
+            spans = [(0, len(text))] if raw_text or train_on_prompt else answer_spans(tokenizer, messages, text)
         except DataError:
             raise
         except Exception as error:  # the template is user code (jinja); its refusal names the row
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise DataError(f"row {len(texts)}: the chat template rejects it: {reason}") from None
         texts.append(text)
-        all_spans.append([(0, len(text))] if train_on_prompt else spans)
-    batch = tokenizer(texts, add_special_tokens=raw_text, return_offsets_mapping=True, return_attention_mask=False)
+        all_spans.append(spans)
+    batch = tokenizer(
+        texts,
+        add_special_tokens=adds_special_tokens(raw_text),
+        return_offsets_mapping=True,
+        return_attention_mask=False,
+    )
     result = Encoded()
     for ids, offsets, spans in zip(batch["input_ids"], batch["offset_mapping"], all_spans, strict=True):
         labels = [

@@ -22,6 +22,7 @@ from rich.console import Console
 
 from lorafit import hardware, memory, options
 from lorafit.data import load_conversations
+from lorafit.data.chat_text import ensure_chat_template
 from lorafit.errors import DataError, InvalidConfig, TrainError
 from lorafit.models import ModelSpec, from_config_json
 from lorafit.plan import make_plan, resolve_seq_len, with_settings
@@ -295,7 +296,7 @@ def tokenized(
 ) -> tuple[PreTrainedTokenizerBase, examples.Encoded, examples.Encoded, TokenProfile]:
     """The model's tokenizer (with a chat template and a pad token) and the data encoded with it."""
     tokenizer = _load_tokenizer(inputs.model_dir, config)
-    if examples.ensure_chat_template(tokenizer):
+    if ensure_chat_template(tokenizer):
         console.print("the tokenizer has no chat template: using 'role: content' turns (saved with the adapter)")
     examples.ensure_pad_token(tokenizer)
     raw_text = inputs.data_format == "text"

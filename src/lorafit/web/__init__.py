@@ -23,7 +23,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from lorafit import answers, files, hardware, models, options
-from lorafit.data import length_profile
+from lorafit.data import counter_for, length_profile
+from lorafit.data.tokens import TokenCounter
 from lorafit.errors import LorafitError
 from lorafit.web.access import AccessGuard, Listening, check_can_listen, shown
 
@@ -229,10 +230,10 @@ class Uploads:
         return given
 
 
-def data_described(path: Path, name: str) -> dict[str, Any]:
+def data_described(path: Path, name: str, counter: TokenCounter) -> dict[str, Any]:
     """An uploaded dataset's token profile, and where some rows have errors, how many the plan skips and why (the
     first few errors as `lorafit data check` words them, the file named as the user named it)."""
-    lengths = length_profile(path, skip_bad_rows=True)
+    lengths = length_profile(path, tokenizer=counter, skip_bad_rows=True)
     described: dict[str, Any] = {"tokens": lengths.profile.model_dump(mode="json")}
     if lengths.skipped_rows:
         problems = [
@@ -242,6 +243,18 @@ def data_described(path: Path, name: str) -> dict[str, Any]:
         total = lengths.profile.rows + lengths.skipped_rows
         described["skipped"] = {"rows": lengths.skipped_rows, "of": total, "problems": problems}
     return described
+
+
+def data_counter(uploads: Uploads, model: str | None) -> TokenCounter:
+    """How an uploaded dataset's tokens are counted: as `lorafit plan --data` counts them for the model chosen
+    (the chat template of its family), through the same function (data.counter_for)."""
+    try:
+        spec = models.resolve(uploads.model({"model": model})["model"]) if model else None
+    except LorafitError:  # a model the page cannot plan for (the plan says why): the plain estimate
+        spec = None
+    if spec is None:
+        return counter_for(None, None)
+    return counter_for(None if model.startswith(UPLOAD_PREFIX) else model, None, spec)
 
 
 # --- the app ------------------------------------------------------------------------------------------------
@@ -327,7 +340,8 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
                 spec = models.from_config_json(path)
                 described["model"] = spec.model_dump(mode="json") | {"num_params": spec.num_params}
             else:
-                described |= data_described(path, name or path.name)
+                counter = data_counter(uploads, request.query_params.get("model"))
+                described |= data_described(path, name or path.name, counter)
         except LorafitError as error:  # the file as the user named it, not where the server keeps it
             uploads.discard(value)
             message = str(error).splitlines()[0].replace(str(path), name or path.name)
