@@ -430,8 +430,9 @@ def shorter_lengths(seq_len: int) -> list[int]:
     return sorted((n for n in lengths if n < seq_len), reverse=True)
 
 
-def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Suggestion]:
-    """The smallest changes that fit: a shorter sequence, QLoRA, a bigger GPU, or several GPUs sharded."""
+def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int, other_cards: bool = True) -> list[Suggestion]:
+    """The smallest changes that fit: a shorter sequence, QLoRA, a bigger GPU (not without `other_cards`), or
+    several GPUs sharded."""
     found: list[Suggestion] = []
     total_tokens = tokens_per_epoch(request) * request.epochs
 
@@ -453,7 +454,7 @@ def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Sugges
     def size_then_price(g: GpuSpec) -> tuple[int, float, float]:
         return round(g.memory_gib / 8), g.rent_usd_per_hour or 1e9, g.price_usd or 1e9
 
-    for bigger in sorted(hardware.catalog().values(), key=size_then_price):
+    for bigger in sorted(hardware.catalog().values(), key=size_then_price) if other_cards else []:
         if bigger.kind == "apple" or bigger.memory_gib <= gpu.memory_gib:
             continue
         change = f"a GPU with more memory: {bigger.name} ({bigger.memory_gib:.0f} GiB)"
@@ -759,16 +760,20 @@ def in_compare_order(plans: list[Plan]) -> list[Plan]:
 
 
 def compared(request: PlanRequest, gpu: GpuSpec) -> Plan:
-    """The comparison's row for one card: the plan on it or, where it does not fit, several_of. When the request
-    pins one machine and no offload, only the fewest-GPU suggestions can be several_of's pick, so those alone
-    are worked out first; the other suggestions only for a card that does not fit even on several."""
+    """The comparison's row for one card: the plan on it or, where it does not fit, several_of. several_of picks
+    among the suggestions on this card only: those are worked out first (only the fewest-GPU ones when the
+    request pins one machine and no offload, as the others then run on one GPU), the rest of the suggestions
+    only for a card that does not fit even on several."""
     one = request.model_copy(update={"gpu": gpu})
-    if request.pinned.get("nodes", 1) == 1 and request.pinned.get("offload", "none") == "none":
-        seq_len, _, found = searched(one)
-        if best(found) is None:
-            several = on_several(request, on_more_gpus(one, gpu, seq_len), gpu)
-            if several is not None:
-                return several
+    seq_len, _, found = searched(one)
+    if best(found) is None:
+        one_machine = request.pinned.get("nodes", 1) == 1 and request.pinned.get("offload", "none") == "none"
+        on_this_card = (
+            on_more_gpus(one, gpu, seq_len) if one_machine else suggestions(one, gpu, seq_len, other_cards=False)
+        )
+        several = on_several(request, on_this_card, gpu)
+        if several is not None:
+            return several
     plan = make_plan(one, details=False)
     return plan if plan.fits else several_of(request, plan, gpu)
 
