@@ -38,8 +38,8 @@ def each_card_alone(request: PlanRequest, monkeypatch: pytest.MonkeyPatch) -> di
 
 @pytest.mark.parametrize(
     "request_",
-    [ask("llama-2-70b"), ask("llama-2-7b", method="full"), ask("llama-2-13b", method="lora", seq_len=4096)],
-    ids=["70b qlora", "7b full", "13b lora 4096"],
+    [ask("llama-2-70b"), ask("llama-2-7b", method="full"), ask("llama-2-13b", method="lora", offload="optimizer")],
+    ids=["70b qlora", "7b full", "13b lora, optimizer offloaded"],
 )
 def test_the_comparison_is_each_card_planned_alone(request_: PlanRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     compared = planner.compare(request_, max_price_hour=CAP)
