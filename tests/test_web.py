@@ -84,12 +84,55 @@ def test_the_estimate_api_answers_what_lorafit_estimate_json_prints(
     assert "answer;dur=" in response.headers["server-timing"]
 
 
+def streamed(client: TestClient, query: dict[str, str]) -> list[dict]:
+    response = client.get("/api/compare", params=query)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("application/x-ndjson")
+    return [json.loads(line) for line in response.text.splitlines()]
+
+
 def test_the_gpu_comparison_is_plan_compare(client: TestClient, capsys: pytest.CaptureFixture[str]) -> None:
     query = {"model": "llama-2-7b", "max_price_hour": "1"}
     response = client.get("/api/plan", params=query | {"compare": "true"})
     expected = cli_json(["plan", *as_flags(query), "--compare"], capsys)
     assert response.json() == expected
     assert len(expected["plans"]) > 20 and expected["cheapest_under_price"]
+    # the page's table reads the same plans a line at a time, then the cheapest
+    *rows, last = streamed(client, query)
+    assert sorted((row["plan"] for row in rows), key=lambda p: p["gpu"]["name"]) == sorted(
+        expected["plans"], key=lambda p: p["gpu"]["name"]
+    )
+    assert last == {"done": True} | {
+        key: expected[key] for key in ("cheapest", "cheapest_under_price", "max_price_hour")
+    }
+
+
+def test_a_comparison_is_planned_once_per_request(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page asks again when only the price cap or the language changes: the same rows, not planned again."""
+    planned = []
+    rows = web.planner.compare_rows
+    monkeypatch.setattr(web.planner, "compare_rows", lambda request: planned.append(request) or rows(request))
+    query = {"model": "llama-2-7b", "method": "lora", "epochs": "2"}
+    first = streamed(client, query)
+    capped = streamed(client, query | {"max_price_hour": "0.3", "lang": "es"})
+    assert len(planned) == 1
+    assert first[:-1] == capped[:-1]
+    under = {row["plan"]["gpu"]["name"]: row["plan"]["gpu"]["rent_usd_per_hour"] for row in capped[:-1]}
+    assert capped[-1]["max_price_hour"] == 0.3 and under[capped[-1]["cheapest_under_price"]] <= 0.3
+    assert under[first[-1]["cheapest_under_price"]] > 0.3  # without the cap, a dearer card is the cheapest run
+    client.get("/api/plan", params=query | {"compare": "true"})  # the JSON answer reads the same comparison
+    assert len(planned) == 1
+    streamed(client, query | {"epochs": "3"})  # a setting the plans depend on
+    assert len(planned) == 2
+
+
+def test_a_bad_comparison_request_is_one_line_next_to_its_field(client: TestClient) -> None:
+    response = client.get("/api/compare", params={"model": "llama-2-7b", "seq_len": "-5"})
+    assert response.status_code == 400
+    assert response.json()["field"] == "seq_len" and "\n" not in response.json()["error"]
+    response = client.get("/api/compare", params={"model": "llama-2-7b", "rent_price": "1"})
+    assert response.status_code == 200  # the price of one card: the comparison prices each from the catalog
+    assert streamed(client, {"model": "llama-2-7b", "rent_price": "1"})[-1]["error"].startswith("--rent-price")
 
 
 def test_the_run_of_a_plan_is_a_train_command_and_config_that_pin_its_settings(client: TestClient) -> None:

@@ -19,7 +19,8 @@ from urllib.parse import parse_qsl, urlparse
 import pytest
 
 from conftest import run_cli
-from lorafit import models
+from lorafit import memory, models, serving
+from lorafit import plan as planner
 
 CHROMIUM = next((path for name in ("chromium", "chromium-browser") if (path := shutil.which(name))), None)
 if CHROMIUM is None and os.environ.get("LORAFIT_BROWSER_REQUIRED") != "1":
@@ -232,7 +233,7 @@ def test_bad_input_shows_the_clis_message_next_to_its_field(
 def test_the_gpu_table_sorts_and_every_control_has_a_label(server: str, page: Page) -> None:
     page.goto(server + "/?model=llama-2-7b&gpu=RTX+4090")
     wait_for_plan(page, "RTX 4090")
-    page.wait_for_selector("#gpus tbody tr")
+    page.wait_for_function("page.compared !== null", timeout=60_000)  # every row in
     header = page.locator("#gpus th[data-sort=tokens_per_s] button")
     header.focus()
     page.keyboard.press("Enter")  # by keyboard
@@ -460,3 +461,46 @@ def test_a_dataset_with_some_bad_rows_is_used_with_a_line_that_says_why(
     expect(line).to_contain_text("missing column 'output'")
     page.wait_for_function("page.plan && page.plan.tokens && page.plan.tokens.rows === 47")
     expect(page.locator("#form-error")).to_be_hidden()
+
+
+PLAN_TIMED = """async (gpus) => {
+  const took = [];
+  for (const gpu of gpus) {
+    const started = performance.now();
+    const response = await fetch(`/api/plan?model=llama-2-7b&gpu=${encodeURIComponent(gpu)}`);
+    await response.json();
+    took.push(performance.now() - started);
+  }
+  return took;
+}"""
+
+
+def test_a_plan_answers_within_a_second_while_a_70b_comparison_runs(server: str, browser: Browser, page: Page) -> None:
+    """The issue's acceptance line. The comparison plans in its own pool and a plan request in another, so the
+    plan does not wait for it: each plan answers while the comparison is still filling the other user's table, in
+    a small share of the comparison's time, and the median plan under 1 s (0.06 s alone on two idle cores)."""
+    page.goto(server + "/?model=llama-2-7b&gpu=RTX+4090")
+    wait_for_plan(page, "RTX 4090")
+    page.wait_for_function("page.compared !== null", timeout=60_000)  # this page's own table is done
+    alone = page.evaluate(PLAN_TIMED, ["RTX 3090"])
+    for memo in (models._memoised, memory.activation_bytes_per_layer, planner._estimate_anywhere, planner._settings):
+        memo.cache_clear()  # the comparison starts cold, as on a fresh server, whatever other tests planned
+    serving.gguf_weight_bytes.cache_clear()
+    other = browser.new_context(locale="en-US").new_page()
+    # epochs 2.5: a comparison no other test asks for, so it is planned now rather than read from the cache
+    other.goto(server + "/?model=llama-2-70b&gpu=H100+SXM&epochs=2.5")
+    other.wait_for_function("page.comparing !== null", timeout=20_000)
+    started = time.monotonic()
+    took = page.evaluate(PLAN_TIMED, ["RTX 3090", "RTX A5000", "L4"])
+    still_running = other.evaluate("page.compared === null")
+    other.wait_for_function("page.compared !== null", timeout=120_000)
+    comparison_s = time.monotonic() - started
+    rows = other.locator("#gpus tbody tr").count()
+    other.context.close()
+    seconds = sorted(round(ms / 1000, 3) for ms in took)
+    report = f"plans {seconds} s while the 70B comparison ran {comparison_s:.1f} s; alone {alone[0] / 1000:.2f} s"
+    print(report)
+    assert still_running, report  # the plans did not wait for the comparison
+    assert rows > 20, report
+    assert max(seconds) < comparison_s / 4, report
+    assert seconds[1] < 1.0, report

@@ -148,21 +148,18 @@ class PlanAnswer:
         }
 
 
-def plan(
+def plan_request(
     given: Mapping[str, Any],
     *,
     compare: bool = False,
     data_path: Callable[[str], Path] = Path,
     from_config: str | None = None,
-    card: GpuSpec | None = None,
     device: Device | None = None,
     skip_bad_rows: bool = False,
-) -> PlanAnswer:
-    """`lorafit plan` for the settings that were set (over those of the config file `from_config`: the run it
-    describes, its step settings pinned). `data_path` turns the `data` setting into the file to profile (the
-    web server maps it into its upload folder). `card` and `device`: the card to plan for in place of --gpu,
-    --vram or the detected one, and where the run happens (`lorafit measure`: this machine's GPU or CPU).
-    `skip_bad_rows`: plan the dataset's sound rows where some have errors (the page's uploads)."""
+) -> tuple[PlanRequest, Any, FromConfig | None, int | None]:
+    """The validated request of `lorafit plan` (see `plan`), with the validated flags, the config file it read
+    and the rows the length truncates: what a comparison is cached by (`lorafit serve`). `skip_bad_rows`: plan
+    the dataset's sound rows where some have errors (the page's uploads)."""
     flags = given
     given, source = with_config("plan", from_config, flags)
     asked = _validated("plan", given, flags, source)
@@ -190,6 +187,32 @@ def plan(
         fixed=Settings.given({key: getattr(asked, key) for key in options.STEP_KEYS if key in given}),
         device=device,
         **{key: getattr(asked, key) for key in PLAN_REQUEST_KEYS if key in asked.model_fields_set},
+    )
+    return request, asked, source, truncated
+
+
+def plan(
+    given: Mapping[str, Any],
+    *,
+    compare: bool = False,
+    data_path: Callable[[str], Path] = Path,
+    from_config: str | None = None,
+    card: GpuSpec | None = None,
+    device: Device | None = None,
+    skip_bad_rows: bool = False,
+) -> PlanAnswer:
+    """`lorafit plan` for the settings that were set (over those of the config file `from_config`: the run it
+    describes, its step settings pinned). `data_path` turns the `data` setting into the file to profile (the
+    web server maps it into its upload folder). `card` and `device`: the card to plan for in place of --gpu,
+    --vram or the detected one, and where the run happens (`lorafit measure`: this machine's GPU or CPU).
+    `skip_bad_rows`: plan the dataset's sound rows where some have errors (the page's uploads)."""
+    request, asked, source, truncated = plan_request(
+        given,
+        compare=compare,
+        data_path=data_path,
+        from_config=from_config,
+        device=device,
+        skip_bad_rows=skip_bad_rows,
     )
     if compare:
         return PlanAnswer("compare", planner.compare(request), max_price_hour=asked.max_price_hour, source=source)

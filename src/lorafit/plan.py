@@ -8,9 +8,9 @@ smallest changes that do.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import cached_property, partial
+from functools import cached_property, lru_cache, partial
 from typing import Any
 
 from lorafit import hardware, memory, options, rules, serving, stacks
@@ -138,6 +138,46 @@ SEARCH_SPACE: dict[str, Callable[[Search, dict[str, Any]], list[Any]]] = {
 } | {name: partial(saver_values, name) for name in SAVERS}
 
 
+# An estimate depends on the card only through its verdict (memory.assemble), so a search over many cards (the
+# comparison, the bigger-GPU suggestions, the fewest-GPU counts) estimates each step once, without a card.
+# Each entry is a few kB: 8192 hold the steps of a 70B comparison (about 3,000) with room to spare.
+@lru_cache(maxsize=8192)
+def _estimate_anywhere(spec: ModelSpec, settings: Settings, headroom: float) -> Estimate:
+    return estimate(spec, settings, None, headroom)
+
+
+@lru_cache(maxsize=8192)
+def _settings(values: tuple[tuple[str, Any], ...]) -> Settings:
+    return Settings(**dict(values))
+
+
+def settings_of(values: dict[str, Any]) -> Settings:
+    """Settings(**values), validated once per combination: the searches of a comparison meet the same ones on
+    every card."""
+    try:
+        return _settings(tuple(values.items()))
+    except TypeError:  # a value that is not hashable: validate it afresh
+        return Settings(**values)
+
+
+# Estimate rounds its GiB figures to 4 decimals (memory.assemble): a rounded peak is within 5e-5 GiB of the
+# exact one, so a verdict further than this from the line is the same from either.
+ROUNDED_GIB = 1e-4
+
+
+def estimate_on(spec: ModelSpec, settings: Settings, gpu: GpuSpec | None, headroom: float) -> Estimate:
+    """memory.estimate(spec, settings, gpu, headroom) from the card-free estimate of the step, with the card's
+    verdict; estimated on the card itself where the rounded peak is too close to the line to decide it."""
+    anywhere = _estimate_anywhere(spec, settings, headroom)
+    if gpu is None:
+        return anywhere
+    peak = max(anywhere.peak_device_gib, anywhere.loading_peak_gib or 0.0)
+    usable = gpu.usable_gib(headroom)
+    if abs(peak - usable) <= ROUNDED_GIB:
+        return estimate(spec, settings, gpu, headroom)
+    return anywhere.model_copy(update={"gpu_memory_gib": gpu.memory_gib * gpu.usable_fraction, "fits": peak <= usable})
+
+
 def candidates(
     request: PlanRequest,
     gpu: GpuSpec | None,
@@ -189,10 +229,10 @@ def candidates(
                 continue  # nothing checkpointed to offload
             if any(subset <= on for subset in fitting):
                 continue  # fewer savers fit already: more only cost time
-            settings = Settings(**values)
+            settings = settings_of(values)
             if on - set(pinned) and memory.host_saver_problem(request.model, settings, request.host_ram_gib):
                 continue  # the planner does not choose an offload the host RAM cannot hold
-            peak = estimate(request.model, settings, gpu, request.headroom)
+            peak = estimate_on(request.model, settings, gpu, request.headroom)
             speed = partial(tokens_per_second, request.model, settings, gpu) if gpu else float
             found.append(Candidate(settings, peak, speed))
             if peak.fits:
@@ -390,28 +430,15 @@ def shorter_lengths(seq_len: int) -> list[int]:
     return sorted((n for n in lengths if n < seq_len), reverse=True)
 
 
-def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Suggestion]:
-    """The smallest changes that fit: a shorter sequence, QLoRA, a bigger GPU, or several GPUs sharded."""
+def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int, other_cards: bool = True) -> list[Suggestion]:
+    """The smallest changes that fit: a shorter sequence, QLoRA, a bigger GPU (not without `other_cards`), or
+    several GPUs sharded."""
     found: list[Suggestion] = []
     total_tokens = tokens_per_epoch(request) * request.epochs
 
     def suggest(change: str, fit: Candidate | None, on: GpuSpec = gpu) -> bool:
         if fit:
-            s = fit.settings
-            found.append(
-                Suggestion(
-                    change=change,
-                    settings=s,
-                    gpu=on.name,
-                    estimate=fit.estimate,
-                    n_gpus=s.n_gpus,
-                    nodes=s.nodes,
-                    shard=s.shard,
-                    offload=s.offload,
-                    tokens_per_s=round(fit.tokens_per_s, 1),
-                    hours=round(total_tokens / fit.tokens_per_s / 3600, 3),
-                )
-            )
+            found.append(suggestion(change, fit, on, total_tokens))
         return fit is not None
 
     for length in shorter_lengths(seq_len):
@@ -427,15 +454,39 @@ def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Sugges
     def size_then_price(g: GpuSpec) -> tuple[int, float, float]:
         return round(g.memory_gib / 8), g.rent_usd_per_hour or 1e9, g.price_usd or 1e9
 
-    for bigger in sorted(hardware.catalog().values(), key=size_then_price):
+    for bigger in sorted(hardware.catalog().values(), key=size_then_price) if other_cards else []:
         if bigger.kind == "apple" or bigger.memory_gib <= gpu.memory_gib:
             continue
         change = f"a GPU with more memory: {bigger.name} ({bigger.memory_gib:.0f} GiB)"
         if suggest(change, best(candidates(request, bigger, seq_len)), bigger):
             break
-    for fit in fewest_gpus(request, gpu, seq_len):
-        suggest(gpus_change(fit.settings, gpu, total_tokens / fit.tokens_per_s / 3600), fit)
+    found += on_more_gpus(request, gpu, seq_len)
     return found
+
+
+def suggestion(change: str, fit: Candidate, on: GpuSpec, total_tokens: float) -> Suggestion:
+    s = fit.settings
+    return Suggestion(
+        change=change,
+        settings=s,
+        gpu=on.name,
+        estimate=fit.estimate,
+        n_gpus=s.n_gpus,
+        nodes=s.nodes,
+        shard=s.shard,
+        offload=s.offload,
+        tokens_per_s=round(fit.tokens_per_s, 1),
+        hours=round(total_tokens / fit.tokens_per_s / 3600, 3),
+    )
+
+
+def on_more_gpus(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Suggestion]:
+    """The suggestions of fewest_gpus: the fewest of this card that fit, without and with an offload."""
+    total_tokens = tokens_per_epoch(request) * request.epochs
+    return [
+        suggestion(gpus_change(fit.settings, gpu, total_tokens / fit.tokens_per_s / 3600), fit, gpu, total_tokens)
+        for fit in fewest_gpus(request, gpu, seq_len)
+    ]
 
 
 # GPUs of one machine the suggestions try. One GPU with an offload (DeepSpeed's ZeRO-Offload) is estimated when
@@ -591,9 +642,8 @@ def under_other_trainers(request: PlanRequest, chosen: Settings, gpu: GpuSpec) -
     return found
 
 
-def make_plan(request: PlanRequest, truncated_rows: int | None = None, details: bool = True) -> Plan:
-    """The fastest settings that fit `request.gpu`, with time and cost, or the smallest changes that fit; with
-    `details` (not in --compare's table) also the other trainers' verdicts and what gives a tight fit more room."""
+def searched(request: PlanRequest) -> tuple[int, GpuSpec | None, list[Candidate]]:
+    """(the length, the card at the user's price, every candidate) of the request's own search."""
     seq_len = resolve_seq_len(request)
     gpu = request.gpu
     if gpu is not None and request.rent_price is not None:  # the user's own price for this card
@@ -602,7 +652,13 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None, details: 
         request.pinned | {"method": request.method}, request.model, gpu, on_cpu=request.device == "cpu"
     )
     shard = several_gpus_shard(request) if request.n_gpus * request.pinned.get("nodes", 1) > 1 else "none"
-    found = candidates(request, gpu, seq_len, n_gpus=request.n_gpus, shard=shard)
+    return seq_len, gpu, candidates(request, gpu, seq_len, n_gpus=request.n_gpus, shard=shard)
+
+
+def make_plan(request: PlanRequest, truncated_rows: int | None = None, details: bool = True) -> Plan:
+    """The fastest settings that fit `request.gpu`, with time and cost, or the smallest changes that fit; with
+    `details` (not in --compare's table) also the other trainers' verdicts and what gives a tight fit more room."""
+    seq_len, gpu, found = searched(request)
     chosen = best(found) if gpu else None
     reasons: list[str] = []
     extra: list[Suggestion] = []
@@ -703,23 +759,54 @@ def with_settings(plan: Plan, settings: Settings) -> Plan:
 
 def compare(request: PlanRequest, max_price_hour: float | None = None) -> list[Plan]:
     """Plan the job on every rentable catalog GPU (or under a price cap); fitting ones first, fastest first."""
+    return in_compare_order(list(compare_rows(request, max_price_hour)))
+
+
+def compare_rows(request: PlanRequest, max_price_hour: float | None = None) -> Iterator[Plan]:
+    """compare's plans one card at a time, in catalog order, for a table filled as they come."""
     if request.rent_price is not None:
         raise LorafitError("--rent-price is what one GPU costs you; --compare prices each card from the catalog")
-    plans = []
     for gpu in hardware.gpus(max_price_hour=max_price_hour):
-        if gpu.kind == "apple":
-            continue
-        plan = make_plan(request.model_copy(update={"gpu": gpu}), details=False)
-        plans.append(plan if plan.fits else several_of(request, plan, gpu))
+        if gpu.kind != "apple":
+            yield compared(request, gpu)
+
+
+def in_compare_order(plans: list[Plan]) -> list[Plan]:
+    """Fitting ones first, fastest first; then the others, smallest peak first."""
     return sorted(plans, key=lambda p: (not p.fits, p.hours if p.fits else p.estimate.peak_device_gib))
+
+
+def compared(request: PlanRequest, gpu: GpuSpec) -> Plan:
+    """The comparison's row for one card: the plan on it or, where it does not fit, several_of. several_of picks
+    among the suggestions on this card only: those are worked out first (only the fewest-GPU ones when the
+    request pins one machine and no offload, as the others then run on one GPU), the rest of the suggestions
+    only for a card that does not fit even on several."""
+    one = request.model_copy(update={"gpu": gpu})
+    seq_len, _, found = searched(one)
+    if best(found) is None:
+        one_machine = request.pinned.get("nodes", 1) == 1 and request.pinned.get("offload", "none") == "none"
+        on_this_card = (
+            on_more_gpus(one, gpu, seq_len) if one_machine else suggestions(one, gpu, seq_len, other_cards=False)
+        )
+        several = on_several(request, on_this_card, gpu)
+        if several is not None:
+            return several
+    plan = make_plan(one, details=False)
+    return plan if plan.fits else several_of(request, plan, gpu)
 
 
 def several_of(request: PlanRequest, plan: Plan, gpu: GpuSpec) -> Plan:
     """Where one card does not fit: the plan on the fewest of it that do (sharded, or offloaded), the one of
     the plan's suggestions with the fewest GPU-hours; the plan itself when none does."""
-    several = [s for s in plan.suggestions if s.gpu == gpu.name and (s.n_gpus * s.nodes > 1 or s.offload != "none")]
+    return on_several(request, plan.suggestions, gpu) or plan
+
+
+def on_several(request: PlanRequest, suggested: list[Suggestion], gpu: GpuSpec) -> Plan | None:
+    """The plan of the suggestion for several of `gpu` (or an offload) with the fewest GPU-hours; None without
+    one."""
+    several = [s for s in suggested if s.gpu == gpu.name and (s.n_gpus * s.nodes > 1 or s.offload != "none")]
     if not several:
-        return plan
+        return None
     chosen = min(several, key=lambda s: ((s.hours or 0.0) * s.n_gpus * s.nodes, s.n_gpus))
     fixed = request.fixing(n_gpus=chosen.n_gpus, shard=chosen.shard, offload=chosen.offload, nodes=chosen.nodes)
     return make_plan(fixed.model_copy(update={"gpu": gpu}), details=False)

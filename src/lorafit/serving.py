@@ -16,7 +16,7 @@ import math
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from importlib import resources
 from typing import Literal
 
@@ -239,6 +239,7 @@ def tensor_bytes(tensor: Tensor, ggml_type: str) -> int:
     return tensor.elements // kind["block"] * kind["bytes"]
 
 
+@lru_cache(maxsize=256)  # every plan of a comparison sizes the same model's files
 def gguf_weight_bytes(spec: ModelSpec, file_type: str, how: Quantizer = Quantizer()) -> int:
     """The tensor data of a GGUF file: what llama.cpp loads onto the device. The file adds its metadata (the
     tokenizer's vocabulary and merges, the tensor directory, 32-byte alignment): a few MB, see docs/export.md."""

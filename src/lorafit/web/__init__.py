@@ -15,7 +15,8 @@ import json
 import re
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from lorafit import answers, files, hardware, models, options
+from lorafit import plan as planner
 from lorafit.data import counter_for, length_profile
 from lorafit.data.tokens import TokenCounter
 from lorafit.errors import LorafitError
 from lorafit.web.access import AccessGuard, Listening, check_can_listen, shown
+from lorafit.web.jobs import Comparison, Comparisons, workers
 
 STATIC = Path(__file__).resolve().parent / "static"
 STRINGS = Path(__file__).resolve().parent / "strings"
@@ -37,6 +40,7 @@ UPLOAD_LIMITS = {"model": 1 << 20, "data": 64 << 20}
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")
 SKIPPED_SHOWN = 3  # errors of skipped rows named on the page; `lorafit data check` lists them all
 FALSE, TRUE = ("false", "0", "no", "off"), ("true", "1", "yes", "on")
+POLL_S = 0.05  # how often a request waiting on a comparison looks for its new rows
 
 
 class BadRequest(LorafitError):
@@ -257,24 +261,49 @@ def data_counter(uploads: Uploads, model: str | None) -> TokenCounter:
     return counter_for(None if model.startswith(UPLOAD_PREFIX) else model, None, spec)
 
 
+@dataclass(frozen=True)
+class Refused:
+    """A request the user can fix, answered from a worker: the 400's {"error", "field"}."""
+
+    body: dict[str, Any]
+
+
 # --- the app ------------------------------------------------------------------------------------------------
 def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: int | None = None) -> Any:
     """The page and its API, answering requests addressed to `host` (and `port`, where given) only."""
+    import anyio
+    import anyio.to_thread
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import HTMLResponse, JSONResponse, Response
+    from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
     from starlette.routing import Mount, Route
     from starlette.staticfiles import StaticFiles
 
     uploads = Uploads(upload_dir or Path(tempfile.mkdtemp(prefix="lorafit-serve-")))
+    comparisons = Comparisons()
+    # plans, estimates and uploads run in threads, a few at a time, so that the loop always answers; the
+    # comparisons have a pool of their own (jobs.Comparisons), so a plan never waits for one
+    planning = anyio.CapacityLimiter(workers())
 
-    def answer(request: Request, command: options.Command, switches: tuple[str, ...], run: bool = False) -> Response:
-        """The JSON of `lorafit COMMAND --json` for the query's settings; `run`: the `lorafit train` command and
-        config that carry that plan out."""
-        started = time.perf_counter()
+    def refusal(error: Exception, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The page's {"error", "field"} for an error the user can fix (BadRequest, LorafitError, ValidationError);
+        anything else is re-raised."""
+        if isinstance(error, BadRequest):
+            return {"error": str(error), "field": error.field or field_of(str(error), given)}
+        if isinstance(error, LorafitError):
+            message = uploads.hide(str(error).splitlines()[0] if str(error) else type(error).__name__)
+            return {"error": message, "field": field_of(message, given)}
+        if isinstance(error, ValidationError):
+            message = options.one_line(error)
+            return {"error": message, "field": field_of(message, given)}
+        raise error
+
+    def answer(items: list[tuple[str, str]], command: options.Command, switches: tuple[str, ...], run: bool) -> Any:
+        """The JSON of `lorafit COMMAND --json` for the query's settings, or a Refused; `run`: the `lorafit
+        train` command and config that carry that plan out."""
         given: dict[str, Any] = {}
         try:
-            given, on = given_from_query(list(request.query_params.multi_items()), command, switches)
+            given, on = given_from_query(items, command, switches)
             given = uploads.model(given)
             result: answers.PlanAnswer | answers.EstimateAnswer
             if command == "plan":
@@ -283,31 +312,101 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
                 )
             else:
                 result = answers.estimate(given, exact=on["exact"])
-            body = uploads.hide(result.to_json())
             if run and isinstance(result, answers.PlanAnswer):
                 if result.kind != "one":
                     raise BadRequest("/api/run takes the settings of one plan: a model and a GPU, no compare")
                 plan = result.plans[0]
-                body = uploads.hide({"command": answers.train_command(plan), "yaml": answers.train_yaml(plan)})
-        except BadRequest as error:
-            return JSONResponse({"error": str(error), "field": error.field or field_of(str(error), given)}, 400)
-        except LorafitError as error:
-            message = uploads.hide(str(error).splitlines()[0] if str(error) else type(error).__name__)
-            return JSONResponse({"error": message, "field": field_of(message, given)}, 400)
-        except ValidationError as error:
-            message = options.one_line(error)
-            return JSONResponse({"error": message, "field": field_of(message, given)}, 400)
+                return uploads.hide({"command": answers.train_command(plan), "yaml": answers.train_yaml(plan)})
+            return uploads.hide(result.to_json())
+        except (LorafitError, ValidationError) as error:
+            return Refused(refusal(error, given))
+
+    def comparison(items: list[tuple[str, str]]) -> tuple[Comparison, float | None] | Refused:
+        """The comparison the query asks for, started or found, with its price cap; or a Refused."""
+        given: dict[str, Any] = {}
+        try:
+            given, _ = given_from_query(items, "plan", ("compare",))
+            given = uploads.model(given)
+            asked, flags, _, _ = answers.plan_request(
+                given, compare=True, data_path=lambda v: uploads.path(v, "data"), skip_bad_rows=True
+            )
+        except (LorafitError, ValidationError) as error:
+            return Refused(refusal(error, given))
+        known = dict(given)
+        job = comparisons.start(asked, lambda: planner.compare_rows(asked), lambda error: refusal(error, known))
+        return job, flags.max_price_hour
+
+    async def answered(
+        request: Request, command: options.Command, switches: tuple[str, ...], run: bool = False
+    ) -> Response:
+        started = time.perf_counter()
+        items = list(request.query_params.multi_items())
+        body: Any
+        if not run and command == "plan" and any(k == "compare" and v.strip().lower() in TRUE for k, v in items):
+            started_job = await anyio.to_thread.run_sync(comparison, items, limiter=planning)
+            if isinstance(started_job, Refused):
+                return JSONResponse(started_job.body, 400)
+            job, cap = started_job
+            while not job.done:
+                await anyio.sleep(POLL_S)
+            if job.error:
+                return JSONResponse(job.error, 400)
+            plans = planner.in_compare_order(list(job.plans))
+            body = uploads.hide(answers.PlanAnswer("compare", plans, max_price_hour=cap).to_json())
+        else:
+            body = await anyio.to_thread.run_sync(answer, items, command, switches, run, limiter=planning)
+            if isinstance(body, Refused):
+                return JSONResponse(body.body, 400)
         elapsed = (time.perf_counter() - started) * 1000
         return JSONResponse(body, headers={"Server-Timing": f"answer;dur={elapsed:.2f}"})
 
     async def plan(request: Request) -> Response:
-        return answer(request, "plan", ("compare",))
+        return await answered(request, "plan", ("compare",))
 
     async def run(request: Request) -> Response:
-        return answer(request, "plan", ("compare",), run=True)
+        return await answered(request, "plan", ("compare",), run=True)
 
     async def estimate(request: Request) -> Response:
-        return answer(request, "estimate", ("exact",))
+        return await answered(request, "estimate", ("exact",))
+
+    async def compare(request: Request) -> Response:
+        """The GPU comparison as NDJSON, one line per card as it is planned ({"plan": ...}, catalog order), then
+        {"done": true, "cheapest", "cheapest_under_price", "max_price_hour"} or {"error", "field"}."""
+        started_job = await anyio.to_thread.run_sync(
+            comparison, list(request.query_params.multi_items()), limiter=planning
+        )
+        if isinstance(started_job, Refused):
+            return JSONResponse(started_job.body, 400)
+        job, cap = started_job
+
+        async def lines() -> AsyncIterator[str]:
+            sent = 0
+            while True:
+                done, plans = job.done, job.plans[sent:]  # done first: no row comes after it is set
+                for plan in plans:
+                    yield json.dumps({"plan": uploads.hide(plan.model_dump(mode="json"))}) + "\n"
+                sent += len(plans)
+                if done:
+                    break
+                await anyio.sleep(POLL_S)
+            if job.error:
+                yield json.dumps(job.error) + "\n"
+                return
+            summary = answers.PlanAnswer("compare", list(job.plans), max_price_hour=cap)
+            cheapest, under = summary.cheapest, summary.cheapest_under_price
+            yield (
+                json.dumps(
+                    {
+                        "done": True,
+                        "cheapest": cheapest.gpu.name if cheapest and cheapest.gpu else None,
+                        "cheapest_under_price": under.gpu.name if under and under.gpu else None,
+                        "max_price_hour": cap,
+                    }
+                )
+                + "\n"
+            )
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     async def options_route(request: Request) -> Response:
         return JSONResponse(options_json())
@@ -339,9 +438,10 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
             if kind == "model":
                 spec = models.from_config_json(path)
                 described["model"] = spec.model_dump(mode="json") | {"num_params": spec.num_params}
-            else:
+            else:  # counting a dataset's tokens takes seconds: in a worker, as a plan
                 counter = data_counter(uploads, request.query_params.get("model"))
-                described |= data_described(path, name or path.name, counter)
+                name_shown = name or path.name
+                described |= await anyio.to_thread.run_sync(data_described, path, name_shown, counter, limiter=planning)
         except LorafitError as error:  # the file as the user named it, not where the server keeps it
             uploads.discard(value)
             message = str(error).splitlines()[0].replace(str(path), name or path.name)
@@ -360,10 +460,16 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
         line = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
         return JSONResponse({"error": f"internal error ({uploads.hide(line)}); please report it", "field": None}, 500)
 
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        yield
+        comparisons.close()  # a comparison still running is dropped with the server
+
     app = Starlette(
         routes=[
             Route("/", page),
             Route("/api/plan", plan),
+            Route("/api/compare", compare),
             Route("/api/estimate", estimate),
             Route("/api/run", run),
             Route("/api/options", options_route),
@@ -372,6 +478,7 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
         ],
         exception_handlers={Exception: server_error},
+        lifespan=lifespan,
     )
     return AccessGuard(app, Listening(host, port))
 

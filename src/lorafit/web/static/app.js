@@ -21,6 +21,8 @@ const page = {
   whatif: null,      // overrides of the plan's settings, or null
   shown: null,       // the estimate the chart shows
   gpuRows: [],
+  compared: null,    // the query of the comparison the table holds, once complete
+  comparing: null,   // the AbortController of the comparison being read
   sort: { key: "fits", descending: true },
   requests: 0,
   customCard: false, // "my card has N GB" picked: wait for the number before planning
@@ -343,7 +345,7 @@ async function changed() {
   page.whatif = null;
   renderPlan();
   loadRun(request);
-  loadGpus(request);
+  loadGpus();
 }
 
 function waitForMemory() {
@@ -368,19 +370,48 @@ async function loadRun(request) {
   document.getElementById("train-yaml").textContent = body.yaml;
 }
 
-const loadGpus = debounce(async (request) => {
+// The table fills as the server plans each card (/api/compare: one JSON line per card, then a "done" line). The
+// comparison depends on neither the GPU nor the rent price, so changing only those keeps the table as it is.
+const loadGpus = debounce(async () => {
   const values = { ...page.values };
   delete values.gpu;
   delete values.vram;
   delete values.rent_price; // the table prices each card from the catalog
+  const asked = query(values).toString();
+  if (asked === page.compared) return renderGpus();
+  page.comparing?.abort(); // the table of older settings is no longer wanted
+  const comparing = page.comparing = new AbortController();
+  page.compared = null;
+  page.gpuRows = [];
+  page.cheapest = null;
+  page.cheapestUnderPrice = null;
   document.getElementById("cheapest").textContent = t("ui.gpus_loading");
-  const response = await fetch(`/api/plan?${query(values)}&compare=true`);
-  const body = await response.json();
-  if (request !== page.requests || !response.ok) return;
-  page.gpuRows = body.plans;
-  page.cheapest = body.cheapest;
-  page.cheapestUnderPrice = body.cheapest_under_price;
-  renderGpus();
+  try {
+    const response = await fetch(`/api/compare?${asked}`, { signal: comparing.signal });
+    if (!response.ok) return;
+    const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffered = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffered += value;
+      const lines = buffered.split("\n");
+      buffered = lines.pop();
+      for (const line of lines.filter(Boolean).map((text) => JSON.parse(text))) {
+        if (line.plan) page.gpuRows.push(line.plan);
+        if (line.done) {
+          page.cheapest = line.cheapest;
+          page.cheapestUnderPrice = line.cheapest_under_price;
+          page.compared = asked;
+        }
+      }
+      renderGpus();
+      if (!page.compared) document.getElementById("cheapest").textContent = t("ui.gpus_loading");
+    }
+    if (!page.compared) document.getElementById("cheapest").textContent = ""; // it stopped: an error line
+  } catch (error) {
+    if (error.name !== "AbortError") throw error;
+  }
 }, 300);
 
 // --- rendering ---------------------------------------------------------------------------------------------
