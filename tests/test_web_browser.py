@@ -376,7 +376,7 @@ def test_no_train_command_for_a_plan_that_does_not_fit(server: str, page: Page) 
 def test_the_70b_table_names_every_card_a_row_needs(server: str, page: Page) -> None:
     page.goto(server + "/?model=llama-2-70b&gpu=RTX+4090&max_price_hour=1")
     wait_for_plan(page, "RTX 4090")
-    page.wait_for_function("page.gpuRows.length > 0", timeout=300_000)  # the comparison of every card
+    page.wait_for_function("page.compared !== null", timeout=300_000)  # the comparison of every card, complete
     rows = {plan["gpu"]["name"]: plan for plan in page.evaluate("page.gpuRows")}
     several = [name for name, plan in rows.items() if plan["settings"]["n_gpus"] > 1]
     assert several, "a 70B job needs several of the small cards"
@@ -407,7 +407,7 @@ def test_my_card_waits_for_its_memory_and_a_typed_memory_switches_to_it(server: 
 
     page.goto(server + "/?model=llama-2-7b&gpu=RTX+4090")
     wait_for_plan(page, "RTX 4090")
-    page.wait_for_function("page.gpuRows.length > 0")  # the comparison of this plan is in
+    page.wait_for_function("page.compared !== null", timeout=60_000)  # the comparison of this plan is in
     asked: list[str] = []
     page.on("request", lambda request: asked.append(request.url) if "/api/plan?" in request.url else None)
     page.select_option("#f-gpu", "")
