@@ -268,7 +268,7 @@ def activation_parts_per_token(
     sdpa/flash save q, k, v (k and v repeated to all heads when a mask is passed), the output and the fp32
     logsumexp; eager saves the score and probability matrices instead. SwiGLU saves gate, silu(gate) and up."""
     c = DTYPE_BYTES[settings.precision]
-    h, q, kv, inter = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+    h, q, kv, inter = spec.hidden_size, spec.q_size, spec.kv_size, spec.mlp_width
     heads = spec.num_attention_heads
     full = settings.method == "full"
     lora_names = set() if full else set(spec.lora_target_names(settings.lora_targets))
@@ -375,7 +375,7 @@ def bnb_input_bytes_per_token(spec: ModelSpec, settings: Settings, input_require
     """The inputs old bitsandbytes keeps per layer: q/k/v share one (kept only if it needs a gradient, which
     the first layer's does not under LoRA), gate/up another, o_proj and down_proj their own."""
     c = DTYPE_BYTES[settings.precision]
-    h, q, inter = spec.hidden_size, spec.q_size, spec.intermediate_size
+    h, q, inter = spec.hidden_size, spec.q_size, spec.mlp_width
     experts = max(spec.num_experts_per_tok, 1) if spec.is_moe else 1
     qkv_input = h if input_requires_grad or settings.method == "full" else 0
     return c * (qkv_input + q + h + experts * inter)
@@ -618,7 +618,7 @@ def grad_buffer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime = Ru
     compute dtype under autocast (TRL's QLoRA) no fp32 gradient is made: I + c x h in TRL's traced step
     (`make bench-stacks`, Llama-2-7B and Llama-3.1-8B)."""
     c = DTYPE_BYTES[settings.precision]
-    h, inter = spec.hidden_size, spec.intermediate_size
+    h, inter = spec.hidden_size, spec.mlp_width
     if settings.method == "full":
         per_token = 2 * c * inter + 8 * c * h
     elif compute_dtype_adapters_under_autocast(settings, runtime):
@@ -645,7 +645,7 @@ def recompute_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> fl
     elif compute_dtype_adapters_under_autocast(settings, runtime):
         in_flight = 4 * c * spec.hidden_size * settings.tokens_per_micro_batch
     else:
-        in_flight = (5 * c * spec.intermediate_size + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
+        in_flight = (5 * c * spec.mlp_width + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
     return activation_bytes_per_layer(spec, settings, runtime) + in_flight
 
 

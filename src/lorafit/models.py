@@ -27,7 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationErr
 from lorafit.errors import InvalidConfig, UnknownModel
 
 # The families of catalog/architectures.toml, for the type checker (tests/test_architectures.py: the two agree)
-Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral"]
+Architecture = Literal[
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss"
+]
 LoraTargets = Literal["all", "attn", "qv"]
 AttentionKernel = Literal["sdpa", "flash", "eager"]
 
@@ -53,6 +55,10 @@ class ArchitectureSpec(BaseModel):
     attention_bias_key: bool
     pad_token_id: int | None = None
     llama_cpp_70b: bool
+    # mixture-of-experts traits (optional: a dense family states none of them)
+    experts_key: str = "num_local_experts"
+    attention_sinks: bool = False
+    moe_biases: bool = False
 
     @model_validator(mode="after")
     def _saved_norms_exist(self) -> ArchitectureSpec:
@@ -104,6 +110,7 @@ DIMENSION_LIMITS: dict[str, int] = {
     "max_position_embeddings": 1 << 26,
     "num_local_experts": 4096,
     "num_experts_per_tok": 4096,
+    "moe_intermediate_size": 1 << 18,
 }
 # A config.json is a few kB; reading stops well past that, so a device or a huge file named by mistake is refused.
 CONFIG_JSON_MAX_BYTES = 16 << 20
@@ -144,6 +151,8 @@ class ModelSpec(BaseModel):
     attention_bias: bool = False
     num_local_experts: int = Field(default=0, ge=0, le=DIMENSION_LIMITS["num_local_experts"])
     num_experts_per_tok: int = Field(default=0, ge=0, le=DIMENSION_LIMITS["num_experts_per_tok"])
+    moe_intermediate_size: int | None = Field(default=None, gt=0, le=DIMENSION_LIMITS["moe_intermediate_size"])
+    norm_topk_prob: bool = False
     published_params: int | None = None
     source: str | None = None
     variant_of: str | None = Field(default=None, description="the preset whose shapes this hub checkpoint shares")
@@ -164,6 +173,12 @@ class ModelSpec(BaseModel):
     @property
     def is_moe(self) -> bool:
         return self.num_local_experts > 0
+
+    @property
+    def mlp_width(self) -> int:
+        """The width of the MLP every block runs: one expert's for an MoE (Qwen3-MoE's `moe_intermediate_size`;
+        its `intermediate_size` is the width of dense layers, which the released checkpoints do not have)."""
+        return self.moe_intermediate_size if self.is_moe and self.moe_intermediate_size else self.intermediate_size
 
     @property
     def arch(self) -> ArchitectureSpec:
@@ -212,7 +227,7 @@ class ModelSpec(BaseModel):
         two fused 3-D parameters of `mlp.experts` (`gate_up_proj`: experts x 2i x h, `down_proj`: experts x h x
         i), not as Linear modules.
         """
-        h, i = self.hidden_size, self.intermediate_size
+        h, i = self.hidden_size, self.mlp_width
         if self.arch.fused_gate_up or self.is_moe:
             return {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
         return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
@@ -255,6 +270,13 @@ class ModelSpec(BaseModel):
         return self.num_local_experts * sum(i * o for i, o in self.mlp_linears().values()) if self.is_moe else 0
 
     @property
+    def expert_bias_params(self) -> int:
+        """gpt-oss's experts add a bias to gate_up (2 x width) and down (hidden) in every expert."""
+        if not (self.is_moe and self.arch.moe_biases):
+            return 0
+        return self.num_local_experts * (2 * self.mlp_width + self.hidden_size)
+
+    @property
     @memoised
     def layer_linear_params(self) -> int:
         """Weights of one block's `nn.Linear` layers, biases excluded: what 4-bit quantisation replaces.
@@ -267,14 +289,18 @@ class ModelSpec(BaseModel):
     @property
     @memoised
     def layer_other_params(self) -> int:
-        """What stays 16/32-bit under QLoRA: norms, attention biases, MoE router and experts, q/k norms."""
+        """What stays 16/32-bit under QLoRA: norms, attention biases (o_proj's too where `attention_bias` sets it,
+        as in Llama and gpt-oss), MoE router and experts, q/k norms, gpt-oss's attention sinks (one per head)."""
         other = self.norms_per_layer * self.hidden_size
         if self.attention_bias:
-            other += self.q_size + 2 * self.kv_size
+            other += self.q_size + 2 * self.kv_size + (0 if self.arch.qkv_bias else self.hidden_size)
         if self.is_moe:
-            other += self.hidden_size * self.num_local_experts + self.expert_params
+            router = (self.hidden_size + (1 if self.arch.moe_biases else 0)) * self.num_local_experts
+            other += router + self.expert_params + self.expert_bias_params
         if self.has_qk_norm:
             other += 2 * self.head_size
+        if self.arch.attention_sinks:
+            other += self.num_attention_heads
         return other
 
     @property
@@ -291,8 +317,9 @@ class ModelSpec(BaseModel):
         """Parameters one token passes through (MoE routes each token to `num_experts_per_tok` experts)."""
         if not self.is_moe:
             return self.num_params
-        mlp_one = sum(i * o for i, o in self.mlp_linears().values())
-        idle = (self.num_local_experts - self.num_experts_per_tok) * mlp_one * self.num_hidden_layers
+        idle_experts = self.num_local_experts - self.num_experts_per_tok
+        one_expert = (self.expert_params + self.expert_bias_params) // self.num_local_experts
+        idle = idle_experts * one_expert * self.num_hidden_layers
         return self.num_params - idle
 
     @memoised
@@ -334,8 +361,11 @@ class ModelSpec(BaseModel):
             # the config class's default pad id (Phi3Config: 32000): a shrunken vocabulary has no such row
             config["pad_token_id"] = None
         if self.is_moe:
-            config["num_local_experts"] = self.num_local_experts
+            config[self.arch.experts_key] = self.num_local_experts
             config["num_experts_per_tok"] = self.num_experts_per_tok
+            if self.moe_intermediate_size is not None:
+                config["moe_intermediate_size"] = self.moe_intermediate_size
+                config["norm_topk_prob"] = self.norm_topk_prob
         return config
 
 
@@ -483,6 +513,7 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
         if key in config and config[key] is not None and key not in ("name", "architecture", "variant_of")
     }
     fields.setdefault("num_key_value_heads", config.get("num_attention_heads"))
+    fields.update(moe_fields(file, config, arch))
     check_dimensions(file, fields)
     if arch.qkv_bias:
         fields["attention_bias"] = True  # Qwen2 always has q/k/v biases; its config has no key for it
@@ -493,6 +524,24 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
         problem = error.errors()[0]
         where = ".".join(str(part) for part in problem["loc"])
         raise InvalidConfig(f"{file}: {where}: {problem['msg']}") from None
+
+
+def moe_fields(file: Path, config: dict[str, Any], arch: ArchitectureSpec) -> dict[str, Any]:
+    """The expert count under the family's own key (Qwen3-MoE's `num_experts`); a config whose MLP is dense in
+    some layers (Qwen3-MoE's `mlp_only_layers`, `decoder_sparse_step` > 1) is refused: lorafit plans every layer
+    as sparse, as every released Qwen3-MoE checkpoint is."""
+    fields: dict[str, Any] = {}
+    if arch.experts_key != "num_local_experts" and config.get(arch.experts_key) is not None:
+        fields["num_local_experts"] = config[arch.experts_key]
+    dense = config.get("mlp_only_layers") or []
+    step = config.get("decoder_sparse_step", 1)
+    if dense or step not in (1, None):
+        raise InvalidConfig(
+            f"{file}: layers with a dense MLP (mlp_only_layers {dense}, decoder_sparse_step {step}) are not "
+            "modelled; lorafit plans MoE models whose every layer is sparse (mlp_only_layers [], "
+            "decoder_sparse_step 1, as in the released Qwen3-MoE checkpoints)"
+        )
+    return fields
 
 
 def read_config_json(file: Path) -> dict[str, Any]:
@@ -520,7 +569,7 @@ def read_config_json(file: Path) -> dict[str, Any]:
 def check_dimensions(file: Path, fields: dict[str, Any]) -> None:
     """Refuse a dimension that is not a whole number (`"hidden_size": "128"`, which transformers cannot build) or
     that is past what any real model has (`DIMENSION_LIMITS`), before anything is planned from it."""
-    for key in ("tie_word_embeddings", "attention_bias"):
+    for key in ("tie_word_embeddings", "attention_bias", "norm_topk_prob"):
         if key in fields and type(fields[key]) is not bool:
             raise InvalidConfig(f"{file}: {key} {json.dumps(fields[key])[:40]} must be true or false")
     for key, limit in DIMENSION_LIMITS.items():

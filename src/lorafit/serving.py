@@ -76,7 +76,7 @@ def gguf_tensors(spec: ModelSpec) -> list[Tensor]:
     Phi-3's fused projections stay fused (attn_qkv; gate and up as one ffn_up of 2 x intermediate rows);
     Mixtral's experts are one 3-D tensor per projection and layer (ffn_*_exps) with the router (ffn_gate_inp);
     a tied model has no output.weight. Norms and biases are 1-D."""
-    h, i, e = spec.hidden_size, spec.intermediate_size, max(spec.num_local_experts, 1)
+    h, i, e = spec.hidden_size, spec.mlp_width, max(spec.num_local_experts, 1)
     tensors = [Tensor("token_embd.weight", "token_embd", h, spec.vocab_size)]
     for n in range(spec.num_hidden_layers):
         blk = f"blk.{n}."

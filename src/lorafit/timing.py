@@ -289,7 +289,7 @@ def elementwise_bytes_per_token(spec: ModelSpec, settings: Settings) -> float:
         spec.norms_per_layer * NORM_BYTES * h
         + 2 * 3 * s * h
         + ROTARY_ELEMENT_PASSES * c * (spec.q_size + spec.kv_size)
-        + 5 * memory.swiglu_dtype_bytes(settings, runtime) * spec.intermediate_size * experts
+        + 5 * memory.swiglu_dtype_bytes(settings, runtime) * spec.mlp_width * experts
         + 2 * c * spec.q_size
     )
 
@@ -304,7 +304,7 @@ def compiled_elementwise_bytes_per_token(spec: ModelSpec, settings: Settings, ru
     return (
         spec.norms_per_layer * (3 * s + c) * spec.hidden_size
         + 2 * c * (spec.q_size + spec.kv_size)
-        + 3 * memory.swiglu_dtype_bytes(settings, runtime) * spec.intermediate_size * experts
+        + 3 * memory.swiglu_dtype_bytes(settings, runtime) * spec.mlp_width * experts
         + 2 * c * spec.q_size
     )
 
