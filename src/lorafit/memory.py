@@ -309,6 +309,10 @@ def activation_parts_per_token(
         # q and k for QK^T, fp32 softmax output, its bf16 cast for the AV matmul, v for the AV matmul; Gemma-2's
         # soft-capping (tanh(scores / cap) x cap) also keeps the tanh output
         scores = (4 + c + (c if spec.logit_softcapping else 0)) * heads * settings.seq_len
+        if spec.arch.attention_sinks:
+            # gpt-oss appends its sink logit to each row and takes the softmax in the scores' own dtype: the
+            # probabilities (seq + 1 columns) in bf16 and the row maxima's int64 indices
+            scores = c * heads * (settings.seq_len + 1) + 8 * heads
         attention = c * (q + kv_saved) + scores + v_saved
     else:
         attention = c * (q + kv_saved) + v_saved + c * q + 4 * heads
@@ -319,6 +323,10 @@ def activation_parts_per_token(
     down = {"down_proj": spec.mlp_linears()["down_proj"]}
     experts = max(spec.num_experts_per_tok, 1) if spec.is_moe else 1
     gated = 3 * swiglu_dtype_bytes(settings, runtime) * inter  # silu saves gate; the product saves silu(gate), up
+    if spec.arch.clamped_swiglu:
+        # gpt-oss: both clamps keep the interleaved gate_up output (2 i) alive; the products save the clamped
+        # gate, sigmoid(alpha gate), up + 1 and the gated product (GptOssExperts._apply_gate)
+        gated = 6 * swiglu_dtype_bytes(settings, runtime) * inter
     parts = {
         "attn_norm": norm(),
         "qkv_inputs": fused_qkv_lora_bytes(qkv, lora_names, settings, runtime, input_requires_grad)
@@ -333,6 +341,12 @@ def activation_parts_per_token(
         "gated_act": experts * gated,
         "down_input": experts * linear_inputs_grad(down, shared_input=False),
     }
+    if spec.is_moe:
+        # each routed expert's output is scaled by its routing weight, which requires grad (the router sees the
+        # trainable residual stream), so the product keeps every expert output: k x hidden per token
+        # (transformers 5.25 integrations/moe.py grouped_mm_experts_forward; checked against the trace in
+        # tests/test_moe.py)
+        parts["expert_outputs"] = experts * c * h
     if spec.norms_per_layer > 2:
         # Gemma-2 and Gemma 3 normalise the attention and MLP outputs too, before adding them to the residual stream
         parts["post_norms"] = (spec.norms_per_layer - 2) * (4 * h + 4 + (2 * h if full else 0))

@@ -59,6 +59,7 @@ class ArchitectureSpec(BaseModel):
     experts_key: str = "num_local_experts"
     attention_sinks: bool = False
     moe_biases: bool = False
+    clamped_swiglu: bool = False
 
     @model_validator(mode="after")
     def _saved_norms_exist(self) -> ArchitectureSpec:

@@ -1,0 +1,138 @@
+"""Mixture-of-experts families (Qwen3-MoE, gpt-oss; Mixtral beside them): their names, their config.json, the
+estimate against the traced step at small shapes, and `lorafit train` on tiny random models of each, on the CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from lorafit import memory
+from lorafit.errors import InvalidConfig
+from lorafit.models import ModelSpec, catalog, from_config_json, resolve
+from lorafit.schema import Settings
+
+MOE_PRESETS = ["qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b"]
+
+
+def tiny_moe(name: str, vocab_size: int = 512) -> ModelSpec:
+    """A catalog MoE shrunk to 2 layers of 4 experts (2 per token), keeping its family's traits."""
+    spec = catalog()[name]
+    shape: dict = dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=vocab_size,
+        max_position_embeddings=512,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    if spec.moe_intermediate_size is not None:
+        shape["moe_intermediate_size"] = 48
+    return spec.scaled(**shape)
+
+
+# --- names and config.json ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("hub_id", "preset", "positions"),
+    [
+        ("openai/gpt-oss-20b", "gpt-oss-20b", 131072),
+        ("openai/gpt-oss-120b", "gpt-oss-120b", 131072),
+        ("Qwen/Qwen3-30B-A3B", "qwen3-30b-a3b", 40960),
+        ("Qwen/Qwen3-30B-A3B-Instruct-2507", "qwen3-30b-a3b", 262144),
+        ("Qwen/Qwen3-235B-A22B", "qwen3-235b-a22b", 40960),
+    ],
+)
+def test_the_names_people_type_resolve(hub_id: str, preset: str, positions: int) -> None:
+    spec = resolve(hub_id)
+    assert spec.hf_id == hub_id and spec.is_moe
+    assert spec.num_params == catalog()[preset].num_params
+    assert spec.max_position_embeddings == positions
+
+
+def test_total_and_active_counts_match_the_model_cards() -> None:
+    """Qwen3-30B-A3B: "30.5B in total and 3.3B activated"; Qwen3-235B-A22B: 235B / 22B; gpt-oss (arXiv 2508.10925,
+    table 1): 20.91B and 116.83B total, 3.61B and 5.13B active without the 0.58B embedding table."""
+    assert round(resolve("qwen3-30b-a3b").num_params / 1e8) == 305
+    assert round(resolve("qwen3-30b-a3b").active_params / 1e8) == 34  # 3.35B: the card rounds down
+    assert round(resolve("qwen3-235b-a22b").active_params / 1e9) == 22
+    for name, total, active in (("gpt-oss-20b", 20.91e9, 3.61e9), ("gpt-oss-120b", 116.83e9, 5.13e9)):
+        spec = resolve(name)
+        assert spec.num_params == pytest.approx(total, rel=1e-3)
+        assert spec.active_params - spec.embedding_params == pytest.approx(active, rel=0.01)
+
+
+QWEN3_30B_A3B_CONFIG = {  # the keys of Qwen/Qwen3-30B-A3B's config.json that shape the model
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+}
+
+
+def test_a_qwen3_moe_config_json_reads_its_expert_count_and_width(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B_CONFIG))
+    spec = from_config_json(tmp_path)
+    assert (spec.num_local_experts, spec.mlp_width, spec.norm_topk_prob) == (128, 768, True)
+    assert spec.num_params == resolve("qwen3-30b-a3b").num_params
+
+
+@pytest.mark.parametrize("dense", [{"mlp_only_layers": [0, 47]}, {"decoder_sparse_step": 2}])
+def test_a_qwen3_moe_config_with_dense_layers_is_one_line(tmp_path: Path, dense: dict) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B_CONFIG | dense))
+    with pytest.raises(InvalidConfig, match="dense MLP .* not modelled") as error:
+        from_config_json(tmp_path)
+    assert "\n" not in str(error.value)
+
+
+def test_gpt_oss_plans_with_eager_attention_and_refuses_sdpa(capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers 5.25 has no sdpa path for gpt-oss (GptOssPreTrainedModel._supports_sdpa = False)."""
+    assert "sdpa" not in resolve("gpt-oss-20b").attention_implementations
+    code, out, err = run_cli(["estimate", "--model", "openai/gpt-oss-20b", "--attn", "sdpa"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "sdpa" in err
+
+
+# --- the estimate against the traced step ---------------------------------------------------------------------
+@pytest.mark.parametrize("ckpt", [True, False], ids=["ckpt", "no-ckpt"])
+@pytest.mark.parametrize("name", MOE_PRESETS)
+def test_small_moe_estimate_is_within_5_percent_of_the_trace(name: str, ckpt: bool) -> None:
+    from lorafit.trace import trace_depth
+
+    spec = tiny_moe(name, vocab_size=2048).scaled(hidden_size=256, head_dim=64, intermediate_size=256)
+    attn = "sdpa" if "sdpa" in spec.attention_implementations else spec.attention_implementations[0]
+    settings = Settings(method="qlora", quant="nf4", micro_batch=2, seq_len=256, grad_ckpt=ckpt, attn=attn)
+    runtime = memory.Runtime(device="cpu")
+    traced = trace_depth(spec, settings, device="cpu").peak_bytes
+    analytic = sum(memory.breakdown(spec, settings, runtime)[0].values())
+    assert analytic == pytest.approx(traced, rel=0.05), f"analytic {analytic / 2**20:.2f}, traced {traced / 2**20:.2f}"
+
+
+@pytest.mark.parametrize("name", MOE_PRESETS)
+def test_qlora_at_2048_tokens_is_within_3_percent_of_the_full_size_trace(name: str) -> None:
+    """The acceptance case of issue 27: QLoRA, one row of 2048 tokens, the real shapes on fake tensors."""
+    from lorafit.trace import exact_estimate
+
+    spec = resolve(name)
+    attn = "sdpa" if "sdpa" in spec.attention_implementations else spec.attention_implementations[0]
+    settings = Settings(method="qlora", quant="nf4", micro_batch=1, seq_len=2048, attn=attn)
+    traced = exact_estimate(spec, settings).peak_allocated_gib
+    analytic = memory.estimate(spec, settings).peak_allocated_gib
+    assert analytic == pytest.approx(traced, rel=0.03), f"analytic {analytic} GiB, traced {traced} GiB"
