@@ -136,3 +136,33 @@ def test_qlora_at_2048_tokens_is_within_3_percent_of_the_full_size_trace(name: s
     traced = exact_estimate(spec, settings).peak_allocated_gib
     analytic = memory.estimate(spec, settings).peak_allocated_gib
     assert analytic == pytest.approx(traced, rel=0.03), f"analytic {analytic} GiB, traced {traced} GiB"
+
+
+# --- lorafit train and export on tiny random models -----------------------------------------------------------
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b"])
+def test_train_adapts_the_attention_and_exports_merged_but_not_gguf(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """QLoRA on a 2-layer, 4-expert model of the family; the adapter holds attention projections only (peft's
+    `target_parameters` wrapper, the one way to reach fused experts, refuses lora_dropout); the merged folder is
+    checked against base + adapter by the export itself; GGUF is one line naming the way that works."""
+    from lorafit.train.demo import build_model, build_tokenizer, corpus
+
+    tokenizer = build_tokenizer(corpus(), vocab_size=512)
+    build_model(tmp_path / "model", tokenizer, tiny_moe(name, len(tokenizer)), seed=0)
+    data = tmp_path / "data.jsonl"
+    rows = [{"instruction": f"count to {n}", "input": "", "output": " ".join(["one"] * n)} for n in range(1, 17)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = tmp_path / "run"
+    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
+    code, _, err = run_cli([*args, "--max-steps", "2", "--micro-batch", "2"], capsys)
+    assert code == 0, err
+    adapter = json.loads((run / "adapter_config.json").read_text())
+    assert set(adapter["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+    code, _, err = run_cli(["export", str(run), "--to", "gguf", "-o", str(tmp_path / "gguf")], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "cannot write" in err and "--to merged" in err and "convert_hf_to_gguf.py" in err
+    code, _, err = run_cli(["export", str(run), "--to", "merged", "-o", str(tmp_path / "merged")], capsys)
+    assert code == 0, err
+    assert (tmp_path / "merged" / "model.safetensors").is_file()

@@ -112,7 +112,8 @@ def build_model(
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    config = hf_config(spec, Settings(method="full", quant="none", precision="fp32"))
+    attn = "sdpa" if "sdpa" in spec.attention_implementations else spec.attention_implementations[0]  # gpt-oss
+    config = hf_config(spec, Settings(method="full", quant="none", precision="fp32", attn=attn))
     config.pad_token_id = tokenizer.pad_token_id
     config.eos_token_id = tokenizer.eos_token_id
     config.bos_token_id = None
