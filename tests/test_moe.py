@@ -166,3 +166,66 @@ def test_train_adapts_the_attention_and_exports_merged_but_not_gguf(
     code, _, err = run_cli(["export", str(run), "--to", "merged", "-o", str(tmp_path / "merged")], capsys)
     assert code == 0, err
     assert (tmp_path / "merged" / "model.safetensors").is_file()
+
+
+# --- LoRA on the experts (lora_targets experts) ---------------------------------------------------------------
+@pytest.mark.parametrize("name", MOE_PRESETS)
+def test_expert_lora_params_equal_the_trainable_count_of_a_peft_model(name: str) -> None:
+    """peft's target_parameters gives each adapted 3-D expert parameter an A (r x in) and a B (out x r) per expert."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lorafit.train.build import hf_config, lora_config
+
+    spec = tiny_moe(name)
+    attn = "sdpa" if "sdpa" in spec.attention_implementations else "eager"
+    settings = Settings(method="lora", quant="none", attn=attn, lora_r=4, lora_targets="experts", lora_dropout=0.0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(hf_config(spec, settings)), lora_config(spec, settings))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trainable == spec.lora_params(4, "experts") > spec.lora_params(4, "attn")
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--model", "qwen3-30b-a3b", "--lora-targets", "experts"], "lora_dropout 0"),
+        (["--model", "llama-3.1-8b", "--lora-targets", "experts", "--lora-dropout", "0"], "lora_targets all"),
+    ],
+    ids=["dropout", "dense"],
+)
+def test_expert_targets_the_stack_cannot_apply_are_one_line(
+    args: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run_cli(["estimate", *args], capsys)
+    assert code == 2 and not out and err.count("\n") == 1 and words in err
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b"])
+def test_expert_lora_estimate_is_within_3_percent_of_the_full_size_trace(name: str) -> None:
+    """With the experts adapted, each layer's backward holds its merged expert weights (W + B A)."""
+    from lorafit.trace import exact_estimate
+
+    spec = resolve(name)
+    attn = "sdpa" if "sdpa" in spec.attention_implementations else spec.attention_implementations[0]
+    settings = Settings(method="qlora", quant="nf4", seq_len=2048, attn=attn, lora_targets="experts", lora_dropout=0)
+    traced = exact_estimate(spec, settings).peak_allocated_gib
+    analytic = memory.estimate(spec, settings).peak_allocated_gib
+    assert analytic == pytest.approx(traced, rel=0.03), f"analytic {analytic} GiB, traced {traced} GiB"
+    attention_only = memory.estimate(spec, settings.model_copy(update={"lora_targets": "all"})).peak_allocated_gib
+    assert analytic > attention_only + spec.expert_params * 2 / 2**30 / spec.num_hidden_layers
+
+
+# --- time: the traced op list ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", MOE_PRESETS)
+def test_traced_matmul_flops_are_two_per_active_weight_per_token_per_pass(name: str) -> None:
+    """The router, the attention projections and the k routed experts' grouped matmuls: forward, recomputation
+    and input gradients, as timing.base_matmul_seconds counts them (the head: forward and input gradient)."""
+    from lorafit import timing
+    from lorafit.trace.optime import trace_ops
+
+    spec = tiny_moe(name)
+    attn = "sdpa" if "sdpa" in spec.attention_implementations else spec.attention_implementations[0]
+    settings = Settings(method="qlora", quant="nf4", micro_batch=2, seq_len=64, attn=attn, grad_ckpt=True)
+    traced = sum(op.flops for op in trace_ops(spec, settings) if op.category == "matmul")
+    weights = timing.layer_matmul_params(spec) * 3 + timing.head_params(spec) * 2
+    assert traced == pytest.approx(2 * settings.tokens_per_micro_batch * weights, rel=0.02)

@@ -30,7 +30,7 @@ from lorafit.errors import InvalidConfig, UnknownModel
 Architecture = Literal[
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss"
 ]
-LoraTargets = Literal["all", "attn", "qv"]
+LoraTargets = Literal["all", "attn", "qv", "experts"]
 AttentionKernel = Literal["sdpa", "flash", "eager"]
 
 
@@ -246,14 +246,38 @@ class ModelSpec(BaseModel):
         """The module names LoRA wraps for `--lora-targets`; Phi-3's fused qkv_proj stands in for q and v.
 
         MoE experts are fused parameters, not modules: peft reaches them only through `target_parameters`,
-        whose wrapper refuses lora_dropout, so on Mixtral "all" adapts the attention projections, as "attn" does.
+        whose wrapper refuses lora_dropout, so on an MoE "all" adapts the attention projections, as "attn" does,
+        and "experts" adapts the attention and every expert's gate_up_proj and down_proj (`expert_target_names`).
         """
         attn = tuple(self.attention_linears())
+        if targets == "experts":
+            return attn + self.expert_target_names(targets)
         if targets == "all":
             return attn if self.is_moe else attn + tuple(self.mlp_linears())
         if targets == "attn":
             return attn
         return ("qkv_proj",) if self.arch.fused_qkv else ("q_proj", "v_proj")
+
+    def expert_target_names(self, targets: LoraTargets) -> tuple[str, ...]:
+        """The fused expert parameters (of `mlp.experts`) that peft's `target_parameters` adapts for `targets`."""
+        return tuple(self.mlp_linears()) if targets == "experts" and self.is_moe else ()
+
+    def check_lora_targets(self, targets: LoraTargets | None, lora_dropout: float | None) -> None:
+        """Refuse LoRA targets the stack cannot apply: experts on a dense model, or with dropout (peft's
+        ParamWrapper raises "does not work with lora_dropout != 0": dropout cannot be factored out of the
+        per-expert weight delta)."""
+        if targets != "experts":
+            return
+        if not self.is_moe:
+            raise InvalidConfig(
+                f"lora_targets experts: {self.name} has no experts; lora_targets all adapts its MLP projections"
+            )
+        if lora_dropout:
+            raise InvalidConfig(
+                f"lora_targets experts with lora_dropout {lora_dropout}: peft adapts {self.name}'s fused experts "
+                "through target_parameters, which refuses dropout; set lora_dropout 0, or lora_targets all "
+                "(the attention only)"
+            )
 
     # --- parameter counts -----------------------------------------------------------------------------------
     @property

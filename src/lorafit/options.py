@@ -845,6 +845,8 @@ def check_against(
             f"offload_embeddings: {spec.name} ties its input embeddings to the LM head, which runs on the GPU; "
             "turn offload_embeddings off"
         )
+    if spec is not None:
+        spec.check_lora_targets(values.get("lora_targets"), values.get("lora_dropout"))
     if spec is not None and attn is not None and attn not in spec.attention_implementations:
         raise InvalidConfig(
             f"attn {attn}: {spec.name} ({spec.architecture}) has no {attn} attention in transformers; use attn "

@@ -69,15 +69,19 @@ def quant_storage(settings: Settings) -> str:
 
 
 def lora_kwargs(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
-    """peft LoraConfig arguments."""
-    return {
+    """peft LoraConfig arguments; an MoE's fused experts (not modules) are adapted through `target_parameters`."""
+    experts = spec.expert_target_names(settings.lora_targets)
+    kwargs: dict[str, Any] = {
         "r": settings.lora_r,
         "lora_alpha": settings.lora_alpha,
         "lora_dropout": settings.lora_dropout,
-        "target_modules": list(spec.lora_target_names(settings.lora_targets)),
+        "target_modules": [name for name in spec.lora_target_names(settings.lora_targets) if name not in experts],
         "bias": "none",
         "task_type": "CAUSAL_LM",
     }
+    if experts:
+        kwargs["target_parameters"] = [f"mlp.experts.{name}" for name in experts]
+    return kwargs
 
 
 def optimizer_name(settings: Settings, fused: bool = True) -> str:
