@@ -28,7 +28,7 @@ def tiny_moe(name: str, vocab_size: int = 512) -> ModelSpec:
         num_key_value_heads=2,
         head_dim=16,
         vocab_size=vocab_size,
-        max_position_embeddings=512,
+        max_position_embeddings=spec.max_position_embeddings,  # gpt-oss's YaRN factor is 131072 / 4096
         num_local_experts=4,
         num_experts_per_tok=2,
     )
@@ -229,3 +229,45 @@ def test_traced_matmul_flops_are_two_per_active_weight_per_token_per_pass(name: 
     traced = sum(op.flops for op in trace_ops(spec, settings) if op.category == "matmul")
     weights = timing.layer_matmul_params(spec) * 3 + timing.head_params(spec) * 2
     assert traced == pytest.approx(2 * settings.tokens_per_micro_batch * weights, rel=0.02)
+
+
+# --- gpt-oss's MXFP4 checkpoints ------------------------------------------------------------------------------
+def save_mxfp4_experts(model_dir: Path) -> None:
+    """Rewrite a saved gpt-oss folder as the hub ships it: each expert parameter as MXFP4 blocks (two 4-bit
+    values a byte, 32 to a block) and one shared exponent a block (transformers' Mxfp4Deserialize layout)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(model_dir / "model.safetensors")
+    packed = {}
+    for name, tensor in weights.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, fan_in, fan_out = tensor.shape
+            packed[name + "_blocks"] = torch.randint(0, 256, (experts, fan_out, fan_in // 32, 16), dtype=torch.uint8)
+            packed[name + "_scales"] = torch.full((experts, fan_out, fan_in // 32), 120, dtype=torch.uint8)
+        else:
+            packed[name] = tensor
+    save_file(packed, model_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+
+def test_an_mxfp4_gpt_oss_trains_with_lora_on_bf16_experts_and_refuses_qlora(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lorafit.train.demo import build_model, build_tokenizer, corpus
+
+    tokenizer = build_tokenizer(corpus(), vocab_size=512)
+    build_model(tmp_path / "model", tokenizer, tiny_moe("gpt-oss-20b", len(tokenizer)), seed=0, dtype="bfloat16")
+    save_mxfp4_experts(tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    data.write_text(
+        "".join(json.dumps({"instruction": "hi", "input": "", "output": "hello " * n}) + "\n" for n in range(1, 9))
+    )
+    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--max-steps", "1", "--micro-batch", "2"]
+    code, _, err = run_cli([*args, "--method", "qlora", "--output-dir", str(tmp_path / "qlora")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "MXFP4" in err and "--method lora" in err
+    code, _, err = run_cli([*args, "--method", "lora", "--output-dir", str(tmp_path / "lora")], capsys)
+    assert code == 0, err
+    assert (tmp_path / "lora" / "adapter_model.safetensors").is_file()

@@ -6,6 +6,7 @@ torch, transformers and peft are imported inside the functions, so importing thi
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import warnings
@@ -144,11 +145,12 @@ def load_model(
 
     model_dir = Path(model_dir)
     check_model_dir(model_dir, allow_pickle=allow_pickle)
+    quantization = stored_mxfp4_config(model_dir, settings) or quantization_config(settings)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir,
             dtype=compute_dtype(settings),
-            quantization_config=quantization_config(settings),
+            quantization_config=quantization,
             attn_implementation=ATTN_IMPLEMENTATION[settings.attn],
             use_safetensors=not allow_pickle or None,
             trust_remote_code=trust_remote_code,
@@ -158,6 +160,26 @@ def load_model(
     except (OSError, ValueError) as error:
         raise TrainError(f"cannot load model from {model_dir}: {str(error).splitlines()[0]}") from None
     return model
+
+
+def stored_mxfp4_config(model_dir: Path, settings: Settings) -> Any:
+    """gpt-oss's checkpoints store the experts in MXFP4, which transformers cannot train (its Mxfp4HfQuantizer
+    is not trainable): they load dequantised to bf16 (Mxfp4Config(dequantize=True)), as the estimate counts
+    them. A checkpoint holds one quantization_config, so 4-bit bitsandbytes cannot be added on top."""
+    from transformers import Mxfp4Config
+
+    try:
+        stored = json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return None  # check_model_dir has read it already; from_pretrained says what is wrong
+    if not isinstance(stored, dict) or stored.get("quant_method") != "mxfp4":
+        return None
+    if settings.quant != "none":
+        raise TrainError(
+            f"{model_dir} stores its experts in MXFP4, which transformers trains only dequantised to bf16 and "
+            "cannot combine with 4-bit bitsandbytes; use --method lora (or a bf16 copy of the model for qlora)"
+        )
+    return Mxfp4Config(dequantize=True)
 
 
 def prepare(model: PreTrainedModel, spec: ModelSpec, settings: Settings) -> PreTrainedModel:
