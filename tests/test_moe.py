@@ -271,3 +271,47 @@ def test_an_mxfp4_gpt_oss_trains_with_lora_on_bf16_experts_and_refuses_qlora(
     code, _, err = run_cli([*args, "--method", "lora", "--output-dir", str(tmp_path / "lora")], capsys)
     assert code == 0, err
     assert (tmp_path / "lora" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b"])
+def test_an_expert_adapter_trains_and_merges_into_the_saved_experts(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--lora-targets experts end to end. transformers saves Qwen3-MoE's experts one tensor per expert and
+    projection (experts.N.gate_proj ...) and gpt-oss's fused and transposed (experts x in x out): the merge
+    writes B A into either layout, and the export's own check compares the merged model's logits with base +
+    adapter run by peft. The adapter's B matrices are made random first, so the check sees a real update."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from lorafit.train.demo import build_model, build_tokenizer, corpus
+
+    tokenizer = build_tokenizer(corpus(), vocab_size=512)
+    build_model(tmp_path / "model", tokenizer, tiny_moe(name, len(tokenizer)), seed=0)
+    data = tmp_path / "data.jsonl"
+    data.write_text(
+        "".join(json.dumps({"instruction": "hi", "input": "", "output": "yo " * n}) + "\n" for n in range(1, 9))
+    )
+    run = tmp_path / "run"
+    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
+    code, _, err = run_cli(
+        [*args, "--max-steps", "1", "--micro-batch", "2", "--lora-targets", "experts", "--lora-dropout", "0"], capsys
+    )
+    assert code == 0, err
+    adapter = json.loads((run / "adapter_config.json").read_text())
+    assert adapter["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+    weights = load_file(run / "adapter_model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for key, tensor in weights.items():
+        if ".lora_B." in key:
+            weights[key] = torch.randn(tensor.shape, generator=generator) * 0.05
+    save_file(weights, run / "adapter_model.safetensors", metadata={"format": "pt"})
+    code, out, err = run_cli(["export", str(run), "--to", "merged", "-o", str(tmp_path / "merged")], capsys)
+    assert code == 0, err
+    base, merged = (
+        load_file(tmp_path / "model" / "model.safetensors"),
+        load_file(tmp_path / "merged" / "model.safetensors"),
+    )
+    changed = [key for key in base if "experts" in key and not torch.equal(base[key], merged[key])]
+    assert changed and all(".mlp.experts." in key for key in changed)

@@ -60,6 +60,7 @@ class ArchitectureSpec(BaseModel):
     attention_sinks: bool = False
     moe_biases: bool = False
     clamped_swiglu: bool = False
+    experts_transposed: bool = False
 
     @model_validator(mode="after")
     def _saved_norms_exist(self) -> ArchitectureSpec:
