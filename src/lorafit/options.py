@@ -258,7 +258,14 @@ class Settings(_RuledModel):
     lora_dropout: Annotated[
         float, Field(ge=0, lt=1), About("dropout on the adapter input", ESTIMATE_PLAN_TRAIN, "step")
     ] = 0.05
-    lora_targets: Annotated[LoraTargets, About("which linear layers get adapters", ESTIMATE_PLAN_TRAIN, "step")] = "all"
+    lora_targets: Annotated[
+        LoraTargets,
+        About(
+            "which layers get adapters (experts: an MoE's attention and experts, with lora_dropout 0)",
+            ESTIMATE_PLAN_TRAIN,
+            "step",
+        ),
+    ] = "all"
     optimizer: Annotated[
         Optimizer,
         About(
