@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-throughput bench-time-cpu bench-train bench-data bench-exact bench-time-trace bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-session gpu-wheels clean
+.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-throughput bench-time-cpu bench-train bench-data bench-exact bench-moe bench-time-trace bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-session gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +93,10 @@ bench-train: $(STAMP)
 
 bench-data: $(STAMP)
 	$(BIN)/python bench/data_stream.py
+
+# the closed-form estimate (and time) of the MoE presets beside their --exact traces at the real shapes
+bench-moe: $(STAMP)
+	$(BIN)/python bench/moe_trace.py --time
 
 bench-exact: $(STAMP)
 	$(BIN)/python bench/exact_speed.py
