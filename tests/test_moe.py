@@ -315,3 +315,11 @@ def test_an_expert_adapter_trains_and_merges_into_the_saved_experts(
     )
     changed = [key for key in base if "experts" in key and not torch.equal(base[key], merged[key])]
     assert changed and all(".mlp.experts." in key for key in changed)
+
+
+def test_the_plan_says_what_the_experts_are(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(["plan", "--model", "openai/gpt-oss-20b", "--gpu", "H100", "--json"], capsys)
+    assert code == 0
+    reasons = " ".join(json.loads(out)["reasons"])
+    assert "32 experts a layer, 4 per token, held in 16 bit" in reasons and "--lora-targets experts" in reasons
+    assert json.loads(out)["settings"]["attn"] == "eager"
