@@ -293,7 +293,7 @@ def activation_parts_per_token(
     sdpa/flash save q, k, v (k and v repeated to all heads when a mask is passed), the output and the fp32
     logsumexp; eager saves the score and probability matrices instead. SwiGLU saves gate, silu(gate) and up."""
     c = DTYPE_BYTES[settings.precision]
-    h, q, kv, inter = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+    h, q, kv, inter = spec.hidden_size, spec.q_size, spec.kv_size, spec.mlp_width
     heads = spec.num_attention_heads
     full = settings.method == "full"
     lora_names = set() if full else set(spec.lora_target_names(settings.lora_targets))
@@ -335,6 +335,10 @@ def activation_parts_per_token(
         # q and k for QK^T, fp32 softmax output, its bf16 cast for the AV matmul, v for the AV matmul; Gemma-2's
         # soft-capping (tanh(scores / cap) x cap) also keeps the tanh output
         scores = (4 + c + (c if spec.logit_softcapping else 0)) * heads * settings.seq_len
+        if spec.arch.attention_sinks:
+            # gpt-oss appends its sink logit to each row and takes the softmax in the scores' own dtype: the
+            # probabilities (seq + 1 columns) in bf16 and the row maxima's int64 indices
+            scores = c * heads * (settings.seq_len + 1) + 8 * heads
         attention = a * (q + kv_saved) + scores + v_saved
     else:
         attention = a * (q + kv_saved) + v_saved + a * q + 4 * heads
@@ -345,6 +349,10 @@ def activation_parts_per_token(
     down = {"down_proj": spec.mlp_linears()["down_proj"]}
     experts = max(spec.num_experts_per_tok, 1) if spec.is_moe else 1
     gated = 3 * swiglu_dtype_bytes(settings, runtime) * inter  # silu saves gate; the product saves silu(gate), up
+    if spec.arch.clamped_swiglu:
+        # gpt-oss: both clamps keep the interleaved gate_up output (2 i) alive; the products save the clamped
+        # gate, sigmoid(alpha gate), up + 1 and the gated product (GptOssExperts._apply_gate)
+        gated = 6 * swiglu_dtype_bytes(settings, runtime) * inter
     parts = {
         "attn_norm": norm(),
         "qkv_inputs": fused_qkv_lora_bytes(qkv, lora_names, settings, runtime, input_requires_grad)
@@ -359,6 +367,12 @@ def activation_parts_per_token(
         "gated_act": experts * gated,
         "down_input": experts * linear_inputs_grad(down, shared_input=False),
     }
+    if spec.is_moe:
+        # each routed expert's output is scaled by its routing weight, which requires grad (the router sees the
+        # trainable residual stream), so the product keeps every expert output: k x hidden per token
+        # (transformers 5.25 integrations/moe.py grouped_mm_experts_forward; checked against the trace in
+        # tests/test_moe.py)
+        parts["expert_outputs"] = experts * c * h
     if spec.norms_per_layer > 2:
         # Gemma-2 and Gemma 3 normalise the attention and MLP outputs too, before adding them to the residual stream
         parts["post_norms"] = (spec.norms_per_layer - 2) * (4 * h + 4 + (2 * h if full else 0))
@@ -431,7 +445,7 @@ def bnb_input_bytes_per_token(spec: ModelSpec, settings: Settings, input_require
     """The inputs old bitsandbytes keeps per layer: q/k/v share one (kept only if it needs a gradient, which
     the first layer's does not under LoRA), gate/up another, o_proj and down_proj their own."""
     c = DTYPE_BYTES[settings.precision]
-    h, q, inter = spec.hidden_size, spec.q_size, spec.intermediate_size
+    h, q, inter = spec.hidden_size, spec.q_size, spec.mlp_width
     experts = max(spec.num_experts_per_tok, 1) if spec.is_moe else 1
     qkv_input = h if input_requires_grad or settings.method == "full" else 0
     return c * (qkv_input + q + h + experts * inter)
@@ -457,7 +471,17 @@ def activation_bytes_per_layer(
 ) -> float:
     """Saved bytes of one decoder layer for one micro-batch, without checkpointing."""
     parts = activation_parts_per_token(spec, settings, runtime, input_requires_grad)
-    return sum(parts.values()) * settings.tokens_per_micro_batch
+    return sum(parts.values()) * settings.tokens_per_micro_batch + merged_expert_bytes(spec, settings)
+
+
+def merged_expert_bytes(spec: ModelSpec, settings: Settings) -> float:
+    """LoRA on an MoE's fused experts (lora_targets experts): peft's ParamWrapper parametrises each expert
+    parameter as W + B A, materialised in the compute dtype for the layer's forward, and the expert matmuls save
+    it for backward: one layer's expert weights per layer that keeps its activations (checked against the trace
+    of Qwen3-30B-A3B, gpt-oss-20b and Mixtral in tests/test_moe.py)."""
+    if not spec.expert_target_names(settings.lora_targets) or settings.method == "full":
+        return 0.0
+    return spec.expert_params * DTYPE_BYTES[settings.precision]
 
 
 def swiglu_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
@@ -754,7 +778,7 @@ def grad_buffer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime = Ru
     compute dtype under autocast (TRL's QLoRA) no fp32 gradient is made: I + c x h in TRL's traced step
     (`make bench-stacks`, Llama-2-7B and Llama-3.1-8B)."""
     c = DTYPE_BYTES[settings.precision]
-    h, inter = spec.hidden_size, spec.intermediate_size
+    h, inter = spec.hidden_size, spec.mlp_width
     if settings.method == "full":
         per_token = 2 * c * inter + 8 * c * h
     elif compute_dtype_adapters_under_autocast(settings, runtime):
@@ -786,7 +810,7 @@ def recompute_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> fl
         # the hidden-sized gradients (4c x h); read from the source, not traced
         in_flight = (c * spec.intermediate_size + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
     else:
-        in_flight = (5 * c * spec.intermediate_size + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
+        in_flight = (5 * c * spec.mlp_width + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
     return activation_bytes_per_layer(spec, settings, runtime) + in_flight
 
 

@@ -258,7 +258,14 @@ class Settings(_RuledModel):
     lora_dropout: Annotated[
         float, Field(ge=0, lt=1), About("dropout on the adapter input", ESTIMATE_PLAN_TRAIN, "step")
     ] = 0.05
-    lora_targets: Annotated[LoraTargets, About("which linear layers get adapters", ESTIMATE_PLAN_TRAIN, "step")] = "all"
+    lora_targets: Annotated[
+        LoraTargets,
+        About(
+            "which layers get adapters (experts: an MoE's attention and experts, with lora_dropout 0)",
+            ESTIMATE_PLAN_TRAIN,
+            "step",
+        ),
+    ] = "all"
     optimizer: Annotated[
         Optimizer,
         About(
@@ -855,6 +862,8 @@ def check_against(
             f"offload_embeddings: {spec.name} ties its input embeddings to the LM head, which runs on the GPU; "
             "turn offload_embeddings off"
         )
+    if spec is not None:
+        spec.check_lora_targets(values.get("lora_targets"), values.get("lora_dropout"))
     if spec is not None and attn is not None and attn not in spec.attention_implementations:
         raise InvalidConfig(
             f"attn {attn}: {spec.name} ({spec.architecture}) has no {attn} attention in transformers; use attn "

@@ -125,14 +125,30 @@ def base_matmul_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> fl
     tokens = settings.tokens_per_micro_batch
     passes = 2 + (1 if settings.method == "full" else 0)
     layers = layer_matmul_params(spec) * passes + recomputed_layer_params(spec, settings)
+    read = layers + idle_experts_read(spec, settings) * (passes + forward_passes(settings) - 1)
     head = head_params(spec) * passes
     rate = achievable_matmul_flops(gpu, settings.precision) * MATMUL_SHAPE_SHARE
     byte_rate, c = achievable_bytes_per_second(gpu), DTYPE_BYTES[settings.precision]
     slowdown = quant_matmul_slowdown(gpu) if settings.quant != "none" else 1.0
+    # bitsandbytes quantises the nn.Linear layers only: an MoE's fused experts run at the 16-bit rate
+    if spec.is_moe:
+        quantized_share = spec.layer_linear_params * spec.num_hidden_layers / layer_matmul_params(spec)
+        slowdown = 1 + (slowdown - 1) * quantized_share
     head_flops = 2 * head * tokens + chunked_loss_flops_per_token(spec, settings) * tokens
-    return roofline_seconds(2 * layers * tokens, layers * c, rate, byte_rate) * slowdown + roofline_seconds(
+    return roofline_seconds(2 * layers * tokens, read * c, rate, byte_rate) * slowdown + roofline_seconds(
         head_flops, head * c, rate, byte_rate
     )
+
+
+def idle_experts_read(spec: ModelSpec, settings: Settings) -> int:
+    """An MoE's grouped matmuls read the weights of every expert some token of the micro-batch is routed to,
+    not only a token's k: all of them once tokens x k reaches the expert count (the traced _grouped_mm reads
+    its whole 3-D weight)."""
+    if not spec.is_moe:
+        return 0
+    k, experts = spec.num_experts_per_tok, spec.num_local_experts
+    hit = min(experts, settings.tokens_per_micro_batch * k)
+    return (hit - k) * spec.expert_params // experts * spec.num_hidden_layers
 
 
 def recomputed_layer_params(spec: ModelSpec, settings: Settings) -> int:
@@ -143,7 +159,9 @@ def recomputed_layer_params(spec: ModelSpec, settings: Settings) -> int:
         return 0
     params = layer_matmul_params(spec)
     if settings.method == "full":
-        down = sum(i * o * n for name, i, o, n in spec.layer_linears() if name == "down_proj")
+        # an MoE runs its routed experts' down projections only
+        active = spec.num_experts_per_tok if spec.is_moe else 1
+        down = sum(i * o * active for name, i, o, n in spec.layer_linears() if name == "down_proj")
         params -= down * spec.num_hidden_layers
     return params
 
@@ -254,7 +272,8 @@ def lora_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     runtime = memory.stack_runtime(settings)
     per_in, per_out = lora_bytes_per_element(settings, runtime)
     clone = 2 * DTYPE_BYTES[settings.precision] if settings.quant != "none" else 0
-    names = set(spec.lora_target_names(settings.lora_targets))
+    experts = set(spec.expert_target_names(settings.lora_targets))
+    names = set(spec.lora_target_names(settings.lora_targets)) - experts
     widths = [(i * n, o * n) for name, i, o, n in spec.layer_linears() if name in names]
     tokens = settings.tokens_per_micro_batch * spec.num_hidden_layers
     forward = tokens * sum(i * per_in + o * (per_out + clone) for i, o in widths)
@@ -263,6 +282,23 @@ def lora_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     matmul_bytes = lora_dtype_bytes(settings, runtime)[2]
     rate = achievable_matmul_flops(gpu, "fp32" if matmul_bytes == 4 else settings.precision)
     moved = forward * forward_passes(settings) + backward
+    return roofline_seconds(flops, moved, rate, achievable_bytes_per_second(gpu)) + (
+        expert_lora_seconds(spec, settings, gpu) if experts else 0.0
+    )
+
+
+def expert_lora_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """lora_targets experts (peft's ParamWrapper on the fused experts): each forward merges W + B A for every
+    expert (2 r FLOPs per weight; reads W and B A, writes the merged weight), and backward computes the merged
+    weight's gradient for the routed tokens (2 x tokens x active expert weights, as full fine-tuning's weight
+    gradients) before reducing it to A's and B's (4 r FLOPs per weight; writes and reads it back twice)."""
+    c, layers = DTYPE_BYTES[settings.precision], spec.num_hidden_layers
+    weights = spec.expert_params * layers
+    active = weights * spec.num_experts_per_tok // spec.num_local_experts
+    flops = 2 * settings.lora_r * weights * (forward_passes(settings) + 2)
+    flops += 2 * settings.tokens_per_micro_batch * active
+    moved = c * weights * (3 * forward_passes(settings) + 3)
+    rate = achievable_matmul_flops(gpu, settings.precision) * MATMUL_SHAPE_SHARE
     return roofline_seconds(flops, moved, rate, achievable_bytes_per_second(gpu))
 
 
@@ -289,7 +325,7 @@ def elementwise_bytes_per_token(spec: ModelSpec, settings: Settings) -> float:
         spec.norms_per_layer * NORM_BYTES * h
         + 2 * 3 * s * h
         + ROTARY_ELEMENT_PASSES * c * (spec.q_size + spec.kv_size)
-        + 5 * memory.swiglu_dtype_bytes(settings, runtime) * spec.intermediate_size * experts
+        + 5 * memory.swiglu_dtype_bytes(settings, runtime) * spec.mlp_width * experts
         + 2 * c * spec.q_size
     )
 
@@ -304,7 +340,7 @@ def compiled_elementwise_bytes_per_token(spec: ModelSpec, settings: Settings, ru
     return (
         spec.norms_per_layer * (3 * s + c) * spec.hidden_size
         + 2 * c * (spec.q_size + spec.kv_size)
-        + 3 * memory.swiglu_dtype_bytes(settings, runtime) * spec.intermediate_size * experts
+        + 3 * memory.swiglu_dtype_bytes(settings, runtime) * spec.mlp_width * experts
         + 2 * c * spec.q_size
     )
 
@@ -350,6 +386,14 @@ COMPILED_LAYER_KERNELS = 6
 COMPILED_LORA_KERNELS = 4
 
 
+# An MoE block's kernels beyond its grouped matmuls, forward: the router's softmax and top-k, the sort that
+# groups tokens by expert, the gathers and scatters, the routing weights' product and the sum over the k experts
+# (transformers 5.25 integrations/moe.py grouped_mm_experts_forward). Fitted on the traced op list of Mixtral
+# 8x7B QLoRA (348 kernels a layer traced, 288 without this term; counted four times a layer, as LAYER_KERNELS).
+# Qwen3-MoE's and gpt-oss's layers trace about 60 more: their q/k norms and clamped SwiGLU, not counted.
+MOE_ROUTING_KERNELS = 15
+
+
 def lora_kernels(settings: Settings, runtime: memory.Runtime) -> int:
     """Kernels of one adapted module's LoRA path in forward, as lora_bytes_per_element counts its ops: the
     input's cast to the adapter dtype, dropout, autocast's cast back and its casts of the two fp32 adapter
@@ -376,10 +420,15 @@ def kernel_count(spec: ModelSpec, settings: Settings) -> int:
     than their forward (traced: 10.4 for 9)."""
     runtime = memory.stack_runtime(settings)
     elementwise = COMPILED_LAYER_KERNELS if runtime.compiled else LAYER_KERNELS
-    linears = sum(n for _, _, _, n in spec.layer_linears())
-    dequant = linears * (3 if nested_absmax(settings) else 1) if settings.quant != "none" else 0
-    adapted = len(spec.lora_target_names(settings.lora_targets)) if settings.method != "full" else 0
+    # an MoE's experts run as one grouped matmul per fused parameter, in 16 bit, plus the routing's kernels
+    linears = len(spec.layer_linears())
+    quantized = linears - (len(spec.mlp_linears()) if spec.is_moe else 0)
+    dequant = quantized * (3 if nested_absmax(settings) else 1) if settings.quant != "none" else 0
+    experts = set(spec.expert_target_names(settings.lora_targets))
+    adapted = len(set(spec.lora_target_names(settings.lora_targets)) - experts) if settings.method != "full" else 0
     lora = lora_kernels(settings, runtime) if adapted else 0
+    if spec.is_moe:
+        elementwise += MOE_ROUTING_KERNELS
     forward = elementwise + 1 + linears + dequant + adapted * lora
     backward = 2 * elementwise + linears * (2 if settings.method == "full" else 1) + dequant + adapted * (lora + 1)
     return (forward * forward_passes(settings) + backward) * spec.num_hidden_layers
