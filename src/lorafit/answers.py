@@ -174,7 +174,7 @@ def plan(
     if asked.data is not None:
         from lorafit.data import length_profile  # the data package loads only for data: `plan` starts faster
 
-        options.check_against({"seq_len": asked.seq_len}, spec)
+        options.check_against({"seq_len": asked.seq_len, "stack": asked.stack}, spec)
         lengths = length_profile(data_path(asked.data), tokenizer=asked.tokenizer)
         profile = lengths.profile
         truncated = lengths.truncated_rows(asked.seq_len or min(profile.max, spec.max_position_embeddings))

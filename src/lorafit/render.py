@@ -73,6 +73,7 @@ def stack_words(settings: Settings) -> str:
             ("kbit preparation", settings.kbit_prep),
             ("fused AdamW", settings.fused_optimizer),
             ("torch.compile", settings.torch_compile),
+            ("Liger kernels", settings.liger),
         )
         if on is not None
     ]
