@@ -41,6 +41,7 @@ from typing import Any, Literal
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+import liger_standins  # noqa: E402
 from lorafit import memory  # noqa: E402
 from lorafit.memory import GIB  # noqa: E402
 from lorafit.models import ModelSpec, resolve  # noqa: E402
@@ -63,7 +64,7 @@ class Case:
         s = self.settings
         return (
             f"{self.stack} {self.kind} {self.model} {s.method} b{s.micro_batch}x{s.seq_len}"
-            f" {'ckpt' if s.grad_ckpt else 'no-ckpt'}"
+            f" {'ckpt' if s.grad_ckpt else 'no-ckpt'}" + (" liger" if s.liger else "")
         )
 
     @property
@@ -84,9 +85,11 @@ def small(hidden: int, layers: int, vocab: int, inter: int, heads: int = 4, kv_h
     )
 
 
-def settings(method: str, micro_batch: int, seq_len: int, grad_ckpt: bool) -> Settings:
+def settings(method: str, micro_batch: int, seq_len: int, grad_ckpt: bool, liger: bool | None = None) -> Settings:
     quant = "nf4" if method == "qlora" else "none"
-    return Settings(method=method, quant=quant, micro_batch=micro_batch, seq_len=seq_len, grad_ckpt=grad_ckpt)
+    return Settings(
+        method=method, quant=quant, micro_batch=micro_batch, seq_len=seq_len, grad_ckpt=grad_ckpt, liger=liger
+    )
 
 
 def cases() -> list[Case]:
@@ -106,7 +109,19 @@ def cases() -> list[Case]:
             for method in ("qlora", "lora"):
                 for ckpt in (True, False):
                     found.append(Case(stack, "cpu", label, spec, settings(method, micro_batch, seq_len, ckpt)))
+    found += [replace(case, settings=case.settings.model_copy(update={"liger": True})) for case in liger_cases(found)]
     return found
+
+
+def liger_cases(found: list[Case]) -> list[Case]:
+    """`--stack trl --liger`: TRL's step with Liger's layer kernels stood in by torch (bench/liger_standins.py),
+    on the same shapes as the TRL cases without them, the 1 x 1024 checkpointed one aside."""
+    return [
+        case
+        for case in found
+        if case.stack == "trl"
+        and not (case.kind == "fake" and case.settings.micro_batch * case.settings.seq_len == 1024)
+    ]
 
 
 # --- what fake tensors cannot answer ------------------------------------------------------------------------
@@ -409,6 +424,8 @@ def run(case: Case, model_dir: Path | None = None) -> Traced:
             stack.enter_context(masks_read_from_data())
             stack.enter_context(model_stays_put())
         trainer = make_trainer(case, model, Path(tmp))
+        if case.settings.liger:
+            stack.enter_context(liger_standins.liger_kernels(trainer.model))
         watch(trainer, tracker)
         if cuda:
             stack.enter_context(cuda_kernel_choices())
@@ -508,7 +525,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             result_row(
                 case,
                 spec=case.spec.model_dump(mode="json") if case.kind == "cpu" else case.model,
-                settings=s.model_dump(mode="json", include={"method", "quant", "micro_batch", "seq_len", "grad_ckpt"}),
+                settings=s.model_dump(
+                    mode="json", include={"method", "quant", "micro_batch", "seq_len", "grad_ckpt", "liger"}
+                ),
                 device=case.device,
                 traced=traced,
                 predicted=predicted,

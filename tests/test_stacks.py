@@ -218,14 +218,58 @@ def stack_trace():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stack", ["trl", "peft-kbit"])
+@pytest.mark.parametrize("stack", ["trl", "peft-kbit", "trl --liger"])
 def test_the_estimate_is_within_2_percent_of_the_stacks_own_cpu_step(stack: str, stack_trace) -> None:
     """A real SFTTrainer / Trainer.train() of two steps of a small random Llama (4 layers, hidden 512, 4-bit
-    base, 1 x 1024 tokens) on the CPU, every live tensor counted, against `Runtime(device="cpu")`."""
-    (case,) = [case for case in stack_trace.cases() if case.name == f"{stack} cpu small-c qlora b1x1024 no-ckpt"]
+    base, 1 x 1024 tokens) on the CPU, every live tensor counted, against `Runtime(device="cpu")`; with --liger,
+    Liger's layer kernels stood in by torch functions that keep what Liger's keep (bench/liger_standins.py)."""
+    name, liger = stack.removesuffix(" --liger"), " liger" if stack.endswith("--liger") else ""
+    (case,) = [case for case in stack_trace.cases() if case.name == f"{name} cpu small-c qlora b1x1024 no-ckpt{liger}"]
     traced = stack_trace.trace(case)
     predicted, _ = stack_trace.estimate_bytes(case)
     assert predicted == pytest.approx(traced.peak_bytes, rel=0.02), (
         f"estimate {predicted / 2**20:.1f} MiB, traced {traced.peak_bytes / 2**20:.1f} MiB ({traced.phase})"
     )
     assert traced.peak_bytes < 0.5 * GIB  # small enough for a test
+
+
+def test_the_liger_standins_keep_what_liger_keeps_for_backward(stack_trace) -> None:
+    """One bf16 Llama decoder layer (frozen weights, an input that needs its gradient), its saved tensors
+    counted by storage: with the stand-ins of Liger's RMSNorm, SwiGLU and rotary it keeps 4h + 2I bytes per
+    token less - two norms' inputs in bf16 instead of fp32 copies (2 x 2h) and gate and up without silu(gate)
+    (2I) - which is what memory.activation_parts_per_token takes off under liger_kernels. In fp32 the same layer
+    gives its input the same gradient either way."""
+    import contextlib
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import liger_standins
+
+    h, inter, n = 256, 704, 128
+    config = LlamaConfig(
+        hidden_size=h, intermediate_size=inter, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).requires_grad_(False)
+    x, weights = torch.randn(1, n, h), torch.randn(1, n, h)
+
+    def run(patched: bool, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+        storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        model.to(dtype)
+        given = x.to(dtype).requires_grad_()
+        positions = torch.arange(n)[None]
+        patch = liger_standins.liger_kernels(model) if patched else contextlib.nullcontext()
+        with patch, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = model.model.layers[0](given, position_embeddings=model.model.rotary_emb(given, positions))
+            (out.float() * weights).sum().backward()
+        assert given.grad is not None
+        return sum(storages.values()), given.grad
+
+    assert run(False, torch.bfloat16)[0] - run(True, torch.bfloat16)[0] == (4 * h + 2 * inter) * n
+    assert torch.allclose(run(True, torch.float32)[1], run(False, torch.float32)[1], rtol=1e-4, atol=1e-5)
