@@ -1,8 +1,8 @@
 """Liger's kernels, stood in by torch for a trace: `make bench-stacks`' `--stack trl --liger` cases.
 
 Liger-Kernel's kernels are Triton and need a GPU, so its own code cannot run in a fake-tensor or CPU trace. These
-stand-ins patch the same places `_apply_liger_kernel_to_instance` patches in a Llama (liger-kernel 0.8.2,
-src/liger_kernel/transformers/monkey_patch.py): every RMSNorm's forward, every MLP's forward and
+stand-ins patch the same places `apply_liger_kernel_to_llama` patches (liger-kernel 0.8.2,
+src/liger_kernel/transformers/monkey_patch.py): the RMSNorm's forward, the MLP's forward and
 `modeling_llama.apply_rotary_pos_emb`. Each is an autograd.Function that keeps for backward exactly what Liger's
 function keeps and allocates what Liger's kernel writes; the arithmetic runs out of the tracker's sight
 (`unseen`), as a Triton kernel's registers are (the pattern of stack_trace.cuda_fused_head):
@@ -126,9 +126,10 @@ def functions() -> tuple[Any, Any, Any]:
 
 
 @contextlib.contextmanager
-def liger_kernels(model: Any) -> Iterator[None]:
-    """Patch `model` (a Llama, under peft or not) as `_apply_liger_kernel_to_instance` does, with the stand-ins,
-    until the context ends."""
+def liger_kernels() -> Iterator[None]:
+    """Llama's RMSNorm and MLP forwards and its rotary function replaced by the stand-ins until the context ends.
+    Liger patches the model instance (or, before it is built, the classes); the classes are patched here, which
+    holds for a model whatever the trainer does to its modules' attributes on the way."""
     from transformers.models.llama import modeling_llama
 
     rms_norm, silu_mul, rope = functions()
@@ -139,20 +140,18 @@ def liger_kernels(model: Any) -> Iterator[None]:
     def mlp_forward(self: Any, x: Any) -> Any:
         return self.down_proj(silu_mul.apply(self.gate_proj(x), self.up_proj(x)))
 
-    patched = []
-    for module in model.modules():
-        if isinstance(module, modeling_llama.LlamaRMSNorm):
-            module.forward = norm_forward.__get__(module)
-        elif isinstance(module, modeling_llama.LlamaMLP):
-            module.forward = mlp_forward.__get__(module)
-        else:
-            continue
-        patched.append(module)
-    rotary = modeling_llama.apply_rotary_pos_emb
-    modeling_llama.apply_rotary_pos_emb = lambda q, k, cos, sin, unsqueeze_dim=1: rope.apply(q, k, cos, sin)
+    def rotary(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: int = 1) -> Any:
+        return rope.apply(q, k, cos, sin)
+
+    norm, mlp, rotate = (
+        modeling_llama.LlamaRMSNorm.forward,
+        modeling_llama.LlamaMLP.forward,
+        modeling_llama.apply_rotary_pos_emb,
+    )
+    modeling_llama.LlamaRMSNorm.forward, modeling_llama.LlamaMLP.forward = norm_forward, mlp_forward
+    modeling_llama.apply_rotary_pos_emb = rotary
     try:
         yield
     finally:
-        modeling_llama.apply_rotary_pos_emb = rotary
-        for module in patched:
-            del module.forward  # the class's own forward again
+        modeling_llama.LlamaRMSNorm.forward, modeling_llama.LlamaMLP.forward = norm, mlp
+        modeling_llama.apply_rotary_pos_emb = rotate

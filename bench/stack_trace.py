@@ -425,7 +425,7 @@ def run(case: Case, model_dir: Path | None = None) -> Traced:
             stack.enter_context(model_stays_put())
         trainer = make_trainer(case, model, Path(tmp))
         if case.settings.liger:
-            stack.enter_context(liger_standins.liger_kernels(trainer.model))
+            stack.enter_context(liger_standins.liger_kernels())
         watch(trainer, tracker)
         if cuda:
             stack.enter_context(cuda_kernel_choices())
@@ -507,7 +507,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         predicted, phase = estimate_bytes(case)
         error = 100 * (predicted - traced.peak_bytes) / traced.peak_bytes
         s = case.settings
-        shown = f"{s.method} {s.micro_batch}x{s.seq_len} {'ckpt' if s.grad_ckpt else 'no-ckpt'}"
+        shown = f"{s.method} {s.micro_batch}x{s.seq_len} {'ckpt' if s.grad_ckpt else 'no-ckpt'}" + (
+            " liger" if s.liger else ""
+        )
         unit, scale = ("GiB", GIB) if case.kind == "fake" else ("MiB", 2**20)
         print(
             f"{case.stack:9} {case.kind:4} {case.model:13} {shown:22} {traced.peak_bytes / scale:6.3f} {unit}"

@@ -171,6 +171,8 @@ def test_liger_is_refused_for_a_stack_without_the_switch_and_with_the_chunked_lo
     assert code == 2 and "loss chunked" in err and "leave loss full" in err
     code, _, _ = run_cli(["estimate", "--stack", "litgpt", "--no-liger"], capsys)
     assert code == 0
+    code, _, err = run_cli(["estimate", "--liger", "--exact"], capsys)
+    assert code == 2 and "does not run Liger's Triton kernels" in err
 
 
 def test_liger_is_refused_for_a_model_type_it_does_not_patch() -> None:
@@ -264,7 +266,7 @@ def test_the_liger_standins_keep_what_liger_keeps_for_backward(stack_trace) -> N
         model.to(dtype)
         given = x.to(dtype).requires_grad_()
         positions = torch.arange(n)[None]
-        patch = liger_standins.liger_kernels(model) if patched else contextlib.nullcontext()
+        patch = liger_standins.liger_kernels() if patched else contextlib.nullcontext()
         with patch, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             out = model.model.layers[0](given, position_embeddings=model.model.rotary_emb(given, positions))
             (out.float() * weights).sum().backward()

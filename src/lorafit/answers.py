@@ -106,6 +106,11 @@ def estimate(given: Mapping[str, Any], *, exact: bool = False, from_config: str 
                 f"--exact traces lorafit's own training step; stack {settings.stack} is estimated from its traced "
                 "facts (`lorafit stacks`): drop --exact, or use --stack lorafit"
             )
+        if settings.liger:
+            raise LorafitError(
+                "--exact traces lorafit's own training step, which does not run Liger's Triton kernels; drop --exact "
+                "or --liger"
+            )
         result = trace.exact_estimate(spec, settings, target, request.headroom)
     else:
         result = memory.estimate(spec, settings, target, request.headroom)

@@ -569,8 +569,10 @@ def under_other_trainers(request: PlanRequest, chosen: Settings, gpu: GpuSpec) -
     run the job at all (its base, a multi-GPU engine) is left out."""
     found = []
     for stack in stacks.offered():
-        if stack.name == chosen.stack:
-            continue
+        if stack.name == chosen.stack or (
+            chosen.seq_len > request.model.max_position_embeddings and not stack.rope_scaling
+        ):
+            continue  # (a trainer that does not scale RoPE cannot run past the model's positions)
         lacks = {saver for saver in SAVERS if saver not in stack.savers} | {"kbit_prep"}
         lacks |= set() if stack.liger_runtime else {"liger"}
         given = {name: value for name, value in request.given.items() if name not in lacks}
