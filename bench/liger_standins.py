@@ -14,10 +14,12 @@ function keeps and allocates what Liger's kernel writes; the arithmetic runs out
 - rotary (LigerRopeFunction, ops/rope.py): saves cos and sin only. Liger rotates q and k in place; the stand-in
   writes them into new tensors, which leaves the same tensors alive once the unrotated ones are dropped.
 
-What this checks: the tensors the Liger step keeps alive and when, inside TRL's own SFTTrainer.train() (its
-fused LM head stays on: SFTTrainer turns Liger's fused linear cross-entropy off). What it does not: Liger's
-Triton code itself (its arithmetic, any scratch memory it might allocate), transformers' apply_liger_kernel entry
-point (use_liger_kernel needs the package installed), and Liger's fused linear cross-entropy.
+- fused linear cross-entropy (LigerFusedLinearCrossEntropyFunction and lce_forward), for the Trainer stacks
+  (`fused_loss`; TRL's SFTTrainer turns it off and keeps its own fused head): see fused_linear_cross_entropy.
+
+What this checks: the tensors the Liger step keeps alive and when, inside TRL's SFTTrainer.train() and the
+Trainer's (peft-kbit). What it does not: Liger's Triton code itself (its arithmetic, any scratch memory it might
+allocate) and transformers' apply_liger_kernel entry point (use_liger_kernel needs the package installed).
 """
 
 from __future__ import annotations
@@ -125,11 +127,76 @@ def functions() -> tuple[Any, Any, Any]:
     return RMSNorm, SiLUMul, Rope
 
 
+def fused_linear_cross_entropy() -> Any:
+    """Liger's fused linear cross-entropy (LigerFusedLinearCrossEntropyFunction, ops/fused_linear_cross_entropy.py,
+    mean or sum reduction): chunks of next_pow2(tokens / ceil(V / h)) tokens; each chunk's logits made by the head's
+    matmul (under autocast, as Liger's), turned into their gradient in place, and the chunk's hidden-state gradient
+    written into one zeros_like(hidden states) tensor, which is all it keeps for backward; backward scales it in
+    place."""
+    import torch
+
+    class FusedLinearCrossEntropy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, scale: float) -> Any:
+            tokens, hidden = x.shape
+            per_chunk = -(-tokens // -(-weight.shape[0] // hidden))
+            chunk = 1 << (per_chunk - 1).bit_length()
+            grad_input = torch.zeros_like(x)
+            losses = torch.zeros(tokens, dtype=torch.float32, device=x.device)
+            for start in range(0, tokens, chunk):
+                end = min(start + chunk, tokens)
+                logits = x[start:end] @ weight.t()
+                unseen(_logits_to_gradient)(logits, target[start:end], losses[start:end], scale)
+                grad_input[start:end] = logits @ weight
+            ctx.save_for_backward(grad_input)
+            return losses.sum()
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> tuple[Any, ...]:
+            (grad_input,) = ctx.saved_tensors
+            unseen(grad_input.mul_)(grad)
+            return grad_input, None, None, None
+
+    return FusedLinearCrossEntropy
+
+
+def _logits_to_gradient(logits: Any, target: Any, losses: Any, scale: float) -> None:
+    """liger_cross_entropy_kernel's work on one chunk: the scaled losses, and the logits' gradient in their place."""
+    import torch
+
+    valid = target != -100
+    picked = target.clamp(min=0)[:, None]
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    losses.copy_(-log_probs.gather(1, picked)[:, 0] * valid * scale)
+    grad = log_probs.exp().scatter_add_(1, picked, -valid[:, None].float())
+    logits.copy_(grad * valid[:, None] * scale)
+
+
+def fused_loss_forward(forward: Callable[..., Any], loss: Any) -> Callable[..., Any]:
+    """Liger's lce_forward (transformers/model/llama.py): in training with labels the decoder's hidden states go
+    straight into the fused loss and no logits are made; otherwise transformers' forward."""
+    from torch.nn import functional as F
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    def lce_forward(self: Any, input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
+        if not (self.training and labels is not None):
+            return forward(self, input_ids=input_ids, labels=labels, **kwargs)
+        items = kwargs.get("num_items_in_batch")
+        kwargs.pop("logits_to_keep", None)
+        hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+        scale = 1.0 / float(items if items is not None else (shifted != -100).sum())
+        value = loss.apply(hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, shifted, scale)
+        return CausalLMOutputWithPast(loss=value, logits=None)
+
+    return lce_forward
+
+
 @contextlib.contextmanager
-def liger_kernels() -> Iterator[None]:
-    """Llama's RMSNorm and MLP forwards and its rotary function replaced by the stand-ins until the context ends.
-    Liger patches the model instance (or, before it is built, the classes); the classes are patched here, which
-    holds for a model whatever the trainer does to its modules' attributes on the way."""
+def liger_kernels(fused_loss: bool = False) -> Iterator[None]:
+    """Llama's RMSNorm and MLP forwards and its rotary function (and with `fused_loss` its causal LM's forward)
+    replaced by the stand-ins until the context ends. Liger patches the model instance (or, before it is built,
+    the classes); the classes are patched here, which holds whatever a trainer does to its modules' attributes."""
     from transformers.models.llama import modeling_llama
 
     rms_norm, silu_mul, rope = functions()
@@ -143,15 +210,12 @@ def liger_kernels() -> Iterator[None]:
     def rotary(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: int = 1) -> Any:
         return rope.apply(q, k, cos, sin)
 
-    norm, mlp, rotate = (
-        modeling_llama.LlamaRMSNorm.forward,
-        modeling_llama.LlamaMLP.forward,
-        modeling_llama.apply_rotary_pos_emb,
-    )
-    modeling_llama.LlamaRMSNorm.forward, modeling_llama.LlamaMLP.forward = norm_forward, mlp_forward
-    modeling_llama.apply_rotary_pos_emb = rotary
+    norm, mlp, causal_lm = modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP, modeling_llama.LlamaForCausalLM
+    saved = (norm.forward, mlp.forward, causal_lm.forward, modeling_llama.apply_rotary_pos_emb)
+    norm.forward, mlp.forward, modeling_llama.apply_rotary_pos_emb = norm_forward, mlp_forward, rotary
+    if fused_loss:
+        causal_lm.forward = fused_loss_forward(saved[2], fused_linear_cross_entropy())
     try:
         yield
     finally:
-        modeling_llama.LlamaRMSNorm.forward, modeling_llama.LlamaMLP.forward = norm, mlp
-        modeling_llama.apply_rotary_pos_emb = rotate
+        norm.forward, mlp.forward, causal_lm.forward, modeling_llama.apply_rotary_pos_emb = saved

@@ -114,13 +114,13 @@ def cases() -> list[Case]:
 
 
 def liger_cases(found: list[Case]) -> list[Case]:
-    """`--stack trl --liger`: TRL's step with Liger's layer kernels stood in by torch (bench/liger_standins.py),
-    on the same shapes as the TRL cases without them, the 1 x 1024 checkpointed one aside."""
+    """`--liger`: TRL's step with Liger's layer kernels, the Trainer's (peft-kbit) with its fused linear
+    cross-entropy too, stood in by torch (bench/liger_standins.py), on the same shapes as the cases without them,
+    the 1 x 1024 checkpointed fake one aside."""
     return [
         case
         for case in found
-        if case.stack == "trl"
-        and not (case.kind == "fake" and case.settings.micro_batch * case.settings.seq_len == 1024)
+        if not (case.kind == "fake" and case.settings.micro_batch * case.settings.seq_len == 1024)
     ]
 
 
@@ -425,7 +425,7 @@ def run(case: Case, model_dir: Path | None = None) -> Traced:
             stack.enter_context(model_stays_put())
         trainer = make_trainer(case, model, Path(tmp))
         if case.settings.liger:
-            stack.enter_context(liger_standins.liger_kernels())
+            stack.enter_context(liger_standins.liger_kernels(fused_loss=case.stack != "trl"))
         watch(trainer, tracker)
         if cuda:
             stack.enter_context(cuda_kernel_choices())

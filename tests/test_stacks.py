@@ -179,7 +179,9 @@ def test_liger_is_refused_for_a_model_type_it_does_not_patch() -> None:
     """Liger 0.8.2 patches the families it lists by config.json model type; another trains without its kernels."""
     llama = resolve("llama-3.1-8b")
     stacks.check_liger_model(llama.arch.model_types, llama.name)
-    with pytest.raises(InvalidConfig, match="does not patch falcon-7b .model type falcon.; it patches .*llama"):
+    with pytest.raises(
+        InvalidConfig, match="does not patch falcon-7b .model type falcon.; it patches 50 model types, llama"
+    ):
         stacks.check_liger_model(("falcon",), "falcon-7b")
 
 
@@ -220,11 +222,12 @@ def stack_trace():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stack", ["trl", "peft-kbit", "trl --liger"])
+@pytest.mark.parametrize("stack", ["trl", "peft-kbit", "trl --liger", "peft-kbit --liger"])
 def test_the_estimate_is_within_2_percent_of_the_stacks_own_cpu_step(stack: str, stack_trace) -> None:
     """A real SFTTrainer / Trainer.train() of two steps of a small random Llama (4 layers, hidden 512, 4-bit
     base, 1 x 1024 tokens) on the CPU, every live tensor counted, against `Runtime(device="cpu")`; with --liger,
-    Liger's layer kernels stood in by torch functions that keep what Liger's keep (bench/liger_standins.py)."""
+    Liger's kernels (and, under the Trainer, its fused loss) stood in by torch functions that keep what Liger's
+    keep (bench/liger_standins.py)."""
     name, liger = stack.removesuffix(" --liger"), " liger" if stack.endswith("--liger") else ""
     (case,) = [case for case in stack_trace.cases() if case.name == f"{name} cpu small-c qlora b1x1024 no-ckpt{liger}"]
     traced = stack_trace.trace(case)

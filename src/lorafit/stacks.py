@@ -151,7 +151,8 @@ def check_liger_model(model_types: tuple[str, ...], name: str) -> None:
     if not set(model_types) & set(liger().model_types):
         raise InvalidConfig(
             f"liger: {liger().pinned} does not patch {name} (model type {model_types[0]}); it patches "
-            f"{', '.join(liger().model_types)}; turn liger off"
+            f"{len(liger().model_types)} model types, llama, mistral, qwen2, qwen3, gemma and phi3 among them "
+            "(catalog/stacks.toml [liger]); turn liger off"
         )
 
 
