@@ -405,6 +405,17 @@ class Settings(_RuledModel):
             auto="the stack's",
         ),
     ] = None
+    liger: Annotated[
+        bool | None,
+        About(
+            "Liger's Triton kernels patched into the model (TrainingArguments' use_liger_kernel): RMSNorm, SwiGLU "
+            "and rotary that save less for backward, and, where the stack lets it, the fused linear cross-entropy "
+            "that never makes the logits",
+            ("estimate", "plan"),
+            "stack",
+            auto="the stack's",
+        ),
+    ] = None
     # several GPUs
     n_gpus: Annotated[int, Field(gt=0, le=4096), About("GPUs to train on, per node", ESTIMATE_PLAN_TRAIN, "gpus")] = 1
     nodes: Annotated[
@@ -854,7 +865,10 @@ def check_against(
     stacks.check({"stack": BY_NAME["stack"].default, "method": BY_NAME["method"].default} | _set(values), family)
     attn, precision = values.get("attn"), values.get("precision")
     if spec is not None:
-        spec.check_seq_len(values.get("seq_len"))
+        stack = values.get("stack") or BY_NAME["stack"].default
+        stacks.past_positions(stack, values.get("seq_len"), spec.name, spec.max_position_embeddings)
+        if values.get("liger"):
+            stacks.check_liger_model(spec.arch.model_types, spec.name)
     if spec is not None and spec.prequantized is not None:
         check_prequantized(values, spec)
     if spec is not None and values.get("offload_embeddings") and spec.tie_word_embeddings:

@@ -321,6 +321,8 @@ def elementwise_bytes_per_token(spec: ModelSpec, settings: Settings) -> float:
     experts = max(spec.num_experts_per_tok, 1)
     if runtime.compiled:
         return compiled_elementwise_bytes_per_token(spec, settings, runtime)
+    if runtime.liger_kernels:
+        return liger_elementwise_bytes_per_token(spec, settings, runtime)
     return (
         spec.norms_per_layer * NORM_BYTES * h
         + 2 * 3 * s * h
@@ -345,6 +347,23 @@ def compiled_elementwise_bytes_per_token(spec: ModelSpec, settings: Settings, ru
     )
 
 
+def liger_elementwise_bytes_per_token(spec: ModelSpec, settings: Settings, runtime: memory.Runtime) -> float:
+    """The same ops with Liger's kernels (liger-kernel 0.8.2, catalog/stacks.toml [liger]), each one Triton
+    kernel that reads its inputs and writes its outputs once: RMSNorm reads the stream and writes the normed input
+    (s + c per element, the rsqrt in registers), rotary reads and writes q and k in place (2c), SwiGLU reads gate
+    and up and writes their product (3c); the residual sums and the attention output's copy stay transformers'.
+    From the kernels' source, not fitted."""
+    c, s = DTYPE_BYTES[settings.precision], memory.stream_dtype_bytes(settings, runtime)
+    experts = max(spec.num_experts_per_tok, 1)
+    return (
+        spec.norms_per_layer * (s + c) * spec.hidden_size
+        + 2 * 3 * s * spec.hidden_size
+        + 2 * c * (spec.q_size + spec.kv_size)
+        + 3 * memory.swiglu_dtype_bytes(settings, runtime) * spec.intermediate_size * experts
+        + 2 * c * spec.q_size
+    )
+
+
 def elementwise_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     """Norms, activations, rotary and residuals: bandwidth-bound, tokens x layers x elementwise_bytes_per_token,
     in forward, recomputation and backward (ELEMENTWISE_BACKWARD_TRAFFIC x the forward)."""
@@ -364,6 +383,13 @@ LOSS_BYTES_PER_LOGIT = 36
 # Compiled, the upcast, log-softmax and their backward fuse: the logits are read in forward, read again and their
 # gradient written in backward, in the compute dtype (3c), with fp32 reductions in registers.
 COMPILED_LOSS_PASSES = 3
+# Liger's fused linear cross-entropy (ops/cross_entropy.py @ v0.8.2, liger_cross_entropy_kernel): one pass reads
+# a chunk's logits for the running max and sum (l. 151), a second reads them again and writes their gradient in
+# place (l. 206-252): three compute-dtype passes, no fp32 copy (the matmuls' own reads and writes are counted with
+# them, as for transformers' loss). The head's matmuls are the
+# same as transformers' (logits, then the hidden states' gradient in the forward instead of the backward): no
+# matmul is run again.
+LIGER_LOSS_PASSES = 3
 
 
 def loss_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
@@ -373,6 +399,8 @@ def loss_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     per_logit = LOSS_BYTES_PER_LOGIT + (c + 4 if runtime.autocast and c != 4 else 0)
     if runtime.compiled:
         per_logit = COMPILED_LOSS_PASSES * c
+    if runtime.loss == "liger_fused":
+        per_logit = LIGER_LOSS_PASSES * c
     return logits * per_logit / achievable_bytes_per_second(gpu)
 
 
@@ -380,6 +408,9 @@ def loss_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
 # rotary (about ten), SwiGLU (two), attention with its layout copies (about four), and the attention kernel;
 # about twice the elementwise ones in backward. Traced: 30 + 1 forward (`make bench-time-trace`).
 LAYER_KERNELS = 2 * 6 + 2 + 10 + 2 + 4
+# Liger: the two norms, rotary and SwiGLU one kernel each, the two residual sums and the attention with its
+# layout copies (about four), as in transformers
+LIGER_LAYER_KERNELS = 2 + 2 + 1 + 1 + 4
 # Compiled: two fused residual-and-norm kernels, rotary, SwiGLU and the attention with its layout copy (about 6);
 # the LoRA path's two matmuls and two fused kernels.
 COMPILED_LAYER_KERNELS = 6
@@ -419,7 +450,9 @@ def kernel_count(spec: ModelSpec, settings: Settings) -> int:
     gradients for full fine-tuning), the dequantisations again, and the LoRA paths' backward, one kernel more
     than their forward (traced: 10.4 for 9)."""
     runtime = memory.stack_runtime(settings)
-    elementwise = COMPILED_LAYER_KERNELS if runtime.compiled else LAYER_KERNELS
+    elementwise = (
+        COMPILED_LAYER_KERNELS if runtime.compiled else LIGER_LAYER_KERNELS if runtime.liger_kernels else LAYER_KERNELS
+    )
     # an MoE's experts run as one grouped matmul per fused parameter, in 16 bit, plus the routing's kernels
     linears = len(spec.layer_linears())
     quantized = linears - (len(spec.mlp_linears()) if spec.is_moe else 0)
