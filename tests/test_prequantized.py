@@ -108,6 +108,21 @@ def test_a_saved_4bit_folder_reads_as_prequantized(saved_4bit: dict[str, Path]) 
     assert (spec.prequantized.quant, spec.prequantized.double_quant) == ("nf4", True)
 
 
+def test_a_folder_stored_in_fp4_reads_but_plans_in_one_line_naming_the_16_bit_base(
+    saved_4bit: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bitsandbytes' default 4-bit type: the folder is read (an export merges into it), a plan refuses it."""
+    folder = tmp_path / "fp4"
+    shutil.copytree(saved_4bit["model"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["bnb_4bit_quant_type"] = "fp4"
+    (folder / "config.json").write_text(json.dumps(config))
+    stored = from_config_json(folder).prequantized
+    assert stored is not None and stored.quant == "fp4"
+    code, _, err = run_cli(["plan", "--model", str(folder), "--gpu", "RTX 4090"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "fp4" in err and "16-bit base" in err, err
+
+
 def test_the_trainer_loads_the_stored_weights_as_they_are(saved_4bit: dict[str, Path]) -> None:
     """Not quantised again: the packed 4-bit weights are the file's bytes, and they compute in the plan's dtype
     (fp32 on the CPU), not in the bf16 the folder was saved with."""

@@ -140,7 +140,7 @@ class PreQuantized(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    quant: Literal["nf4", "int8"]
+    quant: Literal["nf4", "fp4", "int8"]  # fp4: bitsandbytes' default 4-bit type, which lorafit does not train
     double_quant: bool = False
     base: str | None = Field(default=None, description="the 16-bit checkpoint that LoRA or full fine-tuning needs")
 
@@ -653,12 +653,9 @@ def bitsandbytes_quantization(file: Path, quantization: object) -> PreQuantized 
     if not quantization.get("load_in_4bit"):
         return None
     kind = quantization.get("bnb_4bit_quant_type", "fp4")  # BitsAndBytesConfig's default is fp4
-    if kind != "nf4":
-        raise InvalidConfig(
-            f"{file}: its weights are stored bitsandbytes 4-bit {kind}; lorafit trains a 4-bit base in NF4 only: "
-            "use the 16-bit base model"
-        )
-    return PreQuantized(quant="nf4", double_quant=quantization.get("bnb_4bit_use_double_quant") is True)
+    if kind not in ("nf4", "fp4"):
+        raise InvalidConfig(f"{file}: bnb_4bit_quant_type {kind!r} is not a bitsandbytes 4-bit type (nf4, fp4)")
+    return PreQuantized(quant=kind, double_quant=quantization.get("bnb_4bit_use_double_quant") is True)
 
 
 def moe_fields(file: Path, config: dict[str, Any], arch: ArchitectureSpec) -> dict[str, Any]:

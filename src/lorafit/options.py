@@ -838,7 +838,9 @@ def step_defaults(
     method = values.get("method") or BY_NAME["method"].default
     stored = spec.prequantized if spec is not None else None  # a pre-quantised checkpoint's base is as stored
     if values.get("quant") is None:
-        filled["quant"] = stored.quant if stored and method == "qlora" else default_quant(method)
+        filled["quant"] = (
+            stored.quant if stored and method == "qlora" and stored.quant != "fp4" else default_quant(method)
+        )
     if stored and values.get("double_quant") is None:
         filled["double_quant"] = stored.double_quant
     if values.get("lora_alpha") is None:
@@ -896,6 +898,11 @@ def check_prequantized(values: Mapping[str, Any], spec: ModelSpec) -> None:
     quantisation would need the 16-bit weights it does not hold."""
     stored = spec.prequantized
     assert stored is not None
+    if stored.quant == "fp4":  # read so that an export can merge into it; lorafit trains NF4 or int8 only
+        raise InvalidConfig(
+            f"{spec.name}: its weights are stored bitsandbytes 4-bit fp4; lorafit trains a 4-bit base in NF4 only: "
+            "use the 16-bit base model"
+        )
     wanted = {"method": "qlora", "quant": stored.quant, "double_quant": stored.double_quant}
     for name, value in wanted.items():
         given = values.get(name)
