@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lorafit.choices import SAVER_ON, Stack, default_quant
 from lorafit.errors import InvalidConfig
+from lorafit.messages import say
 
 
 class StackSpec(BaseModel):
@@ -70,7 +71,7 @@ def resolve(name: str) -> StackSpec:
     if stack is None:
         raise InvalidConfig(f"stack {name}: not a stack lorafit knows; choose one of {', '.join(catalog())}")
     if not stack.offered:
-        raise InvalidConfig(f"stack {name}: not offered ({stack.not_offered_because}); see `lorafit stacks`")
+        raise InvalidConfig(say("error.stack_not_offered", setting="stack", name=name, why=stack.not_offered_because))
     return stack
 
 
@@ -81,7 +82,7 @@ def for_config_of(name: str) -> tuple[str, str | None]:
     if stack.offered:
         return name, None
     if stack.nearest is None:
-        raise InvalidConfig(f"stack {name}: not offered ({stack.not_offered_because}); see `lorafit stacks`")
+        raise InvalidConfig(say("error.stack_not_offered", setting="stack", name=name, why=stack.not_offered_because))
     return stack.nearest, (
         f"stack {name} is not offered ({stack.not_offered_because}); answered for stack {stack.nearest}: "
         f"{stack.nearest_because}"

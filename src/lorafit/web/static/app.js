@@ -278,7 +278,7 @@ async function sendFile(kind, file) {
   clearErrors();
   // a dataset is counted with the chat template of the model chosen, as the plan counts it
   const model = kind === "data" && page.values.model ? `&model=${encodeURIComponent(page.values.model)}` : "";
-  const response = await fetch(`/api/upload?kind=${kind}&name=${encodeURIComponent(file.name)}${model}`, { method: "POST", body: file });
+  const response = await fetch(`/api/upload?kind=${kind}&name=${encodeURIComponent(file.name)}${model}&lang=${page.lang}`, { method: "POST", body: file });
   const body = await response.json();
   if (!response.ok) return showError(body);
   page.values[kind] = body.value;
