@@ -54,8 +54,8 @@ EN: dict[str, str] = {
     # --- plan: a plan that does not fit, no GPU, the CPU ---
     "plan.no_fit": "does not fit: even the smallest configuration needs {peak:.1f} GiB and {gpu} has {usable:.1f} "
     "GiB after {headroom:.0%} headroom",
-    "plan.no_fit_savers": "does not fit: even the smallest configuration needs {peak:.1f} GiB (with {savers}) and "
-    "{gpu} has {usable:.1f} GiB after {headroom:.0%} headroom",
+    "plan.no_fit_savers": "does not fit: even the smallest configuration needs {peak:.1f} GiB (with "
+    "{setting_savers}) and {gpu} has {usable:.1f} GiB after {headroom:.0%} headroom",
     "plan.loads_whole": "several {gpu}s do not help {stack}'s trainer with {shards}: it loads the {quant} base whole "
     "({loading:.1f} GiB) onto every GPU before sharding it; {instead} loads it in host memory and moves it to the "
     "GPUs a sharded layer at a time",
@@ -66,6 +66,12 @@ EN: dict[str, str] = {
     "plan.cpu_ckpt_off": "gradient checkpointing off: the step needs {need:.1f} GiB of the {free:.1f} GiB of RAM "
     "free, so no forward pass is recomputed",
     # --- plan: settings that follow from the model, the GPU or the device ---
+    "plan.prequantized": "QLoRA only: {model} is a pre-quantised checkpoint (bitsandbytes {quant}, loaded as "
+    "stored); LoRA or full fine-tuning need {base}",
+    "plan.prequantized_double": "QLoRA only: {model} is a pre-quantised checkpoint (bitsandbytes {quant}, "
+    "double-quantised, loaded as stored); LoRA or full fine-tuning need {base}",
+    "plan.base_named": "the 16-bit base {base}",
+    "plan.base_unnamed": "its 16-bit base",
     "plan.attn": "attention {attn}: {model} has no sdpa kernel in transformers",
     "plan.cpu_fp32": "precision fp32: no GPU, training on the CPU (bf16 there runs ~20x slower)",
     "plan.no_bf16": "precision fp16: the {gpu} has no bf16",

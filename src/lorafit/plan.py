@@ -584,10 +584,10 @@ def automatic_choices(request: PlanRequest, settings: Settings) -> list[str]:
     """Plain words for the settings nobody set that follow from the model, the GPU or the device."""
     reasons = []
     if (stored := request.model.prequantized) is not None:
+        base = say("plan.base_named", base=stored.base) if stored.base else say("plan.base_unnamed")
+        said = "plan.prequantized_double" if stored.double_quant else "plan.prequantized"
         reasons.append(
-            f"QLoRA only: {request.model.hf_id or request.model.name} is a pre-quantised checkpoint (bitsandbytes "
-            f"{stored.quant.upper()}{', double-quantised' if stored.double_quant else ''}, loaded as stored); LoRA "
-            f"or full fine-tuning need {f'the 16-bit base {stored.base}' if stored.base else 'its 16-bit base'}"
+            say(said, model=request.model.hf_id or request.model.name, quant=stored.quant.upper(), base=base)
         )
     if "attn" not in request.pinned and settings.attn != options.BY_NAME["attn"].default:
         reasons.append(say("plan.attn", attn=settings.attn, model=request.model.name))
@@ -665,7 +665,7 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None, details: 
             say(
                 "plan.no_fit_savers" if savers else "plan.no_fit",
                 peak=chosen.estimate.peak_device_gib,
-                savers=savers,
+                setting_savers=savers,
                 gpu=gpu.name,
                 usable=gpu.usable_gib(request.headroom),
                 headroom=request.headroom,

@@ -96,21 +96,25 @@ def message_catalog(language: str) -> dict[str, str]:
     return json.loads((STRINGS / "messages" / f"{language}.json").read_text(encoding="utf-8"))
 
 
-def in_language(text: str, language: str) -> str:
+def in_language(text: str, language: str | None) -> str:
     """A sentence of the planner or of an error, as the CLI says it, in the page's language and terms: a setting
-    is named by its field's label, not by its flag."""
+    is named by its field's label, not by its flag. No language: the CLI's words, as they are."""
+    if language is None:
+        return text
     words = strings(language)
 
-    def label(spelled: str) -> str:
-        name = FLAG_NAMES.get(spelled, spelled)
-        return words.get(f"label.{name}", spelled)
+    def label(spelled: str) -> str:  # a setting, or a list of them ("loss, offload_activations")
+        return ", ".join(words.get(f"label.{FLAG_NAMES.get(one, one)}", one) for one in spelled.split(", "))
 
-    return messages.render(text, message_catalog(language), label)
+    # a sentence not translated yet shows as the English page says it
+    return messages.render(text, message_catalog("en") | message_catalog(language), label)
 
 
-def plan_in_language(plan: dict[str, Any], language: str) -> dict[str, Any]:
+def plan_in_language(plan: dict[str, Any], language: str | None) -> dict[str, Any]:
     """A plan's JSON with its reasons, its suggestions' changes and a card known by its memory ("8 GB GPU") in
-    `language`."""
+    `language`; without one, as `lorafit plan --json` prints it."""
+    if language is None:
+        return plan
     gpu = plan.get("gpu")
     return plan | {
         "reasons": [in_language(reason, language) for reason in plan.get("reasons", [])],
@@ -123,9 +127,12 @@ def plan_in_language(plan: dict[str, Any], language: str) -> dict[str, Any]:
     }
 
 
-def asked_language(items: list[tuple[str, str]]) -> str:
-    """The language a request's ?lang= names (the page sends its own), else English."""
-    asked = next((value for key, value in items if key == "lang"), "")
+def asked_language(items: list[tuple[str, str]]) -> str | None:
+    """The language a request's ?lang= names (the page sends its own; an unknown one is English); None without
+    ?lang=: the API then answers in the CLI's own words, as `lorafit plan --json` does."""
+    asked = next((value for key, value in items if key == "lang"), None)
+    if asked is None:
+        return None
     return asked if asked in LANGUAGES else "en"
 
 
@@ -328,7 +335,7 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
     # comparisons have a pool of their own (jobs.Comparisons), so a plan never waits for one
     planning = anyio.CapacityLimiter(workers())
 
-    def refusal(error: Exception, given: Mapping[str, Any], language: str) -> dict[str, Any]:
+    def refusal(error: Exception, given: Mapping[str, Any], language: str | None) -> dict[str, Any]:
         """The page's {"error", "field"} for an error the user can fix (BadRequest, LorafitError, ValidationError),
         in `language`; anything else is re-raised."""
         if isinstance(error, BadRequest):
