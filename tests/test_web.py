@@ -578,7 +578,7 @@ def test_a_sentence_is_read_back_into_its_key_and_rendered_in_another_language()
     )
     assert english == "micro-batch 4 x gradient accumulation 4 = effective batch 16: micro-batch 8 would need 18.2 GiB"
     assert web.in_language(english, "es") == (
-        "micro-batch 4 × acumulación de gradientes 4 = batch efectivo 16: el micro-batch 8 necesitaría 18.2 GiB"
+        "micro-batch 4 × acumulación de gradientes 4 = batch efectivo 16: el micro-batch 8 necesitaría 18,2 GiB"
     )
     assert web.in_language("RTX 4090", "pt") == "RTX 4090"  # a name is no sentence: as it is
     assert web.in_language(messages.say("gpu.by_memory", gb=8), "pt") == "GPU de 8 GB"

@@ -160,14 +160,21 @@ _FIELD = re.compile(r"\{(\w+)(?:![rsa])?(?::[^}]*)?\}")
 
 
 @cache
+def _numbers(key: str) -> frozenset[str]:
+    """The parameters of sentence `key` that are printed as numbers (their format is d, f, g, % or ,)."""
+    fields = string.Formatter().parse(EN[key])
+    return frozenset(name for _, name, spec, _ in fields if name and spec and spec[-1] in "dfg%,")
+
+
+@cache
 def _pattern(key: str) -> re.Pattern[str]:
     """The regular expression that reads sentence `key` back into its parameters (each as it was printed)."""
     parts, seen = [], set()
-    for literal, name, spec, _ in string.Formatter().parse(EN[key]):
+    for literal, name, _, _ in string.Formatter().parse(EN[key]):
         parts.append(re.escape(literal))
         if name is None:
             continue
-        value = NUMBER if spec and spec[-1] in "dfg%," else ".*?"  # a number is digits: it cannot swallow words
+        value = NUMBER if name in _numbers(key) else ".*?"  # a number is digits: it cannot swallow words
         parts.append(f"(?P={name})" if name in seen else f"(?P<{name}>{value})")
         seen.add(name)
     return re.compile("".join(parts), re.DOTALL)
@@ -189,22 +196,33 @@ def parse(text: str) -> tuple[str, dict[str, str]] | None:
     return None
 
 
-def render(text: str, catalog: Mapping[str, str], setting_name: Callable[[str], str] = str) -> str:
+def render(
+    text: str,
+    catalog: Mapping[str, str],
+    setting_name: Callable[[str], str] = str,
+    number: Callable[[str], str] = str,
+) -> str:
     """`text` (an English sentence as the CLI prints it) in the language of `catalog` (key -> sentence with
-    plain {parameters}); a setting's spelling through `setting_name`. A sentence the catalog lacks stays English,
-    and text that is no sentence of the catalog (a name, a path) stays as it is."""
+    plain {parameters}); a setting's spelling through `setting_name`, a number's (as printed: 1,234.5) through
+    `number`. A sentence the catalog lacks stays English, and text that is no sentence of the catalog (a name, a
+    path) stays as it is."""
     lines = text.split("\n")
     if len(lines) > 1:
-        return "\n".join(render(line, catalog, setting_name) for line in lines)
+        return "\n".join(render(line, catalog, setting_name, number) for line in lines)
     found = parse(text)
     if found is None:
         return text
     key, params = found
-    shown = {
-        name: setting_name(value) if name.startswith("setting") else render(value, catalog, setting_name)
-        for name, value in params.items()
-    }
+
+    def shown(name: str, value: str) -> str:
+        if name.startswith("setting"):
+            return setting_name(value)
+        if name in _numbers(key):
+            return number(value)
+        return render(value, catalog, setting_name, number)
+
+    said = {name: shown(name, value) for name, value in params.items()}
     template = catalog.get(key)
     if template is None:  # not translated yet: the English sentence, with the settings named as the page names them
         template = EN[key]
-    return _FIELD.sub(lambda m: shown[m.group(1)], template)
+    return _FIELD.sub(lambda m: said[m.group(1)], template)

@@ -86,6 +86,7 @@ def strings(language: str) -> dict[str, str]:
     return table
 
 
+DECIMAL_COMMA = str.maketrans(",.", ".,")
 FLAG_NAMES = {o.flag: o.name for o in options.OPTIONS}  # --seq-len -> seq_len
 
 
@@ -106,8 +107,11 @@ def in_language(text: str, language: str | None) -> str:
     def label(spelled: str) -> str:  # a setting, or a list of them ("loss, offload_activations")
         return ", ".join(words.get(f"label.{FLAG_NAMES.get(one, one)}", one) for one in spelled.split(", "))
 
+    def number(printed: str) -> str:  # 1,234.5 as Spanish and Portuguese write it: 1.234,5
+        return printed if language == "en" else printed.translate(DECIMAL_COMMA)
+
     # a sentence not translated yet shows as the English page says it
-    return messages.render(text, message_catalog("en") | message_catalog(language), label)
+    return messages.render(text, message_catalog("en") | message_catalog(language), label, number)
 
 
 def plan_in_language(plan: dict[str, Any], language: str | None) -> dict[str, Any]:
