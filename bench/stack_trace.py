@@ -43,6 +43,7 @@ from typing import Any, Literal
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+import liger_standins  # noqa: E402
 from lorafit import memory  # noqa: E402
 from lorafit.memory import GIB  # noqa: E402
 from lorafit.models import ModelSpec, resolve  # noqa: E402
@@ -72,7 +73,7 @@ class Case:
         s = self.settings
         return (
             f"{self.label} {self.kind} {self.model} {s.method} b{s.micro_batch}x{s.seq_len}"
-            f" {'ckpt' if s.grad_ckpt else 'no-ckpt'}"
+            f" {'ckpt' if s.grad_ckpt else 'no-ckpt'}" + (" liger" if s.liger else "")
         )
 
     @property
@@ -100,9 +101,11 @@ def small(hidden: int, layers: int, vocab: int, inter: int, heads: int = 4, kv_h
     )
 
 
-def settings(method: str, micro_batch: int, seq_len: int, grad_ckpt: bool) -> Settings:
+def settings(method: str, micro_batch: int, seq_len: int, grad_ckpt: bool, liger: bool | None = None) -> Settings:
     quant = "nf4" if method == "qlora" else "none"
-    return Settings(method=method, quant=quant, micro_batch=micro_batch, seq_len=seq_len, grad_ckpt=grad_ckpt)
+    return Settings(
+        method=method, quant=quant, micro_batch=micro_batch, seq_len=seq_len, grad_ckpt=grad_ckpt, liger=liger
+    )
 
 
 def cases() -> list[Case]:
@@ -122,6 +125,7 @@ def cases() -> list[Case]:
             for method in ("qlora", "lora"):
                 for ckpt in (True, False):
                     found.append(Case(stack, "cpu", label, spec, settings(method, micro_batch, seq_len, ckpt)))
+    found += [replace(case, settings=case.settings.model_copy(update={"liger": True})) for case in liger_cases(found)]
     for name, (micro_batch, seq_len) in (("llama-2-7b", (1, 2048)), ("llama-3.1-8b", (4, 512))):
         for ckpt in (True, False):
             found.append(
@@ -131,6 +135,17 @@ def cases() -> list[Case]:
         spec = small(256, 2, 4096, 704)
         found.append(Case("peft-kbit", "cpu", "small-a", spec, settings("qlora", 2, 256, ckpt), True))
     return found
+
+
+def liger_cases(found: list[Case]) -> list[Case]:
+    """`--liger`: TRL's step with Liger's layer kernels, the Trainer's (peft-kbit) with its fused linear
+    cross-entropy too, stood in by torch (bench/liger_standins.py), on the same shapes as the cases without them,
+    the 1 x 1024 checkpointed fake one aside."""
+    return [
+        case
+        for case in found
+        if not (case.kind == "fake" and case.settings.micro_batch * case.settings.seq_len == 1024)
+    ]
 
 
 # --- what fake tensors cannot answer ------------------------------------------------------------------------
@@ -474,6 +489,8 @@ def run(case: Case, model_dir: Path | None = None) -> Traced:
             plain_loop(case, model, tracker)
         else:
             trainer = make_trainer(case, model, Path(tmp))
+            if case.settings.liger:
+                stack.enter_context(liger_standins.liger_kernels(fused_loss=case.stack != "trl"))
             watch(trainer, tracker)
             if cuda:
                 stack.enter_context(cuda_kernel_choices())
@@ -555,7 +572,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         predicted, phase = estimate_bytes(case)
         error = 100 * (predicted - traced.peak_bytes) / traced.peak_bytes
         s = case.settings
-        shown = f"{s.method} {s.micro_batch}x{s.seq_len} {'ckpt' if s.grad_ckpt else 'no-ckpt'}"
+        shown = f"{s.method} {s.micro_batch}x{s.seq_len} {'ckpt' if s.grad_ckpt else 'no-ckpt'}" + (
+            " liger" if s.liger else ""
+        )
         unit, scale = ("GiB", GIB) if case.kind == "fake" else ("MiB", 2**20)
         print(
             f"{case.label:14} {case.kind:4} {case.model:13} {shown:22} {traced.peak_bytes / scale:6.3f} {unit}"
@@ -573,7 +592,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             result_row(
                 case,
                 spec=case.spec.model_dump(mode="json") if case.kind == "cpu" else case.model,
-                settings=s.model_dump(mode="json", include={"method", "quant", "micro_batch", "seq_len", "grad_ckpt"}),
+                settings=s.model_dump(
+                    mode="json", include={"method", "quant", "micro_batch", "seq_len", "grad_ckpt", "liger"}
+                ),
                 device=case.device,
                 traced=traced,
                 predicted=predicted,

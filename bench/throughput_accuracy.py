@@ -241,13 +241,15 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     "TP-PM-05": ("llama-3.2-3b", "L40S", dict(PM, method="lora", lora_r=32)),
     # fine-tune-llms-in-2025 on L4s: TRL QLoRA r16 all-linear, 1024-token packed rows, checkpointing; the runs also
     # train the embeddings and LM head in full (modules_to_save), which lorafit does not time. "Flash Attention ❌"
-    # rows: the kernel is not stated, transformers 4.46's default (sdpa) is assumed; Liger rows use its fused
-    # linear cross-entropy (chunked loss); 4 and 8 GPUs ran DeepSpeed ZeRO-3
+    # rows: the kernel is not stated, transformers 4.46's default (sdpa) is assumed; the Liger rows (04-06) are
+    # timed with the liger facet: its RMSNorm, SwiGLU and rotary kernels (TRL 0.12.1 also let Liger's fused linear
+    # cross-entropy run, which TRL 1.16, the pinned stack, turns off for its own fused head: the loss is a few
+    # tenths of a percent of the step either way); 4 and 8 GPUs ran DeepSpeed ZeRO-3
     "TP-PS-02": ("llama-3.1-8b", "L4", dict(PS, micro_batch=2, grad_accum=2, attn="sdpa")),
     "TP-PS-03": ("llama-3.1-8b", "L4", dict(PS, micro_batch=2, grad_accum=4)),
-    "TP-PS-04": ("llama-3.1-8b", "L4", dict(PS, micro_batch=4, grad_accum=4, loss="chunked")),
-    "TP-PS-05": ("llama-3.1-8b", "L4", dict(PS, micro_batch=8, grad_accum=2, loss="chunked", n_gpus=4, shard="zero3")),
-    "TP-PS-06": ("llama-3.1-8b", "L4", dict(PS, micro_batch=8, grad_accum=2, loss="chunked", n_gpus=8, shard="zero3")),
+    "TP-PS-04": ("llama-3.1-8b", "L4", dict(PS, micro_batch=4, grad_accum=4, liger=True)),
+    "TP-PS-05": ("llama-3.1-8b", "L4", dict(PS, micro_batch=8, grad_accum=2, liger=True, n_gpus=4, shard="zero3")),
+    "TP-PS-06": ("llama-3.1-8b", "L4", dict(PS, micro_batch=8, grad_accum=2, liger=True, n_gpus=8, shard="zero3")),
     # fine-tune-llms-in-2024-with-trl @10ad907 on one L4: TRL QLoRA r256 all-linear, packed 2048, batch 1 x accum 8,
     # checkpointing, flash-attention 2, adamw_torch_fused
     "TP-PS-07": (
@@ -520,7 +522,7 @@ def main(write: bool = False) -> dict[str, dict]:
             "kind": gpu.kind,
             "stack": row["stack"],
             "gpus": "one GPU" if gpus == 1 else "several GPUs",
-            "kernels": "compile" if row_id in COMPILED else "eager",
+            "kernels": "compile" if row_id in COMPILED else "liger" if settings.liger else "eager",
         }
         errors[row["split"]].append((facts, error))
         print(

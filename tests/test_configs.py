@@ -581,6 +581,19 @@ def test_llama_factory_defaults(tmp_path: Path) -> None:
     }
 
 
+def test_liger_switches_read_as_the_liger_facet(tmp_path: Path) -> None:
+    """TRL's use_liger_kernel and LLaMA-Factory's enable_liger_kernel turn the liger facet on (no longer a line of
+    what is not modelled); the answer's estimate runs with it."""
+    trl = configs.read(write(tmp_path, "sft.json", {"use_peft": True, "use_liger_kernel": True}))
+    text = "model_name_or_path: Qwen/Qwen2.5-7B\nfinetuning_type: lora\nenable_liger_kernel: true\n"
+    factory = configs.read(write(tmp_path, "lf.yaml", text))
+    for imported in (trl, factory):
+        assert imported.values["liger"] is True and not any("liger" in line for line in imported.unmodelled)
+        options.validate("plan", {"stack": imported.values["stack"], "liger": True})
+    off = configs.read(write(tmp_path, "off.json", {"use_peft": True, "use_liger_kernel": False}))
+    assert "liger" not in off.values
+
+
 def test_torchtune_full_fine_tune_with_what_lorafit_does_not_model(tmp_path: Path) -> None:
     text = (
         "model: {_component_: torchtune.models.llama3_1.llama3_1_8b}\nbatch_size: 4\ngradient_accumulation_steps: 1\n"

@@ -619,9 +619,6 @@ def test_close_names_are_suggested() -> None:
         ("meta-llama/Llama-3.2-11B-Vision-Instruct", "Llama 3.2 Vision (mllama", "llama-3.1-8b"),
         ("meta-llama/Llama-3.2-90B-Vision", "Llama 3.2 Vision (mllama", "llama-3.1-70b"),
         ("Qwen/Qwen3-VL-8B-Instruct", "Qwen3-VL (image-text", "qwen2.5-vl-7b"),
-        ("Qwen/Qwen3-30B-A3B", "Qwen3 MoE (qwen3_moe)", "qwen3-32b"),
-        ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "Qwen3 MoE (qwen3_moe)", "qwen3-32b"),
-        ("openai/gpt-oss-20b", "gpt-oss (MoE) (gpt_oss)", "mixtral-8x7b"),
         ("deepseek-ai/DeepSeek-V3", "(deepseek_v2)", "mixtral-8x7b"),
         ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "Llama 4", "llama-3.1-70b"),
         ("tiiuae/falcon-7b", "Falcon", "mistral-7b-v0.1"),
@@ -662,11 +659,11 @@ LLAMA_3_2_11B_VISION = {  # the shape of meta-llama/Llama-3.2-11B-Vision's confi
     ("config", "family"),
     [
         (LLAMA_3_2_11B_VISION, "Llama 3.2 Vision (mllama: cross-attention layers to the image are not modelled)"),
-        ({"model_type": "llava", "text_config": {"model_type": "qwen3_moe", "hidden_size": 8}}, "(qwen3_moe)"),
-        ({"model_type": "qwen3_moe", "hidden_size": 2048, "num_experts": 128}, "Qwen3 MoE (qwen3_moe)"),
+        ({"model_type": "llava", "text_config": {"model_type": "phimoe", "hidden_size": 8}}, "(phimoe)"),
+        ({"model_type": "phimoe", "hidden_size": 4096, "num_local_experts": 16}, "Phi-3.5-MoE (phimoe)"),
         ({"model_type": "gpt2", "n_embd": 768}, "GPT-2 (gpt2)"),
     ],
-    ids=["mllama", "wrapped-qwen3_moe", "qwen3_moe", "gpt2"],
+    ids=["mllama", "wrapped-phimoe", "phimoe", "gpt2"],
 )
 def test_a_local_config_of_an_unmodelled_family_names_it(tmp_path: Path, config: dict, family: str) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))

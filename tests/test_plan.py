@@ -174,10 +174,11 @@ def test_the_trainers_line_only_when_the_trainer_changes_the_verdict(capsys: pyt
     code, out, _ = run_cli(["plan", "--model", "llama-3.1-8b", "--vram", "8"], capsys)
     out = " ".join(out.split())
     assert code == 0 and "fits, tightly, on 8 GB GPU" in out
-    assert (
-        "trainers: fits with lorafit's own trainer (7.11 of 7.20 GiB); not with unsloth (" in out
-        and "trl (8.97 GiB)" in out
-    )
+    plan = planner.make_plan(ask("llama-3.1-8b", gpu=hardware.custom(8)))
+    usable = usable_gib(hardware.custom(8))
+    trl = next(fit for fit in plan.trainers if fit.stack == "trl")
+    assert f"trainers: fits with lorafit's own trainer ({plan.estimate.peak_device_gib:.2f} of {usable:.2f} GiB)" in out
+    assert "; not with " in out and f"trl ({trl.peak_device_gib:.2f} GiB)" in out
     code, out, _ = run_cli(["plan", "--model", "llama-3.1-8b", "--gpu", "RTX 4090"], capsys)
     out = " ".join(out.split())
     assert code == 0 and "trainers:" not in out and "tight" not in out

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
 from lorafit import memory, stacks
+from lorafit.errors import InvalidConfig
 from lorafit.memory import GIB
 from lorafit.models import resolve
 from lorafit.options import Stack
@@ -150,6 +152,101 @@ def test_the_estimate_follows_the_stack() -> None:
     assert peaks["trl"] < peaks["lorafit"] < peaks["peft-kbit"]
 
 
+# --- Liger's kernels (--liger) -----------------------------------------------------------------------------------
+def liger_loss_by_hand(hidden: int, vocab: int, tokens: int) -> int:
+    """Liger's fused linear cross-entropy in its forward (fused_linear_cross_entropy.py @ v0.8.2): the hidden
+    states and their gradient (c x h per token each), one chunk of next_pow2(tokens / ceil(V / h)) tokens'
+    logits and input gradient, and the fp32 per-token losses."""
+    per_chunk = -(-tokens // -(-vocab // hidden))
+    chunk = min(tokens, 1 << (per_chunk - 1).bit_length())
+    return 2 * C * hidden * tokens + C * (vocab + hidden) * chunk + 4 * tokens
+
+
+@pytest.mark.parametrize("stack", ["lorafit", "llama-factory"])
+def test_liger_replaces_the_fp32_logits_by_its_fused_loss(stack: str) -> None:
+    """A Trainer with use_liger_kernel: Liger's fused linear cross-entropy in place of 12 x V bytes per token of
+    fp32 logits (Llama-3.1-8B, 2048 tokens: a chunk of 64 tokens), and its final RMSNorm saves its bf16 input
+    (2h + 4 per token) instead of an fp32 copy (4h + 4). The loss no longer makes the peak: the backward through
+    the layers does."""
+    spec = resolve("llama-3.1-8b")
+    h, n = spec.hidden_size, 2048
+    settings = dict(method="qlora", micro_batch=1, seq_len=n, grad_ckpt=True)
+    plain, liger = Settings(stack=stack, **settings), Settings(stack=stack, liger=True, **settings)
+    on, off = memory.stack_runtime(liger), memory.stack_runtime(plain)
+    assert memory.logits_bytes(spec, plain, off) == 12 * spec.vocab_size * n
+    assert memory.logits_bytes(spec, liger, on) == liger_loss_by_hand(h, spec.vocab_size, n)
+    assert liger_loss_by_hand(h, spec.vocab_size, n) < 0.02 * 12 * spec.vocab_size * n
+    assert memory.head_saved_bytes(spec, plain, off) - memory.head_saved_bytes(spec, liger, on) == (4 - C) * h * n
+    assert allocated("llama-3.1-8b", stack, **settings)[1] == "loss (LM head backward)"
+    assert allocated("llama-3.1-8b", stack, liger=True, **settings)[1] == "backward through the last layers"
+
+
+def test_liger_under_trl_keeps_its_fused_head_and_saves_less_in_the_layers() -> None:
+    """TRL 1.16's SFTTrainer turns Liger's fused cross-entropy off and keeps its own fused head; the layer
+    kernels stay. Without checkpointing every layer but the first saves, per token, its two norms' inputs in bf16
+    (2h + 4 each, not 4h + 4) and SwiGLU gate and up (2 x 2 x I, not 3 x 2 x I): 4h + 2I less; the first layer's
+    input norm saves nothing either way (frozen embeddings)."""
+    spec = resolve("llama-3.1-8b")
+    h, inter, n, layers = spec.hidden_size, spec.intermediate_size, 1024, spec.num_hidden_layers
+    trl = Settings(stack="trl", liger=True)
+    assert memory.stack_runtime(trl).loss == "fused_logprob" and memory.stack_runtime(trl).liger_kernels
+    settings = dict(method="lora", quant="none", micro_batch=1, seq_len=n, grad_ckpt=False)
+    plain = memory.activation_bytes(
+        spec, Settings(stack="trl", **settings), memory.stack_runtime(trl.model_copy(update={"liger": None}))
+    )
+    liger = memory.activation_bytes(spec, Settings(stack="trl", **settings), memory.stack_runtime(trl))
+    first_layer_norm = (4 - C) * h
+    assert plain - liger == pytest.approx(n * (layers * (2 * (4 - C) * h + C * inter) - first_layer_norm))
+
+
+def test_liger_is_refused_for_a_stack_without_the_switch_and_with_the_chunked_loss(capsys) -> None:
+    code, _, err = run_cli(["estimate", "--stack", "litgpt", "--liger"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "litgpt has no use_liger_kernel switch" in err and "trl" in err and "llama-factory" in err
+    code, _, err = run_cli(["estimate", "--liger", "--loss", "chunked"], capsys)
+    assert code == 2 and "loss chunked" in err and "leave loss full" in err
+    code, _, _ = run_cli(["estimate", "--stack", "litgpt", "--no-liger"], capsys)
+    assert code == 0
+    code, _, err = run_cli(["estimate", "--liger", "--exact"], capsys)
+    assert code == 2 and "does not run Liger's Triton kernels" in err
+
+
+def test_liger_is_refused_for_a_model_type_it_does_not_patch() -> None:
+    """Liger 0.8.2 patches the families it lists by config.json model type; another trains without its kernels."""
+    llama = resolve("llama-3.1-8b")
+    stacks.check_liger_model(llama.arch.model_types, llama.name)
+    with pytest.raises(
+        InvalidConfig, match="does not patch falcon-7b .model type falcon.; it patches 50 model types, llama"
+    ):
+        stacks.check_liger_model(("falcon",), "falcon-7b")
+
+
+# --- RoPE scaling past the trained context ---------------------------------------------------------------------
+def test_a_sequence_past_the_trained_context_is_refused_for_a_stack_that_does_not_scale(capsys) -> None:
+    code, _, err = run_cli(["plan", "-m", "llama-2-7b", "--gpu", "A100 80GB", "--seq-len", "8192"], capsys)
+    scaling = [s.name for s in stacks.offered() if s.rope_scaling]
+    assert code == 2 and err.count("\n") == 1
+    assert "past llama-2-7b's maximum of 4096 tokens" in err and "stack lorafit does not scale RoPE" in err
+    assert "llama-factory" in scaling and all(name in err for name in scaling)
+
+
+@pytest.mark.parametrize("seq_len, factor", [(8192, 2), (10000, 3)])
+def test_a_stack_that_scales_rope_trains_past_the_trained_context(seq_len: int, factor: int, capsys) -> None:
+    """LLaMA-Factory's configure_rope stretches the positions by ceil(length / max_position_embeddings); the plan
+    says so in one line and estimates the step at the asked length (not cut to the model's 4096)."""
+    args = ["plan", "-m", "llama-2-7b", "--gpu", "A100 80GB", "--seq-len", str(seq_len), "--stack", "llama-factory"]
+    code, out, _ = run_cli(args + ["--json"], capsys)
+    plan = json.loads(out)
+    assert code == 0 and plan["settings"]["seq_len"] == seq_len
+    line = [reason for reason in plan["reasons"] if "RoPE" in reason]
+    assert line == [
+        f"sequence length {seq_len} is past llama-2-7b's 4096 trained positions: stack llama-factory scales RoPE "
+        f"by a factor of {factor} (rope_scaling) to reach it"
+    ]
+    for stack in stacks.catalog().values():
+        assert stack.rope_scaling == bool(stack.rope_scaling_source), stack.name
+
+
 # --- each stack's own step on the CPU ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stack_trace():
@@ -176,11 +273,13 @@ def test_the_peft_kbit_plain_loop_estimate_is_within_2_percent_of_its_cpu_step(g
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stack", ["trl", "peft-kbit"])
+@pytest.mark.parametrize("stack", ["trl", "peft-kbit", "trl --liger"])
 def test_the_estimate_is_within_2_percent_of_the_stacks_own_cpu_step(stack: str, stack_trace) -> None:
     """A real SFTTrainer / Trainer.train() of two steps of a small random Llama (4 layers, hidden 512, 4-bit
-    base, 1 x 1024 tokens) on the CPU, every live tensor counted, against `Runtime(device="cpu")`."""
-    (case,) = [case for case in stack_trace.cases() if case.name == f"{stack} cpu small-c qlora b1x1024 no-ckpt"]
+    base, 1 x 1024 tokens) on the CPU, every live tensor counted, against `Runtime(device="cpu")`; with --liger,
+    Liger's layer kernels stood in by torch functions that keep what Liger's keep (bench/liger_standins.py)."""
+    name, liger = stack.removesuffix(" --liger"), " liger" if stack.endswith("--liger") else ""
+    (case,) = [case for case in stack_trace.cases() if case.name == f"{name} cpu small-c qlora b1x1024 no-ckpt{liger}"]
     traced = stack_trace.trace(case)
     predicted, _ = stack_trace.estimate_bytes(case)
     assert predicted == pytest.approx(traced.peak_bytes, rel=0.02), (
@@ -316,3 +415,45 @@ def test_unsloth_keeps_checkpoints_under_2_mib_on_the_gpu() -> None:
         assert (memory.offloaded_activation_bytes(spec, step, runtime) > 0) is on_host
         layers = 3 if on_host else spec.num_hidden_layers
         assert memory.activation_bytes(spec, step, runtime) == layers * C * spec.hidden_size * tokens
+
+
+def test_the_liger_standins_keep_what_liger_keeps_for_backward(stack_trace) -> None:
+    """One bf16 Llama decoder layer (frozen weights, an input that needs its gradient), its saved tensors
+    counted by storage: with the stand-ins of Liger's RMSNorm, SwiGLU and rotary it keeps 4h + 2I bytes per
+    token less - two norms' inputs in bf16 instead of fp32 copies (2 x 2h) and gate and up without silu(gate)
+    (2I) - which is what memory.activation_parts_per_token takes off under liger_kernels. In fp32 the same layer
+    gives its input the same gradient either way."""
+    import contextlib
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import liger_standins
+
+    h, inter, n = 256, 704, 128
+    config = LlamaConfig(
+        hidden_size=h, intermediate_size=inter, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).requires_grad_(False)
+    x, weights = torch.randn(1, n, h), torch.randn(1, n, h)
+
+    def run(patched: bool, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+        storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        model.to(dtype)
+        given = x.to(dtype).requires_grad_()
+        positions = torch.arange(n)[None]
+        patch = liger_standins.liger_kernels() if patched else contextlib.nullcontext()
+        with patch, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = model.model.layers[0](given, position_embeddings=model.model.rotary_emb(given, positions))
+            (out.float() * weights).sum().backward()
+        assert given.grad is not None
+        return sum(storages.values()), given.grad
+
+    assert run(False, torch.bfloat16)[0] - run(True, torch.bfloat16)[0] == (4 * h + 2 * inter) * n
+    assert torch.allclose(run(True, torch.float32)[1], run(False, torch.float32)[1], rtol=1e-4, atol=1e-5)

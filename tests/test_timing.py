@@ -258,6 +258,25 @@ def test_torch_compile_fuses_the_elementwise_ops_not_the_matmuls(spec, a100) -> 
     assert compiled_ops.total < eager_ops.total
 
 
+def test_liger_kernels_make_fewer_passes_over_memory_and_its_loss_no_more_matmuls(spec, a100) -> None:
+    """Liger (lorafit's Trainer with use_liger_kernel): each RMSNorm reads the stream and writes the normed input
+    once (s + c), rotary rotates q and k in place (2c), SwiGLU reads gate and up and writes their product (3c); the
+    residual sums (3s each) and the attention output's copy (2c x q) are transformers'. Its fused cross-entropy
+    reads a chunk's logits twice and writes their gradient once (3c a logit, not 36 + 6), and computes the hidden
+    states' gradient in the forward instead of the backward: the same head matmuls, none run again, unlike
+    lorafit's chunked loss (2 x V x h more FLOPs a token)."""
+    eager, liger, chunked = lora(), lora(liger=True), lora(loss="chunked")
+    h, c = 4096, 2
+    per_token = 2 * (c + c) * h + 2 * 3 * c * h + 2 * c * (h + h) + 3 * c * 11008 + 2 * c * h
+    assert timing.elementwise_bytes_per_token(spec, liger) == per_token
+    assert timing.loss_seconds(spec, liger, a100) == pytest.approx(2048 * 32000 * 3 * c / A100_BYTES)
+    eager_ops, liger_ops = timing.micro_batch_time(spec, eager, a100), timing.micro_batch_time(spec, liger, a100)
+    assert liger_ops.matmul == eager_ops.matmul < timing.micro_batch_time(spec, chunked, a100).matmul
+    assert liger_ops.elementwise < eager_ops.elementwise / 2 and liger_ops.loss < eager_ops.loss / 5
+    assert liger_ops.launches < eager_ops.launches
+    assert timing.tokens_per_second(spec, liger, a100) > timing.tokens_per_second(spec, eager, a100)
+
+
 def test_the_hours_range_is_the_check_rows_error_of_the_narrowest_class_with_rows(a100) -> None:
     """hours x (1 + the 10th and 90th percentile errors) of the run's class: GPU kind and count, else count,
     else all check rows, whichever first has MIN_KIND_ROWS rows."""

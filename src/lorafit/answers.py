@@ -107,6 +107,11 @@ def estimate(given: Mapping[str, Any], *, exact: bool = False, from_config: str 
                 f"--exact traces lorafit's own training step; stack {settings.stack} is estimated from its traced "
                 "facts (`lorafit stacks`): drop --exact, or use --stack lorafit"
             )
+        if settings.liger:
+            raise LorafitError(
+                "--exact traces lorafit's own training step, which does not run Liger's Triton kernels; drop --exact "
+                "or --liger"
+            )
         result = trace.exact_estimate(spec, settings, target, request.headroom)
     else:
         result = memory.estimate(spec, settings, target, request.headroom)
@@ -174,7 +179,7 @@ def plan_request(
     if asked.data is not None:
         from lorafit.data import counter_for, length_profile  # loads only for data: `plan` starts faster
 
-        options.check_against({"seq_len": asked.seq_len}, spec)
+        options.check_against({"seq_len": asked.seq_len, "stack": asked.stack}, spec)
         lengths = length_profile(
             data_path(asked.data),
             tokenizer=counter_for(asked.model, asked.tokenizer, spec),

@@ -730,7 +730,6 @@ LLAMA_FACTORY_STAGES = ("sft", "pt")  # the stages that train as lorafit estimat
 LLAMA_FACTORY_UNMODELLED = {
     "use_unsloth": "Unsloth's kernels are not modelled",
     "use_unsloth_gc": "Unsloth's offloaded checkpoints are not modelled",
-    "enable_liger_kernel": "Liger kernels are not modelled",
     "use_dora": "DoRA's magnitude vectors and extra activations are not modelled",
     "additional_target": "fully trained extra modules are not modelled",
     "neftune_noise_alpha": "NEFTune's noised embeddings are not modelled",
@@ -783,6 +782,8 @@ def _read_llama_factory(reading: _Reading) -> None:
     if LLAMA_FACTORY_ATTENTION[attention]:
         reading.values["attn"] = LLAMA_FACTORY_ATTENTION[attention]
     reading.values["grad_ckpt"] = not reading.switch("disable_gradient_checkpointing")
+    if reading.switch("enable_liger_kernel"):  # model_args.py; apply_liger_kernel, its fused loss for sft and pt
+        reading.values["liger"] = True
     _set_hf_optimizer(reading, "optim", reading.get("optim", "adamw"))  # transformers' default: an AdamW
     _set_deepspeed(reading, "deepspeed")
     reading.note_switched_on(LLAMA_FACTORY_UNMODELLED)
@@ -856,7 +857,6 @@ TRL_MODEL_KEYS = frozenset(  # ModelConfig and ScriptArguments: `trl sft` loads 
     }
 )
 TRL_UNMODELLED = {
-    "use_liger_kernel": "Liger kernels are not modelled",
     "torch_compile": "torch.compile changes what is kept for backward; not modelled",
     "neftune_noise_alpha": "NEFTune's noised embeddings are not modelled",
     "lora_modules_to_save": "fully trained extra modules are not modelled",
@@ -888,6 +888,8 @@ def _read_trl(reading: _Reading) -> None:
     if (attention := reading.get("attn_implementation")) is not None:
         _set_hf_attention(reading, "attn_implementation", attention)
     _set_hf_optimizer(reading, "optim", reading.get("optim", "adamw"))  # training_args.py: an AdamW
+    if reading.switch("use_liger_kernel"):  # training_args.py; SFTTrainer keeps its own fused head
+        reading.values["liger"] = True
     if (loss := reading.get("loss_type")) is not None:
         if not _one_of(loss, TRL_LOSSES):
             raise _Unmappable(f"loss_type {_shown(loss)}: lorafit estimates {', '.join(TRL_LOSSES)}")

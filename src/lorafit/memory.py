@@ -57,8 +57,13 @@ class Runtime(BaseModel):
     # which folds 32768-wide vocabulary tiles of the logits into per-token log-probabilities and never holds the
     # full logits (fused_head_bytes)
     # fused_chunked: Unsloth's fused cross-entropy (unsloth_fused_ce_loss), the head and the fp32 loss over chunks
-    # of at most 4 GiB of fp32 logits, the hidden states' gradient computed in forward (fused_chunked_loss_bytes)
-    loss: Literal["hf", "chunked_compute", "fused_logprob", "fused_chunked"] = "hf"
+    # of at most 4 GiB of fp32 logits, the hidden states' gradient computed in forward (fused_chunked_loss_bytes);
+    # liger_fused: Liger's fused linear cross-entropy, which makes the hidden states' gradient in the forward, a
+    # chunk of logits at a time (liger_loss_bytes)
+    loss: Literal["hf", "chunked_compute", "fused_logprob", "fused_chunked", "liger_fused"] = "hf"
+    # Liger's RMSNorm, SwiGLU and rotary kernels (use_liger_kernel; catalog/stacks.toml [liger]): the norms save
+    # their input in its own dtype and one fp32 rsqrt per row, SwiGLU saves gate and up only
+    liger_kernels: bool = False
     kbit_upcast: bool = False  # peft prepare_model_for_kbit_training: non-quantised params to fp32
     lora_dtype: Literal["fp32", "compute"] = "fp32"  # peft autocasts adapters to fp32 by default
     fused_optimizer: bool = True  # adamw_torch_fused: no param-sized temporaries in the step
@@ -118,9 +123,10 @@ class Runtime(BaseModel):
 
 def stack_runtime(settings: Settings, **overrides: Any) -> Runtime:
     """The Runtime of the trainer `settings.stack` names (lorafit.stacks, catalog/stacks.toml), with the facets
-    the settings switch (autocast, kbit_prep, fused_optimizer, torch_compile) and `overrides` (e.g. device) on top."""
+    the settings switch (autocast, kbit_prep, fused_optimizer, torch_compile, liger) and `overrides` (e.g. device)
+    on top."""
     quantized = settings.quant != "none"
-    fields = stacks.resolve(settings.stack).facts(quantized)
+    fields = stacks.resolve(settings.stack).facts(quantized, liger=bool(settings.liger))
     if settings.autocast is not None:
         fields["autocast"] = settings.autocast
     if settings.fused_optimizer is not None:
@@ -293,7 +299,7 @@ def activation_parts_per_token(
     sdpa/flash save q, k, v (k and v repeated to all heads when a mask is passed), the output and the fp32
     logsumexp; eager saves the score and probability matrices instead. SwiGLU saves gate, silu(gate) and up."""
     c = DTYPE_BYTES[settings.precision]
-    h, q, kv, inter = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+    h, q, kv, inter = spec.hidden_size, spec.q_size, spec.kv_size, spec.mlp_width
     heads = spec.num_attention_heads
     full = settings.method == "full"
     lora_names = set() if full else set(spec.lora_target_names(settings.lora_targets))
@@ -301,7 +307,7 @@ def activation_parts_per_token(
     def norm() -> float:
         if not input_requires_grad and not full:
             return 0.0
-        return 4 * h + 4 + (2 * h if full else 0)
+        return norm_saved_bytes(spec, settings, runtime)
 
     def linear_inputs(names: dict[str, tuple[int, int]], shared_input: bool) -> float:
         if full:
@@ -335,6 +341,10 @@ def activation_parts_per_token(
         # q and k for QK^T, fp32 softmax output, its bf16 cast for the AV matmul, v for the AV matmul; Gemma-2's
         # soft-capping (tanh(scores / cap) x cap) also keeps the tanh output
         scores = (4 + c + (c if spec.logit_softcapping else 0)) * heads * settings.seq_len
+        if spec.arch.attention_sinks:
+            # gpt-oss appends its sink logit to each row and takes the softmax in the scores' own dtype: the
+            # probabilities (seq + 1 columns) in bf16 and the row maxima's int64 indices
+            scores = c * heads * (settings.seq_len + 1) + 8 * heads
         attention = a * (q + kv_saved) + scores + v_saved
     else:
         attention = a * (q + kv_saved) + v_saved + a * q + 4 * heads
@@ -344,7 +354,12 @@ def activation_parts_per_token(
     mlp = {name: dims for name, dims in spec.mlp_linears().items() if name != "down_proj"}
     down = {"down_proj": spec.mlp_linears()["down_proj"]}
     experts = max(spec.num_experts_per_tok, 1) if spec.is_moe else 1
-    gated = 3 * swiglu_dtype_bytes(settings, runtime) * inter  # silu saves gate; the product saves silu(gate), up
+    # silu saves gate and the product silu(gate) and up; Liger's kernel saves gate and up, recomputing silu
+    gated = (2 if runtime.liger_kernels else 3) * swiglu_dtype_bytes(settings, runtime) * inter
+    if spec.arch.clamped_swiglu:
+        # gpt-oss: both clamps keep the interleaved gate_up output (2 i) alive; the products save the clamped
+        # gate, sigmoid(alpha gate), up + 1 and the gated product (GptOssExperts._apply_gate)
+        gated = 6 * swiglu_dtype_bytes(settings, runtime) * inter
     parts = {
         "attn_norm": norm(),
         "qkv_inputs": fused_qkv_lora_bytes(qkv, lora_names, settings, runtime, input_requires_grad)
@@ -354,19 +369,27 @@ def activation_parts_per_token(
         # sdpa/flash return their output laid out as (batch, seq, heads, head_dim): the o_proj input is a view of
         # the output attention already saved, so a trainable o_proj saves nothing new
         "o_proj_input": 0.0 if full and settings.attn != "eager" else linear_inputs_grad(out_proj, False),
-        "mlp_norm": 4 * h + 4 + (2 * h if full else 0),  # the residual stream requires grad past attention
+        "mlp_norm": norm_saved_bytes(spec, settings, runtime),  # the residual stream requires grad past attention
         "mlp_inputs": experts * linear_inputs_grad(mlp, shared_input=True),
         "gated_act": experts * gated,
         "down_input": experts * linear_inputs_grad(down, shared_input=False),
     }
+    if spec.is_moe:
+        # each routed expert's output is scaled by its routing weight, which requires grad (the router sees the
+        # trainable residual stream), so the product keeps every expert output: k x hidden per token
+        # (transformers 5.25 integrations/moe.py grouped_mm_experts_forward; checked against the trace in
+        # tests/test_moe.py)
+        parts["expert_outputs"] = experts * c * h
     if spec.norms_per_layer > 2:
         # Gemma-2 and Gemma 3 normalise the attention and MLP outputs too, before adding them to the residual stream
-        parts["post_norms"] = (spec.norms_per_layer - 2) * (4 * h + 4 + (2 * h if full else 0))
+        parts["post_norms"] = (spec.norms_per_layer - 2) * norm_saved_bytes(spec, settings, runtime)
     if spec.arch.qk_norm_saved:
         # Gemma 3 RMS-normalises each query and key head before RoPE: like the layer norms, each saves its fp32
         # input and one rsqrt per head (and, in full fine-tuning, its normalised input for the weight's gradient)
         kv_heads = spec.num_key_value_heads
-        parts["qk_norms"] = 4 * (q + kv) + 4 * (heads + kv_heads) + (c * (q + kv) if full else 0)
+        width = c if runtime.liger_kernels else 4  # Liger's RMSNorm saves its input in its own dtype
+        extra = c * (q + kv) if full and not runtime.liger_kernels else 0
+        parts["qk_norms"] = width * (q + kv) + 4 * (heads + kv_heads) + extra
     if keeps_bnb_inputs(settings, runtime):
         parts["bnb_inputs"] = bnb_input_bytes_per_token(spec, settings, input_requires_grad)
     if runtime.triton_kernels and not full:
@@ -402,6 +425,17 @@ def triton_kernel_parts(
     return out
 
 
+def norm_saved_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """Per token, what one RMSNorm over the residual stream saves. transformers' upcasts to fp32 and saves that
+    copy (4h) and the rsqrt (4), and with a trainable weight the normalised input too (2h). Liger's
+    (LigerRMSNormFunction @ v0.8.2) saves its input as it comes, in the stream's dtype, and the fp32 rsqrt; its
+    weight's gradient is recomputed from them."""
+    h = spec.hidden_size
+    if runtime.liger_kernels:
+        return stream_dtype_bytes(settings, runtime) * h + 4
+    return 4 * h + 4 + (2 * h if settings.method == "full" else 0)
+
+
 def fused_qkv_lora_bytes(
     qkv: dict[str, tuple[int, int]],
     lora_names: set[str],
@@ -431,7 +465,7 @@ def bnb_input_bytes_per_token(spec: ModelSpec, settings: Settings, input_require
     """The inputs old bitsandbytes keeps per layer: q/k/v share one (kept only if it needs a gradient, which
     the first layer's does not under LoRA), gate/up another, o_proj and down_proj their own."""
     c = DTYPE_BYTES[settings.precision]
-    h, q, inter = spec.hidden_size, spec.q_size, spec.intermediate_size
+    h, q, inter = spec.hidden_size, spec.q_size, spec.mlp_width
     experts = max(spec.num_experts_per_tok, 1) if spec.is_moe else 1
     qkv_input = h if input_requires_grad or settings.method == "full" else 0
     return c * (qkv_input + q + h + experts * inter)
@@ -457,7 +491,17 @@ def activation_bytes_per_layer(
 ) -> float:
     """Saved bytes of one decoder layer for one micro-batch, without checkpointing."""
     parts = activation_parts_per_token(spec, settings, runtime, input_requires_grad)
-    return sum(parts.values()) * settings.tokens_per_micro_batch
+    return sum(parts.values()) * settings.tokens_per_micro_batch + merged_expert_bytes(spec, settings)
+
+
+def merged_expert_bytes(spec: ModelSpec, settings: Settings) -> float:
+    """LoRA on an MoE's fused experts (lora_targets experts): peft's ParamWrapper parametrises each expert
+    parameter as W + B A, materialised in the compute dtype for the layer's forward, and the expert matmuls save
+    it for backward: one layer's expert weights per layer that keeps its activations (checked against the trace
+    of Qwen3-30B-A3B, gpt-oss-20b and Mixtral in tests/test_moe.py)."""
+    if not spec.expert_target_names(settings.lora_targets) or settings.method == "full":
+        return 0.0
+    return spec.expert_params * DTYPE_BYTES[settings.precision]
 
 
 def swiglu_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
@@ -566,12 +610,14 @@ def activation_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> f
 
 
 def head_saved_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
-    """The final RMSNorm saves its fp32 input (and, training the head, the normalised bf16 input); a quantised
-    head under old bitsandbytes keeps that normalised input too."""
-    c = DTYPE_BYTES[settings.precision]
-    per_token: float = 4 * spec.hidden_size + 4
+    """The final RMSNorm saves its fp32 input (and, training the head, the normalised bf16 input, which the head
+    saves too); Liger's saves its input as it comes (norm_saved_bytes). A quantised head under old bitsandbytes
+    keeps that normalised input too."""
+    c, h = DTYPE_BYTES[settings.precision], spec.hidden_size
+    liger = runtime.liger_kernels
+    per_token: float = norm_saved_bytes(spec, settings, runtime) if liger else 4 * h + 4
     if settings.method == "full":
-        per_token += 2 * c * spec.hidden_size
+        per_token += (1 if liger else 2) * c * h
     elif runtime.quantized_head and keeps_bnb_inputs(settings, runtime):
         per_token += c * spec.hidden_size
     return per_token * settings.tokens_per_micro_batch
@@ -628,6 +674,8 @@ def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime, gpu_byte
         return fused_head_bytes(spec, settings, runtime)
     if runtime.loss == "fused_chunked":
         return fused_chunked_loss_bytes(spec, settings, unsloth_chunk_target(spec, settings, runtime, gpu_bytes))
+    if runtime.loss == "liger_fused":
+        return liger_loss_bytes(spec, settings, runtime)
     # Gemma-2 soft-caps the logits (tanh(logits / 30) x 30) in the compute dtype: tanh keeps its output
     softcap = DTYPE_BYTES[settings.precision] * vocab * n if spec.logit_softcapping else 0
     return 12 * vocab * n + softcap + head_weight_cast_bytes(spec, settings, runtime)
@@ -729,6 +777,28 @@ def fused_chunked_loss_bytes(
     return c * spec.hidden_size * settings.tokens_per_micro_batch + per_token * chunk
 
 
+def liger_chunk_tokens(spec: ModelSpec, settings: Settings) -> int:
+    """Tokens Liger's fused linear cross-entropy scores at once (fused_linear_cross_entropy_forward @ v0.8.2):
+    the next power of two of tokens / ceil(V / h), so that a chunk's logits are about the hidden states' size."""
+    tokens = settings.tokens_per_micro_batch
+    per_chunk = math.ceil(tokens / math.ceil(spec.vocab_size / spec.hidden_size))
+    return min(tokens, 1 << (per_chunk - 1).bit_length())
+
+
+def liger_loss_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """Liger's fused linear cross-entropy (LigerFusedLinearCrossEntropyFunction @ v0.8.2), the peak of the loss,
+    which is in its forward: it computes the hidden states' gradient there, one chunk of k tokens
+    (liger_chunk_tokens) at a time, and keeps it for a backward that only scales it. Alive together: the final
+    hidden states it reads and that gradient (zeros_like them: N x h in the stream's dtype each), one chunk's
+    logits (k x V, the matmul's dtype), turned into their gradient in place, and that chunk's input gradient
+    (k x h) before it is copied in; the fp32 per-token losses (4 N). No logits of all tokens, no fp32 upcast:
+    for Llama-3.1-8B at 2048 tokens 0.05 GiB in place of 2.9 GiB. Over peft's fp32 LM head the autocast matmul
+    casts the head's weight for every chunk (head_weight_cast_bytes)."""
+    c, s = DTYPE_BYTES[settings.precision], stream_dtype_bytes(settings, runtime)
+    n, h, chunk = settings.tokens_per_micro_batch, spec.hidden_size, liger_chunk_tokens(spec, settings)
+    return 2 * s * h * n + c * (spec.vocab_size + h) * chunk + 4 * n + head_weight_cast_bytes(spec, settings, runtime)
+
+
 def loss_chunk_tokens(settings: Settings) -> int:
     return min(settings.tokens_per_micro_batch, LOSS_CHUNK_TOKENS)
 
@@ -754,7 +824,7 @@ def grad_buffer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime = Ru
     compute dtype under autocast (TRL's QLoRA) no fp32 gradient is made: I + c x h in TRL's traced step
     (`make bench-stacks`, Llama-2-7B and Llama-3.1-8B)."""
     c = DTYPE_BYTES[settings.precision]
-    h, inter = spec.hidden_size, spec.intermediate_size
+    h, inter = spec.hidden_size, spec.mlp_width
     if settings.method == "full":
         per_token = 2 * c * inter + 8 * c * h
     elif compute_dtype_adapters_under_autocast(settings, runtime):
@@ -786,7 +856,7 @@ def recompute_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> fl
         # the hidden-sized gradients (4c x h); read from the source, not traced
         in_flight = (c * spec.intermediate_size + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
     else:
-        in_flight = (5 * c * spec.intermediate_size + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
+        in_flight = (5 * c * spec.mlp_width + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
     return activation_bytes_per_layer(spec, settings, runtime) + in_flight
 
 

@@ -134,6 +134,10 @@ EN: dict[str, str] = {
     "model.copy_not_in_catalog": "a pre-quantised copy of {base!r}, which is not in the catalog either",
     "model.did_you_mean": "did you mean {names}? ",
     "error.seq_len_past": "{setting} {seq_len:d} is past {model}'s maximum of {limit:d} tokens",
+    "error.seq_len_no_rope": "{setting} {seq_len:d} is past {model}'s maximum of {limit:d} tokens, and "
+    "{setting_stack} {stack} does not scale RoPE; the stacks that do: {stacks}",
+    "plan.rope": "sequence length {seq_len:d} is past {model}'s {limit:d} trained positions: stack {stack} scales RoPE "
+    "by a factor of {factor:d} (rope_scaling) to reach it",
     "error.stack_not_offered": "{setting} {name}: not offered ({why}); see `lorafit stacks`",
     "rule.qlora_needs_quant": "{setting_method} qlora needs a quantised base: {setting_quant} nf4 or int8 (for "
     "16-bit weights use {setting_method} lora)",

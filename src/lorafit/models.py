@@ -29,8 +29,10 @@ from lorafit.messages import say
 from lorafit.vision import TEXT_ARCHITECTURE, TEXT_DEFAULTS, TIED_BY_DEFAULT, VisionTower, read_vision
 
 # The families of catalog/architectures.toml, for the type checker (tests/test_architectures.py: the two agree)
-Architecture = Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral"]
-LoraTargets = Literal["all", "attn", "qv"]
+Architecture = Literal[
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss"
+]
+LoraTargets = Literal["all", "attn", "qv", "experts"]
 AttentionKernel = Literal["sdpa", "flash", "eager"]
 
 
@@ -55,6 +57,12 @@ class ArchitectureSpec(BaseModel):
     attention_bias_key: bool
     pad_token_id: int | None = None
     llama_cpp_70b: bool
+    # mixture-of-experts traits (optional: a dense family states none of them)
+    experts_key: str = "num_local_experts"
+    attention_sinks: bool = False
+    moe_biases: bool = False
+    clamped_swiglu: bool = False
+    experts_transposed: bool = False
 
     @model_validator(mode="after")
     def _saved_norms_exist(self) -> ArchitectureSpec:
@@ -106,6 +114,7 @@ DIMENSION_LIMITS: dict[str, int] = {
     "max_position_embeddings": 1 << 26,
     "num_local_experts": 4096,
     "num_experts_per_tok": 4096,
+    "moe_intermediate_size": 1 << 18,
 }
 # A config.json is a few kB; reading stops well past that, so a device or a huge file named by mistake is refused.
 CONFIG_JSON_MAX_BYTES = 16 << 20
@@ -165,6 +174,8 @@ class ModelSpec(BaseModel):
     attention_bias: bool = False
     num_local_experts: int = Field(default=0, ge=0, le=DIMENSION_LIMITS["num_local_experts"])
     num_experts_per_tok: int = Field(default=0, ge=0, le=DIMENSION_LIMITS["num_experts_per_tok"])
+    moe_intermediate_size: int | None = Field(default=None, gt=0, le=DIMENSION_LIMITS["moe_intermediate_size"])
+    norm_topk_prob: bool = False
     published_params: int | None = None
     source: str | None = None
     variant_of: str | None = Field(default=None, description="the preset whose shapes this hub checkpoint shares")
@@ -191,6 +202,12 @@ class ModelSpec(BaseModel):
     @property
     def is_moe(self) -> bool:
         return self.num_local_experts > 0
+
+    @property
+    def mlp_width(self) -> int:
+        """The width of the MLP every block runs: one expert's for an MoE (Qwen3-MoE's `moe_intermediate_size`;
+        its `intermediate_size` is the width of dense layers, which the released checkpoints do not have)."""
+        return self.moe_intermediate_size if self.is_moe and self.moe_intermediate_size else self.intermediate_size
 
     @property
     def arch(self) -> ArchitectureSpec:
@@ -239,7 +256,7 @@ class ModelSpec(BaseModel):
         two fused 3-D parameters of `mlp.experts` (`gate_up_proj`: experts x 2i x h, `down_proj`: experts x h x
         i), not as Linear modules.
         """
-        h, i = self.hidden_size, self.intermediate_size
+        h, i = self.hidden_size, self.mlp_width
         if self.arch.fused_gate_up or self.is_moe:
             return {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)}
         return {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
@@ -257,14 +274,38 @@ class ModelSpec(BaseModel):
         """The module names LoRA wraps for `--lora-targets`; Phi-3's fused qkv_proj stands in for q and v.
 
         MoE experts are fused parameters, not modules: peft reaches them only through `target_parameters`,
-        whose wrapper refuses lora_dropout, so on Mixtral "all" adapts the attention projections, as "attn" does.
+        whose wrapper refuses lora_dropout, so on an MoE "all" adapts the attention projections, as "attn" does,
+        and "experts" adapts the attention and every expert's gate_up_proj and down_proj (`expert_target_names`).
         """
         attn = tuple(self.attention_linears())
+        if targets == "experts":
+            return attn + self.expert_target_names(targets)
         if targets == "all":
             return attn if self.is_moe else attn + tuple(self.mlp_linears())
         if targets == "attn":
             return attn
         return ("qkv_proj",) if self.arch.fused_qkv else ("q_proj", "v_proj")
+
+    def expert_target_names(self, targets: LoraTargets) -> tuple[str, ...]:
+        """The fused expert parameters (of `mlp.experts`) that peft's `target_parameters` adapts for `targets`."""
+        return tuple(self.mlp_linears()) if targets == "experts" and self.is_moe else ()
+
+    def check_lora_targets(self, targets: LoraTargets | None, lora_dropout: float | None) -> None:
+        """Refuse LoRA targets the stack cannot apply: experts on a dense model, or with dropout (peft's
+        ParamWrapper raises "does not work with lora_dropout != 0": dropout cannot be factored out of the
+        per-expert weight delta)."""
+        if targets != "experts":
+            return
+        if not self.is_moe:
+            raise InvalidConfig(
+                f"lora_targets experts: {self.name} has no experts; lora_targets all adapts its MLP projections"
+            )
+        if lora_dropout:
+            raise InvalidConfig(
+                f"lora_targets experts with lora_dropout {lora_dropout}: peft adapts {self.name}'s fused experts "
+                "through target_parameters, which refuses dropout; set lora_dropout 0, or lora_targets all "
+                "(the attention only)"
+            )
 
     # --- parameter counts -----------------------------------------------------------------------------------
     @property
@@ -282,6 +323,13 @@ class ModelSpec(BaseModel):
         return self.num_local_experts * sum(i * o for i, o in self.mlp_linears().values()) if self.is_moe else 0
 
     @property
+    def expert_bias_params(self) -> int:
+        """gpt-oss's experts add a bias to gate_up (2 x width) and down (hidden) in every expert."""
+        if not (self.is_moe and self.arch.moe_biases):
+            return 0
+        return self.num_local_experts * (2 * self.mlp_width + self.hidden_size)
+
+    @property
     @memoised
     def layer_linear_params(self) -> int:
         """Weights of one block's `nn.Linear` layers, biases excluded: what 4-bit quantisation replaces.
@@ -294,14 +342,18 @@ class ModelSpec(BaseModel):
     @property
     @memoised
     def layer_other_params(self) -> int:
-        """What stays 16/32-bit under QLoRA: norms, attention biases, MoE router and experts, q/k norms."""
+        """What stays 16/32-bit under QLoRA: norms, attention biases (o_proj's too where `attention_bias` sets it,
+        as in Llama and gpt-oss), MoE router and experts, q/k norms, gpt-oss's attention sinks (one per head)."""
         other = self.norms_per_layer * self.hidden_size
         if self.attention_bias:
-            other += self.q_size + 2 * self.kv_size
+            other += self.q_size + 2 * self.kv_size + (0 if self.arch.qkv_bias else self.hidden_size)
         if self.is_moe:
-            other += self.hidden_size * self.num_local_experts + self.expert_params
+            router = (self.hidden_size + (1 if self.arch.moe_biases else 0)) * self.num_local_experts
+            other += router + self.expert_params + self.expert_bias_params
         if self.has_qk_norm:
             other += 2 * self.head_size
+        if self.arch.attention_sinks:
+            other += self.num_attention_heads
         return other
 
     @property
@@ -335,8 +387,9 @@ class ModelSpec(BaseModel):
         image-text model's vision tower runs only for images)."""
         if not self.is_moe:
             return self.num_params - self.vision_params
-        mlp_one = sum(i * o for i, o in self.mlp_linears().values())
-        idle = (self.num_local_experts - self.num_experts_per_tok) * mlp_one * self.num_hidden_layers
+        idle_experts = self.num_local_experts - self.num_experts_per_tok
+        one_expert = (self.expert_params + self.expert_bias_params) // self.num_local_experts
+        idle = idle_experts * one_expert * self.num_hidden_layers
         return self.num_params - idle - self.vision_params
 
     @memoised
@@ -379,8 +432,11 @@ class ModelSpec(BaseModel):
             # the config class's default pad id (Phi3Config: 32000): a shrunken vocabulary has no such row
             config["pad_token_id"] = None
         if self.is_moe:
-            config["num_local_experts"] = self.num_local_experts
+            config[self.arch.experts_key] = self.num_local_experts
             config["num_experts_per_tok"] = self.num_experts_per_tok
+            if self.moe_intermediate_size is not None:
+                config["moe_intermediate_size"] = self.moe_intermediate_size
+                config["norm_topk_prob"] = self.norm_topk_prob
         if self.vision is None:
             return config
         # an image-text model: its family's config class takes the text model's keys (the text model_type left
@@ -571,6 +627,7 @@ def _text_spec(
         if key in config and config[key] is not None and key not in ("name", "architecture", *NOT_CONFIG_KEYS)
     }
     fields.setdefault("num_key_value_heads", config.get("num_attention_heads"))
+    fields.update(moe_fields(file, config, arch))
     check_dimensions(file, fields)
     if arch.qkv_bias:
         fields["attention_bias"] = True  # Qwen2 always has q/k/v biases; its config has no key for it
@@ -606,6 +663,24 @@ def bitsandbytes_quantization(file: Path, quantization: object) -> PreQuantized 
     return PreQuantized(quant="nf4", double_quant=quantization.get("bnb_4bit_use_double_quant") is True)
 
 
+def moe_fields(file: Path, config: dict[str, Any], arch: ArchitectureSpec) -> dict[str, Any]:
+    """The expert count under the family's own key (Qwen3-MoE's `num_experts`); a config whose MLP is dense in
+    some layers (Qwen3-MoE's `mlp_only_layers`, `decoder_sparse_step` > 1) is refused: lorafit plans every layer
+    as sparse, as every released Qwen3-MoE checkpoint is."""
+    fields: dict[str, Any] = {}
+    if arch.experts_key != "num_local_experts" and config.get(arch.experts_key) is not None:
+        fields["num_local_experts"] = config[arch.experts_key]
+    dense = config.get("mlp_only_layers") or []
+    step = config.get("decoder_sparse_step", 1)
+    if dense or step not in (1, None):
+        raise InvalidConfig(
+            f"{file}: layers with a dense MLP (mlp_only_layers {dense}, decoder_sparse_step {step}) are not "
+            "modelled; lorafit plans MoE models whose every layer is sparse (mlp_only_layers [], "
+            "decoder_sparse_step 1, as in the released Qwen3-MoE checkpoints)"
+        )
+    return fields
+
+
 def read_config_json(file: Path) -> dict[str, Any]:
     """The JSON object in `file`, or one line saying why it cannot be read as a config.json."""
     try:
@@ -631,7 +706,7 @@ def read_config_json(file: Path) -> dict[str, Any]:
 def check_dimensions(file: Path, fields: dict[str, Any]) -> None:
     """Refuse a dimension that is not a whole number (`"hidden_size": "128"`, which transformers cannot build) or
     that is past what any real model has (`DIMENSION_LIMITS`), before anything is planned from it."""
-    for key in ("tie_word_embeddings", "attention_bias"):
+    for key in ("tie_word_embeddings", "attention_bias", "norm_topk_prob"):
         if key in fields and type(fields[key]) is not bool:
             raise InvalidConfig(f"{file}: {key} {json.dumps(fields[key])[:40]} must be true or false")
     for key, limit in DIMENSION_LIMITS.items():

@@ -259,7 +259,14 @@ class Settings(_RuledModel):
     lora_dropout: Annotated[
         float, Field(ge=0, lt=1), About("dropout on the adapter input", ESTIMATE_PLAN_TRAIN, "step")
     ] = 0.05
-    lora_targets: Annotated[LoraTargets, About("which linear layers get adapters", ESTIMATE_PLAN_TRAIN, "step")] = "all"
+    lora_targets: Annotated[
+        LoraTargets,
+        About(
+            "which layers get adapters (experts: an MoE's attention and experts, with lora_dropout 0)",
+            ESTIMATE_PLAN_TRAIN,
+            "step",
+        ),
+    ] = "all"
     optimizer: Annotated[
         Optimizer,
         About(
@@ -394,6 +401,17 @@ class Settings(_RuledModel):
         About(
             "the model runs under torch.compile (TrainingArguments' torch_compile): Inductor fuses the elementwise "
             "ops into fewer kernels; changes the time, not the memory estimate",
+            ("estimate", "plan"),
+            "stack",
+            auto="the stack's",
+        ),
+    ] = None
+    liger: Annotated[
+        bool | None,
+        About(
+            "Liger's Triton kernels patched into the model (TrainingArguments' use_liger_kernel): RMSNorm, SwiGLU "
+            "and rotary that save less for backward, and, where the stack lets it, the fused linear cross-entropy "
+            "that never makes the logits",
             ("estimate", "plan"),
             "stack",
             auto="the stack's",
@@ -848,7 +866,10 @@ def check_against(
     stacks.check({"stack": BY_NAME["stack"].default, "method": BY_NAME["method"].default} | _set(values), family)
     attn, precision = values.get("attn"), values.get("precision")
     if spec is not None:
-        spec.check_seq_len(values.get("seq_len"))
+        stack = values.get("stack") or BY_NAME["stack"].default
+        stacks.past_positions(stack, values.get("seq_len"), spec.name, spec.max_position_embeddings)
+        if values.get("liger"):
+            stacks.check_liger_model(spec.arch.model_types, spec.name)
     if spec is not None and spec.prequantized is not None:
         check_prequantized(values, spec)
     if spec is not None and values.get("offload_embeddings") and spec.tie_word_embeddings:
@@ -856,6 +877,8 @@ def check_against(
             f"offload_embeddings: {spec.name} ties its input embeddings to the LM head, which runs on the GPU; "
             "turn offload_embeddings off"
         )
+    if spec is not None:
+        spec.check_lora_targets(values.get("lora_targets"), values.get("lora_dropout"))
     if spec is not None and attn is not None and attn not in spec.attention_implementations:
         raise InvalidConfig(
             f"attn {attn}: {spec.name} ({spec.architecture}) has no {attn} attention in transformers; use attn "

@@ -114,7 +114,7 @@ def saver_applies(name: str, search: Search) -> bool:
     gpu, spec = search.gpu, search.request.model
     cuda = gpu is not None and gpu.kind != "apple" and search.request.device != "cpu"
     applies = {
-        "loss": gpu is not None,
+        "loss": gpu is not None and not search.fixed.get("liger"),  # Liger's fused loss replaces it
         "offload_embeddings": cuda and search.fixed["method"] != "full" and not spec.tie_word_embeddings,
         "offload_activations": cuda,
         "expandable_segments": cuda,
@@ -321,7 +321,24 @@ def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: f
     if s.method == "qlora":
         said = "plan.qlora_double" if s.double_quant else "plan.qlora"
         reasons.append(say(said, lora_r=s.lora_r, lora_targets=s.lora_targets))
+    if spec.is_moe:
+        reasons.append(moe_reason(spec, s))
     return reasons
+
+
+def moe_reason(spec: ModelSpec, s: Settings) -> str:
+    """What an MoE's experts are in this plan: 16-bit (bitsandbytes quantises nn.Linear layers only; gpt-oss's
+    MXFP4 experts train dequantised to bf16), adapted or not."""
+    adapted = spec.expert_target_names(s.lora_targets) and s.method != "full"
+    line = (
+        f"mixture of experts: {spec.num_local_experts} experts a layer, {spec.num_experts_per_tok} per token, "
+        "held in 16 bit (4-bit quantisation covers nn.Linear layers only); "
+    )
+    if s.method == "full":
+        return line + "every expert trains"
+    if adapted:
+        return line + "LoRA adapts the attention and every expert (peft target_parameters)"
+    return line + "LoRA adapts the attention (--lora-targets experts --lora-dropout 0 adapts the experts too)"
 
 
 def explain_savers(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, spec: ModelSpec) -> list[str]:
@@ -548,8 +565,11 @@ def gpus_change(settings: Settings, gpu: GpuSpec, hours: float) -> str:
 def resolve_seq_len(request: PlanRequest) -> int:
     """The user's length, else the data's longest row, else 2048; never past the model's maximum."""
     seq_len = request.seq_len or (request.tokens.max if request.tokens and request.tokens.max else DEFAULT_SEQ_LEN)
-    request.model.check_seq_len(request.seq_len)
-    return min(seq_len, request.model.max_position_embeddings)
+    stack = request.pinned.get("stack") or options.BY_NAME["stack"].default
+    spec = request.model
+    if stacks.past_positions(stack, request.seq_len, spec.name, spec.max_position_embeddings):
+        return seq_len  # the stack scales RoPE to reach it (automatic_choices says by what factor)
+    return min(seq_len, spec.max_position_embeddings)
 
 
 def on_the_cpu(
@@ -595,6 +615,9 @@ def automatic_choices(request: PlanRequest, settings: Settings) -> list[str]:
         reasons.append(say("plan.cpu_fp32"))
     elif "precision" not in request.pinned and settings.precision == "fp16" and request.gpu:
         reasons.append(say("plan.no_bf16", gpu=request.gpu.name))
+    spec = request.model
+    if rope := stacks.past_positions(settings.stack, settings.seq_len, spec.name, spec.max_position_embeddings):
+        reasons.append(rope)
     return reasons
 
 
@@ -612,9 +635,12 @@ def under_other_trainers(request: PlanRequest, chosen: Settings, gpu: GpuSpec) -
     run the job at all (its base, a multi-GPU engine) is left out."""
     found = []
     for stack in stacks.offered():
-        if stack.name == chosen.stack:
-            continue
+        if stack.name == chosen.stack or (
+            chosen.seq_len > request.model.max_position_embeddings and not stack.rope_scaling
+        ):
+            continue  # (a trainer that does not scale RoPE cannot run past the model's positions)
         lacks = {saver for saver in SAVERS if saver not in stack.savers} | {"kbit_prep"}
+        lacks |= set() if stack.liger_runtime else {"liger"}
         given = {name: value for name, value in request.given.items() if name not in lacks}
         try:
             # the stack's own refusals (its bases, methods, shards, model families)

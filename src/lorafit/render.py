@@ -73,6 +73,7 @@ def stack_words(settings: Settings) -> str:
             ("kbit preparation", settings.kbit_prep),
             ("fused AdamW", settings.fused_optimizer),
             ("torch.compile", settings.torch_compile),
+            ("Liger kernels", settings.liger),
         )
         if on is not None
     ]
@@ -365,11 +366,25 @@ def show_stacks(listed: list[StackSpec]) -> None:
         console.print(f"  pinned: {stack.pinned}", highlight=False)
         quant = ", ".join(stack.quant) or "none"
         console.print(f"  trains over: quant {quant}; savers: {', '.join(stack.savers) or 'none'}", highlight=False)
+        console.print(
+            f"  --liger: {liger_words(stack)}; past the trained context: {rope_words(stack)}", highlight=False
+        )
         for line in stack.keeps:
             console.print(f"  - {line}", highlight=False)
         console.print(f"  traced: {stack.traced}", highlight=False)
         if stack.nearest:
             console.print(f"  its config files (--from) are answered for stack {stack.nearest}", highlight=False)
+
+
+def liger_words(stack: StackSpec) -> str:
+    if not stack.liger_runtime:
+        return "no use_liger_kernel switch"
+    kernels = "RMSNorm, SwiGLU, rotary"
+    return kernels + (" and the fused linear cross-entropy" if stack.liger_fuses_loss else " (its own loss kept)")
+
+
+def rope_words(stack: StackSpec) -> str:
+    return "scales RoPE (rope_scaling)" if stack.rope_scaling else "refused (no RoPE scaling)"
 
 
 def show_models(specs: list[ModelSpec]) -> None:

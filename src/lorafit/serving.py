@@ -76,7 +76,7 @@ def gguf_tensors(spec: ModelSpec) -> list[Tensor]:
     Phi-3's fused projections stay fused (attn_qkv; gate and up as one ffn_up of 2 x intermediate rows);
     Mixtral's experts are one 3-D tensor per projection and layer (ffn_*_exps) with the router (ffn_gate_inp);
     a tied model has no output.weight. Norms and biases are 1-D."""
-    h, i, e = spec.hidden_size, spec.intermediate_size, max(spec.num_local_experts, 1)
+    h, i, e = spec.hidden_size, spec.mlp_width, max(spec.num_local_experts, 1)
     tensors = [Tensor("token_embd.weight", "token_embd", h, spec.vocab_size)]
     for n in range(spec.num_hidden_layers):
         blk = f"blk.{n}."
@@ -99,6 +99,10 @@ def gguf_tensors(spec: ModelSpec) -> list[Tensor]:
                 Tensor(blk + "attn_k.bias", "bias", spec.kv_size, layer=n),
                 Tensor(blk + "attn_v.bias", "bias", spec.kv_size, layer=n),
             ]
+        if spec.attention_bias and not spec.arch.qkv_bias:  # Llama-style attention_bias covers o_proj too
+            tensors.append(Tensor(blk + "attn_output.bias", "bias", h, layer=n))
+        if spec.arch.attention_sinks:  # gpt-oss
+            tensors.append(Tensor(blk + "attn_sinks.weight", "bias", spec.num_attention_heads, layer=n))
         if spec.is_moe:
             tensors += [
                 Tensor(blk + "ffn_gate_inp.weight", "router", h, spec.num_local_experts, n),
@@ -106,6 +110,13 @@ def gguf_tensors(spec: ModelSpec) -> list[Tensor]:
                 Tensor(blk + "ffn_up_exps.weight", "ffn_up", h, i * e, n),
                 Tensor(blk + "ffn_down_exps.weight", "ffn_down", i, h * e, n),
             ]
+            if spec.arch.moe_biases:  # gpt-oss: the router's and every expert's biases
+                tensors += [
+                    Tensor(blk + "ffn_gate_inp.bias", "bias", spec.num_local_experts, layer=n),
+                    Tensor(blk + "ffn_gate_exps.bias", "bias", i * e, layer=n),
+                    Tensor(blk + "ffn_up_exps.bias", "bias", i * e, layer=n),
+                    Tensor(blk + "ffn_down_exps.bias", "bias", h * e, layer=n),
+                ]
         elif spec.arch.fused_gate_up:
             tensors += [
                 Tensor(blk + "ffn_up.weight", "ffn_up", h, 2 * i, n),

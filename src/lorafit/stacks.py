@@ -10,6 +10,7 @@ catalog, so that the option rules and the estimator can both read it. Pure Pytho
 
 from __future__ import annotations
 
+import math
 import tomllib
 from collections.abc import Mapping
 from functools import cache
@@ -43,6 +44,9 @@ class StackSpec(BaseModel):
     runtime: dict[str, Any] = Field(default_factory=dict)
     qlora_runtime: dict[str, Any] = Field(default_factory=dict)
     lora_runtime: dict[str, Any] = Field(default_factory=dict)
+    liger_runtime: dict[str, Any] = Field(default_factory=dict)  # what use_liger_kernel adds; {}: no such switch
+    rope_scaling: bool = False  # trains past the model's trained context by scaling RoPE
+    rope_scaling_source: str = ""
     keeps: tuple[str, ...]
     sources: tuple[str, ...] = ()
     traced: str
@@ -51,15 +55,40 @@ class StackSpec(BaseModel):
     nearest: Stack | None = None  # not offered: the stack `--from` answers for this tool's config files
     nearest_because: str = ""
 
-    def facts(self, quantized: bool) -> dict[str, Any]:
-        """The Runtime fields of this stack's step over a quantised or a 16-bit base."""
-        return self.runtime | (self.qlora_runtime if quantized else self.lora_runtime)
+    def facts(self, quantized: bool, liger: bool = False) -> dict[str, Any]:
+        """The Runtime fields of this stack's step over a quantised or a 16-bit base, with Liger's kernels or not."""
+        facts = self.runtime | (self.qlora_runtime if quantized else self.lora_runtime)
+        return facts | self.liger_runtime if liger else facts
+
+    @property
+    def liger_fuses_loss(self) -> bool:
+        """With use_liger_kernel, Liger's fused linear cross-entropy is the loss (TRL keeps its own fused head)."""
+        return self.liger_runtime.get("loss") == "liger_fused"
+
+
+class Liger(BaseModel):
+    """Liger-Kernel at its pinned version: the model types it patches (catalog/stacks.toml [liger])."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pinned: str
+    model_types: tuple[str, ...]
+    sources: tuple[str, ...]
+
+
+@cache
+def _toml() -> dict[str, Any]:
+    return tomllib.loads(resources.files("lorafit").joinpath("catalog/stacks.toml").read_text())
 
 
 @cache
 def catalog() -> dict[str, StackSpec]:
-    text = resources.files("lorafit").joinpath("catalog/stacks.toml").read_text()
-    return {entry["name"]: StackSpec.model_validate(entry) for entry in tomllib.loads(text)["stack"]}
+    return {entry["name"]: StackSpec.model_validate(entry) for entry in _toml()["stack"]}
+
+
+@cache
+def liger() -> Liger:
+    return Liger.model_validate(_toml()["liger"])
 
 
 def offered() -> list[StackSpec]:
@@ -118,8 +147,63 @@ def check(values: Mapping[str, Any], family: str | None = None) -> None:
         if values.get(saver) == on and saver not in stack.savers:
             others = ", ".join(s.name for s in offered() if saver in s.savers)
             raise InvalidConfig(f"{saver}: stack {stack.name} has no such switch (stacks that do: {others})")
+    if values.get("liger"):
+        check_liger(stack, values)
     if values.get("kbit_prep") is not None:
         if not stack.peft:
             raise InvalidConfig(f"kbit_prep: stack {stack.name} does not build its adapters with peft")
         if values["kbit_prep"] and quant == "none":
             raise InvalidConfig("kbit_prep prepares a quantised base: it needs method qlora (quant nf4 or int8)")
+
+
+def check_liger(stack: StackSpec, values: Mapping[str, Any]) -> None:
+    """`liger` on: the stack must have a use_liger_kernel switch, and where Liger's fused cross-entropy is the
+    loss, lorafit's chunked loss is not."""
+    if not stack.liger_runtime:
+        others = ", ".join(s.name for s in offered() if s.liger_runtime)
+        raise InvalidConfig(f"liger: stack {stack.name} has no use_liger_kernel switch (stacks that do: {others})")
+    if stack.liger_fuses_loss and values.get("loss") == SAVER_ON["loss"]:
+        raise InvalidConfig(
+            "loss chunked: with liger, Liger's fused linear cross-entropy is the loss and never makes the logits; "
+            "leave loss full"
+        )
+
+
+def check_liger_model(model_types: tuple[str, ...], name: str) -> None:
+    """Liger patches only the model types it knows; another is trained without its kernels."""
+    if not set(model_types) & set(liger().model_types):
+        raise InvalidConfig(
+            f"liger: {liger().pinned} does not patch {name} (model type {model_types[0]}); it patches "
+            f"{len(liger().model_types)} model types, llama, mistral, qwen2, qwen3, gemma and phi3 among them "
+            "(catalog/stacks.toml [liger]); turn liger off"
+        )
+
+
+def rope_factor(seq_len: int, positions: int) -> int:
+    """The whole RoPE scaling factor that stretches `positions` over `seq_len` (LLaMA-Factory's configure_rope:
+    ceil(model_max_length / max_position_embeddings))."""
+    return math.ceil(seq_len / positions)
+
+
+def past_positions(stack_name: str, seq_len: int | None, model: str, positions: int) -> str | None:
+    """A sequence past the model's trained positions: for a stack that scales RoPE, the plan line that says by
+    what factor; for another, refused in one line naming the stacks that scale. None within the positions."""
+    if seq_len is None or seq_len <= positions:
+        return None
+    stack = resolve(stack_name)
+    scaling = [s.name for s in offered() if s.rope_scaling]
+    if not stack.rope_scaling:
+        raise InvalidConfig(
+            say(
+                "error.seq_len_no_rope",
+                setting="--seq-len",
+                seq_len=seq_len,
+                model=model,
+                limit=positions,
+                setting_stack="stack",
+                stack=stack.name,
+                stacks=", ".join(scaling),
+            )
+        )
+    factor = rope_factor(seq_len, positions)
+    return say("plan.rope", seq_len=seq_len, model=model, limit=positions, stack=stack.name, factor=factor)

@@ -125,14 +125,30 @@ def base_matmul_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> fl
     tokens = settings.tokens_per_micro_batch
     passes = 2 + (1 if settings.method == "full" else 0)
     layers = layer_matmul_params(spec) * passes + recomputed_layer_params(spec, settings)
+    read = layers + idle_experts_read(spec, settings) * (passes + forward_passes(settings) - 1)
     head = head_params(spec) * passes
     rate = achievable_matmul_flops(gpu, settings.precision) * MATMUL_SHAPE_SHARE
     byte_rate, c = achievable_bytes_per_second(gpu), DTYPE_BYTES[settings.precision]
     slowdown = quant_matmul_slowdown(gpu) if settings.quant != "none" else 1.0
+    # bitsandbytes quantises the nn.Linear layers only: an MoE's fused experts run at the 16-bit rate
+    if spec.is_moe:
+        quantized_share = spec.layer_linear_params * spec.num_hidden_layers / layer_matmul_params(spec)
+        slowdown = 1 + (slowdown - 1) * quantized_share
     head_flops = 2 * head * tokens + chunked_loss_flops_per_token(spec, settings) * tokens
-    return roofline_seconds(2 * layers * tokens, layers * c, rate, byte_rate) * slowdown + roofline_seconds(
+    return roofline_seconds(2 * layers * tokens, read * c, rate, byte_rate) * slowdown + roofline_seconds(
         head_flops, head * c, rate, byte_rate
     )
+
+
+def idle_experts_read(spec: ModelSpec, settings: Settings) -> int:
+    """An MoE's grouped matmuls read the weights of every expert some token of the micro-batch is routed to,
+    not only a token's k: all of them once tokens x k reaches the expert count (the traced _grouped_mm reads
+    its whole 3-D weight)."""
+    if not spec.is_moe:
+        return 0
+    k, experts = spec.num_experts_per_tok, spec.num_local_experts
+    hit = min(experts, settings.tokens_per_micro_batch * k)
+    return (hit - k) * spec.expert_params // experts * spec.num_hidden_layers
 
 
 def recomputed_layer_params(spec: ModelSpec, settings: Settings) -> int:
@@ -143,7 +159,9 @@ def recomputed_layer_params(spec: ModelSpec, settings: Settings) -> int:
         return 0
     params = layer_matmul_params(spec)
     if settings.method == "full":
-        down = sum(i * o * n for name, i, o, n in spec.layer_linears() if name == "down_proj")
+        # an MoE runs its routed experts' down projections only
+        active = spec.num_experts_per_tok if spec.is_moe else 1
+        down = sum(i * o * active for name, i, o, n in spec.layer_linears() if name == "down_proj")
         params -= down * spec.num_hidden_layers
     return params
 
@@ -254,7 +272,8 @@ def lora_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     runtime = memory.stack_runtime(settings)
     per_in, per_out = lora_bytes_per_element(settings, runtime)
     clone = 2 * DTYPE_BYTES[settings.precision] if settings.quant != "none" else 0
-    names = set(spec.lora_target_names(settings.lora_targets))
+    experts = set(spec.expert_target_names(settings.lora_targets))
+    names = set(spec.lora_target_names(settings.lora_targets)) - experts
     widths = [(i * n, o * n) for name, i, o, n in spec.layer_linears() if name in names]
     tokens = settings.tokens_per_micro_batch * spec.num_hidden_layers
     forward = tokens * sum(i * per_in + o * (per_out + clone) for i, o in widths)
@@ -263,6 +282,23 @@ def lora_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     matmul_bytes = lora_dtype_bytes(settings, runtime)[2]
     rate = achievable_matmul_flops(gpu, "fp32" if matmul_bytes == 4 else settings.precision)
     moved = forward * forward_passes(settings) + backward
+    return roofline_seconds(flops, moved, rate, achievable_bytes_per_second(gpu)) + (
+        expert_lora_seconds(spec, settings, gpu) if experts else 0.0
+    )
+
+
+def expert_lora_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """lora_targets experts (peft's ParamWrapper on the fused experts): each forward merges W + B A for every
+    expert (2 r FLOPs per weight; reads W and B A, writes the merged weight), and backward computes the merged
+    weight's gradient for the routed tokens (2 x tokens x active expert weights, as full fine-tuning's weight
+    gradients) before reducing it to A's and B's (4 r FLOPs per weight; writes and reads it back twice)."""
+    c, layers = DTYPE_BYTES[settings.precision], spec.num_hidden_layers
+    weights = spec.expert_params * layers
+    active = weights * spec.num_experts_per_tok // spec.num_local_experts
+    flops = 2 * settings.lora_r * weights * (forward_passes(settings) + 2)
+    flops += 2 * settings.tokens_per_micro_batch * active
+    moved = c * weights * (3 * forward_passes(settings) + 3)
+    rate = achievable_matmul_flops(gpu, settings.precision) * MATMUL_SHAPE_SHARE
     return roofline_seconds(flops, moved, rate, achievable_bytes_per_second(gpu))
 
 
@@ -285,11 +321,13 @@ def elementwise_bytes_per_token(spec: ModelSpec, settings: Settings) -> float:
     experts = max(spec.num_experts_per_tok, 1)
     if runtime.compiled:
         return compiled_elementwise_bytes_per_token(spec, settings, runtime)
+    if runtime.liger_kernels:
+        return liger_elementwise_bytes_per_token(spec, settings, runtime)
     return (
         spec.norms_per_layer * NORM_BYTES * h
         + 2 * 3 * s * h
         + ROTARY_ELEMENT_PASSES * c * (spec.q_size + spec.kv_size)
-        + 5 * memory.swiglu_dtype_bytes(settings, runtime) * spec.intermediate_size * experts
+        + 5 * memory.swiglu_dtype_bytes(settings, runtime) * spec.mlp_width * experts
         + 2 * c * spec.q_size
     )
 
@@ -303,6 +341,23 @@ def compiled_elementwise_bytes_per_token(spec: ModelSpec, settings: Settings, ru
     experts = max(spec.num_experts_per_tok, 1)
     return (
         spec.norms_per_layer * (3 * s + c) * spec.hidden_size
+        + 2 * c * (spec.q_size + spec.kv_size)
+        + 3 * memory.swiglu_dtype_bytes(settings, runtime) * spec.mlp_width * experts
+        + 2 * c * spec.q_size
+    )
+
+
+def liger_elementwise_bytes_per_token(spec: ModelSpec, settings: Settings, runtime: memory.Runtime) -> float:
+    """The same ops with Liger's kernels (liger-kernel 0.8.2, catalog/stacks.toml [liger]), each one Triton
+    kernel that reads its inputs and writes its outputs once: RMSNorm reads the stream and writes the normed input
+    (s + c per element, the rsqrt in registers), rotary reads and writes q and k in place (2c), SwiGLU reads gate
+    and up and writes their product (3c); the residual sums and the attention output's copy stay transformers'.
+    From the kernels' source, not fitted."""
+    c, s = DTYPE_BYTES[settings.precision], memory.stream_dtype_bytes(settings, runtime)
+    experts = max(spec.num_experts_per_tok, 1)
+    return (
+        spec.norms_per_layer * (s + c) * spec.hidden_size
+        + 2 * 3 * s * spec.hidden_size
         + 2 * c * (spec.q_size + spec.kv_size)
         + 3 * memory.swiglu_dtype_bytes(settings, runtime) * spec.intermediate_size * experts
         + 2 * c * spec.q_size
@@ -328,6 +383,13 @@ LOSS_BYTES_PER_LOGIT = 36
 # Compiled, the upcast, log-softmax and their backward fuse: the logits are read in forward, read again and their
 # gradient written in backward, in the compute dtype (3c), with fp32 reductions in registers.
 COMPILED_LOSS_PASSES = 3
+# Liger's fused linear cross-entropy (ops/cross_entropy.py @ v0.8.2, liger_cross_entropy_kernel): one pass reads
+# a chunk's logits for the running max and sum (l. 151), a second reads them again and writes their gradient in
+# place (l. 206-252): three compute-dtype passes, no fp32 copy (the matmuls' own reads and writes are counted with
+# them, as for transformers' loss). The head's matmuls are the
+# same as transformers' (logits, then the hidden states' gradient in the forward instead of the backward): no
+# matmul is run again.
+LIGER_LOSS_PASSES = 3
 
 
 def loss_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
@@ -337,6 +399,8 @@ def loss_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     per_logit = LOSS_BYTES_PER_LOGIT + (c + 4 if runtime.autocast and c != 4 else 0)
     if runtime.compiled:
         per_logit = COMPILED_LOSS_PASSES * c
+    if runtime.loss == "liger_fused":
+        per_logit = LIGER_LOSS_PASSES * c
     return logits * per_logit / achievable_bytes_per_second(gpu)
 
 
@@ -344,10 +408,21 @@ def loss_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
 # rotary (about ten), SwiGLU (two), attention with its layout copies (about four), and the attention kernel;
 # about twice the elementwise ones in backward. Traced: 30 + 1 forward (`make bench-time-trace`).
 LAYER_KERNELS = 2 * 6 + 2 + 10 + 2 + 4
+# Liger: the two norms, rotary and SwiGLU one kernel each, the two residual sums and the attention with its
+# layout copies (about four), as in transformers
+LIGER_LAYER_KERNELS = 2 + 2 + 1 + 1 + 4
 # Compiled: two fused residual-and-norm kernels, rotary, SwiGLU and the attention with its layout copy (about 6);
 # the LoRA path's two matmuls and two fused kernels.
 COMPILED_LAYER_KERNELS = 6
 COMPILED_LORA_KERNELS = 4
+
+
+# An MoE block's kernels beyond its grouped matmuls, forward: the router's softmax and top-k, the sort that
+# groups tokens by expert, the gathers and scatters, the routing weights' product and the sum over the k experts
+# (transformers 5.25 integrations/moe.py grouped_mm_experts_forward). Fitted on the traced op list of Mixtral
+# 8x7B QLoRA (348 kernels a layer traced, 288 without this term; counted four times a layer, as LAYER_KERNELS).
+# Qwen3-MoE's and gpt-oss's layers trace about 60 more: their q/k norms and clamped SwiGLU, not counted.
+MOE_ROUTING_KERNELS = 15
 
 
 def lora_kernels(settings: Settings, runtime: memory.Runtime) -> int:
@@ -375,11 +450,18 @@ def kernel_count(spec: ModelSpec, settings: Settings) -> int:
     gradients for full fine-tuning), the dequantisations again, and the LoRA paths' backward, one kernel more
     than their forward (traced: 10.4 for 9)."""
     runtime = memory.stack_runtime(settings)
-    elementwise = COMPILED_LAYER_KERNELS if runtime.compiled else LAYER_KERNELS
-    linears = sum(n for _, _, _, n in spec.layer_linears())
-    dequant = linears * (3 if nested_absmax(settings) else 1) if settings.quant != "none" else 0
-    adapted = len(spec.lora_target_names(settings.lora_targets)) if settings.method != "full" else 0
+    elementwise = (
+        COMPILED_LAYER_KERNELS if runtime.compiled else LIGER_LAYER_KERNELS if runtime.liger_kernels else LAYER_KERNELS
+    )
+    # an MoE's experts run as one grouped matmul per fused parameter, in 16 bit, plus the routing's kernels
+    linears = len(spec.layer_linears())
+    quantized = linears - (len(spec.mlp_linears()) if spec.is_moe else 0)
+    dequant = quantized * (3 if nested_absmax(settings) else 1) if settings.quant != "none" else 0
+    experts = set(spec.expert_target_names(settings.lora_targets))
+    adapted = len(set(spec.lora_target_names(settings.lora_targets)) - experts) if settings.method != "full" else 0
     lora = lora_kernels(settings, runtime) if adapted else 0
+    if spec.is_moe:
+        elementwise += MOE_ROUTING_KERNELS
     forward = elementwise + 1 + linears + dequant + adapted * lora
     backward = 2 * elementwise + linears * (2 if settings.method == "full" else 1) + dequant + adapted * (lora + 1)
     return (forward * forward_passes(settings) + backward) * spec.num_hidden_layers

@@ -154,6 +154,13 @@ def merged_tensors(source: RunSource, shard: Path) -> Iterator[tuple[str, str, l
             a_name, b_name = adapter.pairs[name]
             with safe_open(adapter.path, framework="pt") as lora:
                 lora_a, lora_b = lora.get_tensor(a_name).float(), lora.get_tensor(b_name).float()
+            if name in adapter.expert_slices:
+                _, expert, part, experts = adapter.expert_slices[name]
+                delta = one_expert_delta(lora_a, lora_b, expert, part, experts)
+                return (weight.float() + adapter.scales[name] * delta).to(weight.dtype)
+            if weight.dim() == 3:
+                delta = expert_delta(lora_a, lora_b, weight.shape, source.experts_transposed)
+                return (weight.float() + adapter.scales[name] * delta).to(weight.dtype)
             merged = weight.float().addmm_(lora_b, lora_a, alpha=adapter.scales[name])
             return merged.to(weight.dtype)
 
@@ -161,6 +168,30 @@ def merged_tensors(source: RunSource, shard: Path) -> Iterator[tuple[str, str, l
 
     for name in names:
         yield name, header[name]["dtype"], list(header[name]["shape"]), produce(name)
+
+
+def expert_delta(lora_a: torch.Tensor, lora_b: torch.Tensor, shape: Any, transposed: bool) -> torch.Tensor:
+    """B A for every expert of a fused 3-D parameter, as peft's ParamWrapper.get_delta_weight: A holds r rows per
+    expert ((experts x r) x in), B r columns per expert (out x (r x experts)); the result is experts x out x in,
+    or experts x in x out where transformers stores the experts transposed (gpt-oss)."""
+    import torch
+
+    experts = shape[0]
+    a = lora_a.reshape(experts, -1, lora_a.shape[-1])
+    b = lora_b.reshape(lora_b.shape[0], -1, experts)
+    return torch.einsum("o r e, e r i -> e i o" if transposed else "o r e, e r i -> e o i", b, a)
+
+
+def one_expert_delta(lora_a: torch.Tensor, lora_b: torch.Tensor, expert: int, part: int, experts: int) -> torch.Tensor:
+    """Expert `expert`'s B A of a fused experts x out x in parameter saved per expert (the layout of
+    `expert_delta`): `part` 0 / 1 are the gate and up halves of gate_up_proj's rows, -1 all of them."""
+    a = lora_a.reshape(experts, -1, lora_a.shape[-1])[expert]  # r x in
+    b = lora_b.reshape(lora_b.shape[0], -1, experts)[:, :, expert]  # out x r
+    delta = b @ a
+    if part < 0:
+        return delta
+    half = delta.shape[0] // 2
+    return delta[:half] if part == 0 else delta[half:]
 
 
 def needed_bytes(source: RunSource) -> int:

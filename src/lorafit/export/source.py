@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafit.errors import ExportError, LorafitError
+from lorafit.models import architectures, model_types
 from lorafit.train import runfolder
 from lorafit.train.chat import base_dir_of, check_folder, run_folder
 from lorafit.vision import IMAGE_TEXT_FAMILIES
@@ -32,6 +33,9 @@ class Adapter:
     pairs: dict[str, tuple[str, str]]  # base tensor name -> (lora_A name, lora_B name) in adapter_model.safetensors
     scales: dict[str, float]  # base tensor name -> alpha / r (or alpha / sqrt(r) for rsLoRA)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # per-expert base tensor -> (fused parameter, expert, part, experts): transformers saves Qwen3-MoE's and
+    # Mixtral's fused experts as experts.N.gate_proj / up_proj / down_proj (part 0 / 1 the halves of gate_up)
+    expert_slices: dict[str, tuple[str, int, int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,16 @@ class RunSource:
     adapter: Adapter | None
     tokenizer_dir: Path  # the run's tokenizer (with the chat template it trained with), else the base's
     quantized_base: bool  # the base is stored quantised: the merge dequantises it
+
+    @property
+    def experts_transposed(self) -> bool:
+        """The base stores its fused experts as experts x in x out (gpt-oss), not experts x out x in."""
+        try:
+            model_type = json.loads((self.model_dir / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError):
+            return False
+        family = model_types().get(model_type)
+        return family is not None and architectures()[family].experts_transposed
 
     @property
     def folders(self) -> dict[Path, str]:
@@ -123,7 +137,7 @@ def read_adapter(run_dir: Path) -> Adapter:
         b_name = name.replace(".lora_A.", ".lora_B.")
         if b_name not in header:
             raise ExportError(f"{weights}: {name} has no matching lora_B tensor")
-        base_name = module + ".weight"
+        base_name = target_parameter(module, config.get("target_parameters") or []) or module + ".weight"
         pairs[base_name] = (name, b_name)
         short = module.split(".")[-1]
         rank = next((v for k, v in rank_pattern.items() if module.endswith(k) or short == k), r)
@@ -135,6 +149,54 @@ def read_adapter(run_dir: Path) -> Adapter:
     return Adapter(weights, config, pairs, scales, shapes)
 
 
+def target_parameter(module: str, targets: list[str]) -> str | None:
+    """The parameter a `target_parameters` adapter (an MoE's fused experts) adapts, or None for a module's
+    weight. peft nests one ParamWrapper per parameter in the order of `target_parameters`, the last outermost:
+    `mlp.experts.lora_A` adapts the last listed, `mlp.experts.base_layer.lora_A` the one before."""
+    depth = 0
+    while module.endswith(".base_layer"):
+        module, depth = module.removesuffix(".base_layer"), depth + 1
+    listed = [target.rsplit(".", 1) for target in targets]
+    names = [name for owner, name in listed if module == owner or module.endswith("." + owner)]
+    return f"{module}.{names[-1 - depth]}" if depth < len(names) else None
+
+
+def lora_delta_shape(a_shape: tuple[int, ...], b_shape: tuple[int, ...], base: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape B @ A fills: out x in for a Linear; for a 3-D expert parameter (experts x out x in, or
+    experts x in x out where transformers stores it transposed, as gpt-oss) the base's own."""
+    out_features, in_features = b_shape[0], a_shape[1]
+    if len(base) == 3 and set(base[1:]) == {out_features, in_features}:
+        return base
+    return (out_features, in_features)
+
+
+EXPERT_PARTS = {"gate_up_proj": (("gate_proj", 0), ("up_proj", 1)), "down_proj": (("down_proj", -1),)}
+
+
+def per_expert_tensors(adapter: Adapter, base_shapes: dict[str, tuple[int, ...]]) -> Adapter:
+    """An adapter of fused experts re-keyed to the per-expert tensors the base is saved as, where it is."""
+    pairs, scales, slices = dict(adapter.pairs), dict(adapter.scales), dict(adapter.expert_slices)
+    for fused, pair in adapter.pairs.items():
+        owner, name = fused.rsplit(".", 1)
+        if fused in base_shapes or name not in EXPERT_PARTS:
+            continue
+        suffix = f".{EXPERT_PARTS[name][0][0]}.weight"
+        experts = sum(
+            tensor.startswith(owner + ".")
+            and tensor.endswith(suffix)
+            and tensor[len(owner) + 1 : -len(suffix)].isdigit()
+            for tensor in base_shapes
+        )
+        for expert in range(experts):
+            for saved, part in EXPERT_PARTS[name]:
+                tensor = f"{owner}.{expert}.{saved}.weight"
+                pairs[tensor], scales[tensor] = pair, scales[fused]
+                slices[tensor] = (fused, expert, part, experts)
+        if any(value[0] == fused for value in slices.values()):
+            del pairs[fused], scales[fused]
+    return Adapter(adapter.path, adapter.config, pairs, scales, adapter.shapes, slices)
+
+
 def check_shapes(adapter: Adapter, base_shapes: dict[str, tuple[int, ...]], base_dir: Path) -> None:
     """Every adapted weight exists in the base with the shape B @ A has: another model under the same path fails."""
     for base_name, (a_name, b_name) in adapter.pairs.items():
@@ -143,7 +205,10 @@ def check_shapes(adapter: Adapter, base_shapes: dict[str, tuple[int, ...]], base
                 f"the adapter adapts {base_name}, which the base model in {base_dir} does not have: "
                 "it was trained on another model"
             )
-        expected = (adapter.shapes[b_name][0], adapter.shapes[a_name][1])
+        expected = lora_delta_shape(adapter.shapes[a_name], adapter.shapes[b_name], base_shapes[base_name])
+        if base_name in adapter.expert_slices:  # one expert's (half of a) slice of the fused delta
+            _, _, part, _ = adapter.expert_slices[base_name]
+            expected = (expected[0] // (1 if part < 0 else 2), expected[1])
         if base_shapes[base_name] != expected:
             raise ExportError(
                 f"the base model in {base_dir} differs from the one the adapter was trained on: {base_name} is "
@@ -188,6 +253,7 @@ def open_run(run_dir: Path) -> RunSource:
         )
     quantized = _quantized(base_dir)
     if not quantized:  # packed 4-bit tensors have other shapes; the dequantising merge checks those
+        adapter = per_expert_tensors(adapter, tensor_shapes(base_dir))
         check_shapes(adapter, tensor_shapes(base_dir), base_dir)
     return RunSource(run_dir, base_dir, adapter, tokenizer_dir or base_dir, quantized)
 

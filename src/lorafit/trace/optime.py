@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 CATEGORIES = ("matmul", "attention", "dequant", "lora", "elementwise", "loss")
 aten = torch.ops.aten
-MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._grouped_mm}
 # The CPU's fused attention kernels take the same leading arguments as the CUDA ones whose FLOPs torch counts.
 CPU_ATTENTION = {
     aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
@@ -322,8 +322,22 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def _flops(packet, args, kwargs, out) -> float:  # noqa: ANN001
+    if packet is aten._grouped_mm:
+        return _grouped_mm_flops(args[0], args[1])
     formula = flop_registry.get(CPU_ATTENTION.get(packet, packet))
     return float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+
+
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor) -> float:
+    """MoE experts' grouped matmul (transformers' grouped_mm experts), which torch's flop registry lacks: the
+    groups split the shared dimension of a 2-D and a 3-D operand (tokens x in by experts x in x out: each token
+    row meets one expert, 2 x tokens x in x out) or of two 2-D ones (the weights' gradient: in x tokens by
+    tokens x out, 2 x in x tokens x out)."""
+    if a.dim() == 2 and b.dim() == 3:
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[-1]
+    if a.dim() == 2 and b.dim() == 2:
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 0.0
 
 
 def _argument(func, args, kwargs, name: str) -> Any:  # noqa: ANN001

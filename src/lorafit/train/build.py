@@ -6,6 +6,7 @@ torch, transformers and peft are imported inside the functions, so importing thi
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import warnings
@@ -143,7 +144,8 @@ def load_model(
     model_dir = Path(model_dir)
     check_model_dir(model_dir, allow_pickle=allow_pickle)
     stored = stored_quantization(model_dir, settings, trust_remote_code)
-    quantized = {"config": stored} if stored is not None else {"quantization_config": quantization_config(settings)}
+    quantization = stored_mxfp4_config(model_dir, settings) or quantization_config(settings)
+    quantized = {"config": stored} if stored is not None else {"quantization_config": quantization}
     auto_class = model_files.auto_model_class(model_files.config_model_type(model_dir))
     try:
         model = auto_class.from_pretrained(
@@ -181,6 +183,26 @@ def stored_quantization(model_dir: Path, settings: Settings, trust_remote_code: 
     if stored.get("load_in_4bit"):
         config.quantization_config = stored | {"bnb_4bit_compute_dtype": hf_args.DTYPE_NAMES[settings.precision]}
     return config
+
+
+def stored_mxfp4_config(model_dir: Path, settings: Settings) -> Any:
+    """gpt-oss's checkpoints store the experts in MXFP4, which transformers cannot train (its Mxfp4HfQuantizer
+    is not trainable): they load dequantised to bf16 (Mxfp4Config(dequantize=True)), as the estimate counts
+    them. A checkpoint holds one quantization_config, so 4-bit bitsandbytes cannot be added on top."""
+    from transformers import Mxfp4Config
+
+    try:
+        stored = json.loads((model_dir / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return None  # check_model_dir has read it already; from_pretrained says what is wrong
+    if not isinstance(stored, dict) or stored.get("quant_method") != "mxfp4":
+        return None
+    if settings.quant != "none":
+        raise TrainError(
+            f"{model_dir} stores its experts in MXFP4, which transformers trains only dequantised to bf16 and "
+            "cannot combine with 4-bit bitsandbytes; use --method lora (or a bf16 copy of the model for qlora)"
+        )
+    return Mxfp4Config(dequantize=True)
 
 
 def prepare(model: PreTrainedModel, spec: ModelSpec, settings: Settings) -> PreTrainedModel:

@@ -111,7 +111,8 @@ def build_model(
     import torch
     from transformers.utils import logging as hf_logging
 
-    config = hf_config(spec, Settings(method="full", quant="none", precision="fp32"))
+    attn = "sdpa" if "sdpa" in spec.attention_implementations else spec.attention_implementations[0]  # gpt-oss
+    config = hf_config(spec, Settings(method="full", quant="none", precision="fp32", attn=attn))
     for layer in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
         layer.pad_token_id = tokenizer.pad_token_id  # an image-text model's text_config as well
         layer.eos_token_id = tokenizer.eos_token_id

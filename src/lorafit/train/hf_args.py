@@ -69,14 +69,16 @@ def quant_storage(settings: Settings) -> str:
 
 
 def lora_kwargs(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
-    """peft LoraConfig arguments. An image-text model's vision tower has modules of the same names (SigLIP's and
-    Pixtral's q_proj, Qwen's gate_proj), so its targets are a pattern peft matches against the full module name
-    (`re.fullmatch`) that keeps the adapters on the language model."""
-    names = list(spec.lora_target_names(settings.lora_targets))
+    """peft LoraConfig arguments. An MoE's fused experts (not modules) are adapted through `target_parameters`. An
+    image-text model's vision tower has modules of the same names (SigLIP's and Pixtral's q_proj, Qwen's
+    gate_proj), so its targets are a pattern peft matches against the full module name (`re.fullmatch`) that keeps
+    the adapters on the language model."""
+    experts = spec.expert_target_names(settings.lora_targets)
+    names = [name for name in spec.lora_target_names(settings.lora_targets) if name not in experts]
     targets: list[str] | str = names
     if spec.vision is not None:
         targets = rf".*\.language_model\..*\.({'|'.join(names)})"
-    return {
+    kwargs: dict[str, Any] = {
         "r": settings.lora_r,
         "lora_alpha": settings.lora_alpha,
         "lora_dropout": settings.lora_dropout,
@@ -84,6 +86,9 @@ def lora_kwargs(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
         "bias": "none",
         "task_type": "CAUSAL_LM",
     }
+    if experts:
+        kwargs["target_parameters"] = [f"mlp.experts.{name}" for name in experts]
+    return kwargs
 
 
 def optimizer_name(settings: Settings, fused: bool = True) -> str:

@@ -1,0 +1,81 @@
+"""make bench-moe: lorafit's closed-form estimate beside the `--exact` trace (the real transformers / peft /
+bitsandbytes step on fake tensors at the real shapes) for the mixture-of-experts presets, and the time model's
+closed form beside its roofline over the traced op list.
+
+Rows: Qwen3-30B-A3B, gpt-oss-20b (eager attention: transformers has no sdpa path for it) and Mixtral-8x7B,
+QLoRA, one row of 2048 tokens, with and without gradient checkpointing, LoRA on the attention (`all`) or on the
+attention and the experts (`experts`, lora_dropout 0). These are check rows: no constant was fitted on them
+(timing.MOE_ROUTING_KERNELS was fitted on Mixtral's traced kernel count, so its time row is a fit row).
+
+    python bench/moe_trace.py [--models qwen3-30b-a3b,gpt-oss-20b,mixtral-8x7b] [--time]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from lorafit import hardware, memory, timing  # noqa: E402
+from lorafit.models import resolve  # noqa: E402
+from lorafit.schema import Settings  # noqa: E402
+
+MODELS = ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b")
+
+
+def settings_for(name: str, targets: str, ckpt: bool) -> Settings:
+    spec = resolve(name)
+    attn = "sdpa" if "sdpa" in spec.attention_implementations else spec.attention_implementations[0]
+    dropout = 0.0 if targets == "experts" else 0.05
+    return Settings(
+        method="qlora", quant="nf4", seq_len=2048, grad_ckpt=ckpt, attn=attn, lora_targets=targets, lora_dropout=dropout
+    )
+
+
+def memory_rows(models: list[str]) -> None:
+    from lorafit.trace import exact_estimate
+
+    print(f"{'model':15s} {'targets':8s} {'ckpt':5s} {'trace GiB':>10s} {'estimate GiB':>13s} {'diff':>7s}")
+    for name in models:
+        for targets in ("all", "experts"):
+            for ckpt in (True, False):
+                settings = settings_for(name, targets, ckpt)
+                traced = exact_estimate(resolve(name), settings).peak_allocated_gib
+                analytic = memory.estimate(resolve(name), settings).peak_allocated_gib
+                diff = 100 * (analytic / traced - 1)
+                print(f"{name:15s} {targets:8s} {ckpt!s:5s} {traced:10.2f} {analytic:13.2f} {diff:+6.2f}%", flush=True)
+
+
+def time_rows(models: list[str]) -> None:
+    from lorafit.trace.optime import trace_micro_batch
+
+    gpu = hardware.resolve("H100")
+    print(f"\none micro-batch on an {gpu.name}: the closed form beside the roofline over the traced op list")
+    print(f"{'model':15s} {'targets':8s} {'traced ms':>10s} {'closed ms':>10s} {'diff':>7s}")
+    for name in models:
+        for targets in ("all", "experts"):
+            settings = settings_for(name, targets, True)
+            traced = trace_micro_batch(resolve(name), settings).time(gpu).total
+            closed = timing.micro_batch_time(resolve(name), settings, gpu).total
+            diff = 100 * (closed / traced - 1)
+            print(f"{name:15s} {targets:8s} {traced * 1e3:10.0f} {closed * 1e3:10.0f} {diff:+6.1f}%", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--time", action="store_true", help="also the time model against the traced op list")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    models = args.models.split(",")
+    memory_rows(models)
+    if args.time:
+        time_rows(models)
+
+
+if __name__ == "__main__":
+    main()
