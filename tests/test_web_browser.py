@@ -223,8 +223,10 @@ def test_bad_input_shows_the_clis_message_next_to_its_field(
     error = page.locator("#error-seq_len")
     expect(error).to_be_visible(timeout=20_000)
     code, _, err = run_cli(["plan", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--seq-len", "999999"], capsys)
-    label = page.inner_text("label[for=f-seq_len]")  # the CLI's sentence, the field named as the form names it
-    assert code == 2 and error.inner_text() == err.strip().removeprefix("lorafit: error: ").replace("--seq-len", label)
+    # the CLI's sentence, each setting named as the form labels its field
+    said = err.strip().removeprefix("lorafit: error: ").replace("--seq-len", page.inner_text("label[for=f-seq_len]"))
+    said = said.replace("stack lorafit", page.text_content("label[for=f-stack]") + " lorafit")
+    assert code == 2 and error.inner_text() == said
     expect(page.locator("#f-seq_len")).to_have_attribute("aria-invalid", "true")
     page.fill("#f-seq_len", "512")
     page.locator("#f-seq_len").dispatch_event("change")
