@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+import string
 from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
 
 from conftest import run_cli
-from lorafit import options, web
+from lorafit import messages, options, web
 
 SERVED_AT = "http://127.0.0.1:8765"  # as `lorafit serve` listens by default: requests must name that address
 
@@ -116,7 +117,11 @@ def test_a_comparison_is_planned_once_per_request(client: TestClient, monkeypatc
     first = streamed(client, query)
     capped = streamed(client, query | {"max_price_hour": "0.3", "lang": "es"})
     assert len(planned) == 1
-    assert first[:-1] == capped[:-1]
+
+    def unworded(lines: list[dict]) -> list[dict]:  # a row without its sentences, which are in the page's language
+        return [line["plan"] | {"reasons": None, "suggestions": None} for line in lines]
+
+    assert unworded(first[:-1]) == unworded(capped[:-1])
     under = {row["plan"]["gpu"]["name"]: row["plan"]["gpu"]["rent_usd_per_hour"] for row in capped[:-1]}
     assert capped[-1]["max_price_hour"] == 0.3 and under[capped[-1]["cheapest_under_price"]] <= 0.3
     assert under[first[-1]["cheapest_under_price"]] > 0.3  # without the cap, a dearer card is the cheapest run
@@ -212,6 +217,47 @@ def test_bad_input_gets_the_clis_own_words(client: TestClient, capsys: pytest.Ca
     assert code == 2
     body = client.get("/api/plan", params={"model": "llama-2-7b", "seq_len": "long"}).json()
     assert err.strip() == f"lorafit: error: {body['error']}"
+    # the page asks in its language, and gets the field named as the form names it, not the flag
+    page = client.get("/api/plan", params={"model": "llama-2-7b", "seq_len": "long", "lang": "en"}).json()
+    label = web.strings("en")["label.seq_len"]
+    assert page["error"] == body["error"].replace("--seq-len", label) and page["field"] == body["field"] == "seq_len"
+
+
+def english_in(text: str) -> list[str]:
+    """The pieces of the CLI's English sentences (three words or more of their fixed text) found in `text`."""
+    pieces = {
+        literal.strip()
+        for template in messages.EN.values()
+        for literal, *_ in string.Formatter().parse(template)
+        if len(literal.split()) >= 3
+    }
+    return [piece for piece in pieces if piece in text]
+
+
+def labelled_in_english(text: str, language: str) -> str:
+    """`text` with the fields' labels of `language` put back in English."""
+    english = web.strings("en")
+    labels = [(key, label) for key, label in web.strings(language).items() if key.startswith("label.")]
+    for key, label in sorted(labels, key=lambda pair: -len(pair[1])):
+        text = text.replace(label, english[key])
+    return text
+
+
+@pytest.mark.parametrize("language", ["es", "pt"])
+@pytest.mark.parametrize("case", list(BAD_QUERIES))
+def test_bad_input_is_refused_in_the_pages_language(case: str, language: str, client: TestClient) -> None:
+    """The same 400 and field as in English, its line in the page's language and terms: no English sentence of
+    the CLI, no flag."""
+    path, query, field, _ = BAD_QUERIES[case]
+    items = list(query.items()) if isinstance(query, dict) else list(query)
+    english = client.get(path, params=items + [("lang", "en")])
+    response = client.get(path, params=items + [("lang", language)])
+    assert response.status_code == english.status_code == 400, response.text
+    body = response.json()
+    assert body["field"] == english.json()["field"]
+    assert "\n" not in body["error"] and not re.search(r"--[a-z]", body["error"])
+    assert english_in(body["error"]) == [], body["error"]
+    assert labelled_in_english(body["error"], language) != english.json()["error"]  # more than the labels changed
 
 
 # --- uploads --------------------------------------------------------------------------------------------------
@@ -325,6 +371,17 @@ def test_bad_uploads_are_refused_in_one_line(case: str, client: TestClient) -> N
     message = response.json()["error"]
     assert expected in message and "\n" not in message
     assert "lorafit-serve" not in message and str(Path.cwd()) not in message  # no server-side paths
+
+
+@pytest.mark.parametrize("language", ["es", "pt"])
+@pytest.mark.parametrize("case", list(BAD_UPLOADS))
+def test_bad_uploads_are_refused_in_the_pages_language(case: str, language: str, client: TestClient) -> None:
+    kind, name, body, status, _ = BAD_UPLOADS[case]
+    english = client.post(f"/api/upload?kind={kind}&name={name}&lang=en", content=body)
+    response = client.post(f"/api/upload?kind={kind}&name={name}&lang={language}", content=body)
+    assert response.status_code == english.status_code == status, response.text
+    message = response.json()["error"]
+    assert "\n" not in message and message != english.json()["error"] and english_in(message) == [], message
 
 
 DEEP_JSON = b"[" * 100_000 + b"]" * 100_000
@@ -484,12 +541,47 @@ def test_every_key_exists_in_all_three_languages() -> None:
     assert tables["es"]["label.seq_len"] != tables["en"]["label.seq_len"] != tables["pt"]["label.seq_len"]
 
 
-def test_the_english_help_is_the_declarations(client: TestClient) -> None:
-    english = client.get("/api/strings/en").json()
+CLI_WORDS = re.compile(r"--[a-z]|`|lorafit (models|gpus|stacks|train|plan)|\\bplan and train\\b|the detected GPU")
+
+
+@pytest.mark.parametrize("language", web.LANGUAGES)
+def test_the_forms_help_is_the_pages_not_the_clis(language: str, client: TestClient) -> None:
+    """Every field has a help (and a default where the declaration has one) in the page's terms: no flag, no CLI
+    command, no "plan and train:"."""
+    table = client.get(f"/api/strings/{language}").json()
     for option in web.form_options():
-        assert english[f"help.{option.name}"] == option.help
-        assert english.get(f"default.{option.name}", "") == option.auto  # what "not set" means
+        assert table[f"help.{option.name}"].strip(), option.name
+        assert not CLI_WORDS.search(table[f"help.{option.name}"]), (option.name, table[f"help.{option.name}"])
+        if option.auto:
+            assert not CLI_WORDS.search(table[f"default.{option.name}"]), (option.name, table[f"default.{option.name}"])
     assert client.get("/api/strings/xx").status_code == 400
+
+
+def test_every_sentence_of_the_planner_is_translated() -> None:
+    """Each sentence the CLI says (lorafit.messages) has its es and pt version with the same parameters: a sentence
+    added without them fails here, and would show in English on those pages."""
+    for language in ("es", "pt"):
+        catalog = web.message_catalog(language)
+        assert set(catalog) == set(messages.EN), (language, set(catalog) ^ set(messages.EN))
+        for key, text in catalog.items():
+            english_params = {name for _, name, _, _ in string.Formatter().parse(messages.EN[key]) if name}
+            assert {name for _, name, _, _ in string.Formatter().parse(text) if name} == english_params, key
+            assert text != messages.EN[key] or key == "error.setting", (language, key)
+
+
+def test_a_sentence_is_read_back_into_its_key_and_rendered_in_another_language() -> None:
+    english = messages.say(
+        "plan.batch_larger",
+        accum=messages.say("plan.accum", micro_batch=4, grad_accum=4),
+        batch=16,
+        larger=messages.say("plan.larger_needs", micro_batch=8, peak=18.24),
+    )
+    assert english == "micro-batch 4 x gradient accumulation 4 = effective batch 16: micro-batch 8 would need 18.2 GiB"
+    assert web.in_language(english, "es") == (
+        "micro-batch 4 × acumulación de gradientes 4 = batch efectivo 16: el micro-batch 8 necesitaría 18,2 GiB"
+    )
+    assert web.in_language("RTX 4090", "pt") == "RTX 4090"  # a name is no sentence: as it is
+    assert web.in_language(messages.say("gpu.by_memory", gb=8), "pt") == "GPU de 8 GB"
 
 
 def test_the_form_is_the_declaration_of_lorafit_plan(client: TestClient) -> None:

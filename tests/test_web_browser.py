@@ -223,7 +223,10 @@ def test_bad_input_shows_the_clis_message_next_to_its_field(
     error = page.locator("#error-seq_len")
     expect(error).to_be_visible(timeout=20_000)
     code, _, err = run_cli(["plan", "--model", "llama-2-7b", "--gpu", "RTX 4090", "--seq-len", "999999"], capsys)
-    assert code == 2 and error.inner_text() == err.strip().removeprefix("lorafit: error: ")
+    # the CLI's sentence, each setting named as the form labels its field
+    said = err.strip().removeprefix("lorafit: error: ").replace("--seq-len", page.inner_text("label[for=f-seq_len]"))
+    said = said.replace("stack lorafit", page.text_content("label[for=f-stack]") + " lorafit")
+    assert code == 2 and error.inner_text() == said
     expect(page.locator("#f-seq_len")).to_have_attribute("aria-invalid", "true")
     page.fill("#f-seq_len", "512")
     page.locator("#f-seq_len").dispatch_event("change")
@@ -504,3 +507,98 @@ def test_a_plan_answers_within_a_second_while_a_70b_comparison_runs(server: str,
     assert rows > 20, report
     assert max(seconds) < comparison_s / 4, report
     assert seconds[1] < 1.0, report
+
+
+# --- the page's language and the phone ------------------------------------------------------------------------
+JOURNEYS = {
+    "7B QLoRA on a 4060 Ti 16 GB": "model=llama-2-7b&method=qlora&gpu=RTX+4060+Ti+16GB",
+    "7B QLoRA on an 8 GB card": "model=llama-2-7b&method=qlora&vram=8",
+    "70B": "model=llama-2-70b&gpu=RTX+4060+Ti+16GB",
+    "a full fine-tune that does not fit": "model=llama-2-7b&method=full&gpu=RTX+4090",
+}
+
+
+@pytest.mark.parametrize("language", ["es", "pt"])
+def test_the_plans_reasons_suggestions_and_errors_are_in_the_pages_language(
+    language: str, server: str, page: Page, tmp_path: Path
+) -> None:
+    """For each journey of the issue, what the planner says (reasons, the smallest changes that fit) and what a
+    bad field or upload gets holds no sentence of the CLI's English."""
+    from lorafit.web import strings
+    from test_web import english_in
+
+    for journey, query in JOURNEYS.items():
+        page.goto(f"{server}/?{query}&lang={language}")
+        expect(page.locator("#verdict-word")).not_to_have_attribute("data-verdict", "", timeout=30_000)
+        reasons = page.locator("#reasons li").all_text_contents()
+        changes = page.locator("#suggestions tbody td:first-child").all_text_contents()
+        assert reasons, journey
+        said = "\n".join([page.inner_text("#verdict"), *reasons, *changes])
+        assert english_in(said) == [] and "GB GPU" not in said, (journey, english_in(said), said)
+        if journey in ("70B", "a full fine-tune that does not fit"):
+            assert changes, journey  # the smallest changes that fit are there, in the page's language
+    page.fill("#f-seq_len", "-5")
+    page.locator("#f-seq_len").dispatch_event("change")
+    error = page.locator("#error-seq_len")
+    expect(error).to_be_visible(timeout=20_000)
+    assert error.inner_text().startswith(strings(language)["label.seq_len"] + " -5: ")
+    assert english_in(error.inner_text()) == [] and "--" not in error.inner_text()
+    bad = tmp_path / "config.json"
+    bad.write_text('{"model_type": "zz"}')
+    page.set_input_files("#upload-model", str(bad))
+    error = page.locator("#error-model")
+    expect(error).to_contain_text("model_type 'zz'", timeout=20_000)
+    assert english_in(error.inner_text()) == [] and "not supported" not in error.inner_text()
+
+
+def test_on_a_phone_the_verdict_is_on_the_first_screen(server: str, browser: Browser, tmp_path: Path) -> None:
+    context = browser.new_context(locale="en-US", viewport={"width": 390, "height": 844})
+    phone = context.new_page()
+    phone.goto(server + "/?model=llama-2-7b&method=qlora&gpu=RTX+4060+Ti+16GB")
+    expect(phone.locator("#verdict-word")).not_to_have_attribute("data-verdict", "", timeout=30_000)
+    assert phone.evaluate("window.scrollY") == 0
+    for shown in ("#verdict-word", "#verdict"):
+        box = phone.locator(shown).bounding_box()
+        assert box is not None and box["y"] >= 0 and box["y"] + box["height"] <= 844, (shown, box)
+    form = phone.locator("#plan-form").bounding_box()
+    assert form is not None and form["y"] > phone.locator("#verdict").bounding_box()["y"]  # the form after it
+    shoot(phone, "serve-phone-verdict-first", tmp_path)
+    context.close()
+
+
+def luminance(css: str) -> float:
+    """The relative luminance (WCAG 2) of a computed CSS colour, 'rgb(r, g, b)' or 'rgba(r, g, b, a)'."""
+    channels = [float(part) / 255 for part in css[css.index("(") + 1 : css.index(")")].split(",")[:3]]
+    linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+    return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_the_focus_ring_stands_out_3_to_1_from_what_is_behind_it(scheme: str, server: str, browser: Browser) -> None:
+    """WCAG's non-text contrast: the outline against the first opaque background it is drawn on, both themes,
+    from the computed styles."""
+    context = browser.new_context(locale="en-US", color_scheme=scheme)
+    opened = context.new_page()
+    opened.goto(server + "/?model=llama-2-7b&gpu=RTX+4090")
+    expect(opened.locator("html")).to_have_attribute("data-theme", scheme)
+    for control in ("#f-seq_len", "#f-method", "#share"):
+        opened.focus(control)
+        opened.keyboard.press("Shift+Tab")  # the keyboard's focus, which :focus-visible rings
+        opened.keyboard.press("Tab")
+        ring, behind = opened.evaluate(
+            """(selector) => {
+                const element = document.querySelector(selector);
+                const style = getComputedStyle(element);
+                if (!element.matches(":focus-visible") || style.outlineStyle === "none") return [null, null];
+                let parent = element.parentElement;
+                while (parent && /rgba\\(.*, 0\\)|transparent/.test(getComputedStyle(parent).backgroundColor)) {
+                    parent = parent.parentElement;
+                }
+                return [style.outlineColor, getComputedStyle(parent || document.body).backgroundColor];
+            }""",
+            control,
+        )
+        assert ring and behind, control
+        lighter, darker = sorted((luminance(ring), luminance(behind)), reverse=True)
+        assert (lighter + 0.05) / (darker + 0.05) >= 3, (control, scheme, ring, behind)
+    context.close()

@@ -17,6 +17,7 @@ from lorafit import configs, hardware, memory, models, options, stacks, trace
 from lorafit import plan as planner
 from lorafit.errors import LorafitError
 from lorafit.hardware import GpuSpec
+from lorafit.messages import say
 from lorafit.models import ModelSpec
 from lorafit.schema import PLAN_REQUEST_KEYS, Device, Estimate, Plan, PlanRequest, Settings
 
@@ -28,7 +29,7 @@ EMBEDDED_GPUS = ("RTX 4090", "RTX 4060 Ti 16GB")
 def target_gpu(gpu: str | None, vram: float | None) -> GpuSpec | None:
     """--gpu, else --vram, else the detected GPU (torch is not imported for this: NVML only)."""
     if gpu and vram:
-        raise LorafitError("pass --gpu or --vram, not both")
+        raise LorafitError(say("error.gpu_and_vram", setting_gpu="--gpu", setting_vram="--vram"))
     if gpu:
         return hardware.resolve(gpu)
     if vram is not None:

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lorafit.errors import UnknownGpu
+from lorafit.messages import say
 from lorafit.units import BYTES_PER_MIB, gib, gib_to_bytes
 
 GpuKind = Literal["consumer", "workstation", "datacenter", "apple"]
@@ -112,8 +113,9 @@ def resolve(name: str) -> GpuSpec:
         return by_key[wanted]
     close = difflib.get_close_matches(wanted, list(by_key), n=3, cutoff=0.5)
     names = sorted({by_key[key].name for key in close})
-    hint = f"did you mean {', '.join(names)}? " if names else ""
-    raise UnknownGpu(f"no GPU {name!r} in the catalog; {hint}see `lorafit gpus`, or pass --vram GB")
+    if names:
+        raise UnknownGpu(say("error.unknown_gpu_close", name=name, names=", ".join(names), setting_vram="--vram"))
+    raise UnknownGpu(say("error.unknown_gpu", name=name, setting_vram="--vram"))
 
 
 MAX_VRAM_GB = 2048  # no single accelerator comes near it: a larger --vram is a typo (MB for GB, say)
@@ -128,7 +130,7 @@ def custom(vram_gb: float, like: GpuSpec | None = None) -> GpuSpec:
         raise UnknownGpu(
             f"--vram is the GPU's memory in GB as sold, above 0 and at most {MAX_VRAM_GB}; got {vram_gb:g}"
         )
-    return _by_memory(f"{vram_gb:g} GB GPU", vram_gb, like, f"--vram {vram_gb:g}")
+    return _by_memory(say("gpu.by_memory", gb=vram_gb), vram_gb, like, f"--vram {vram_gb:g}")
 
 
 def _by_memory(name: str, memory_gib: float, like: GpuSpec | None, how: str) -> GpuSpec:

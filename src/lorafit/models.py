@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
 
 from lorafit.errors import InvalidConfig, UnknownModel
+from lorafit.messages import say
 from lorafit.vision import TEXT_ARCHITECTURE, TEXT_DEFAULTS, TIED_BY_DEFAULT, VisionTower, read_vision
 
 # The families of catalog/architectures.toml, for the type checker (tests/test_architectures.py: the two agree)
@@ -401,8 +402,9 @@ class ModelSpec(BaseModel):
     def check_seq_len(self, seq_len: int | None) -> None:
         """Refuse a sequence length past what the model's positions cover."""
         if seq_len is not None and seq_len > self.max_position_embeddings:
+            limit = self.max_position_embeddings
             raise InvalidConfig(
-                f"--seq-len {seq_len} is past {self.name}'s maximum of {self.max_position_embeddings} tokens"
+                say("error.seq_len_past", setting="--seq-len", seq_len=seq_len, model=self.name, limit=limit)
             )
 
     def scaled(self, **overrides: int | bool | str | dict) -> ModelSpec:
@@ -589,7 +591,7 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
         families = model_types()
         if model_type not in families:
             known = ", ".join(sorted(families))
-            raise InvalidConfig(f"{file}: model_type {model_type!r} is not supported; supported: {known}")
+            raise InvalidConfig(say("config.unsupported", file=file, model_type=model_type, known=known))
         spec = _text_spec(file, config, families[model_type], name)
     return spec.model_copy(update={"prequantized": prequantized}) if prequantized is not None else spec
 
@@ -688,13 +690,13 @@ def read_config_json(file: Path) -> dict[str, Any]:
     try:
         config = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise InvalidConfig(f"{file} is not valid JSON ({error})") from None
+        raise InvalidConfig(say("config.not_json", file=file, why=error)) from None
     except ValueError:  # Python refuses to read an integer of more than 4300 digits
-        raise InvalidConfig(f"{file} is not a config.json: it holds a number thousands of digits long") from None
+        raise InvalidConfig(say("config.long_number", file=file)) from None
     except RecursionError:
-        raise InvalidConfig(f"{file} is not a config.json: its JSON is nested too deeply") from None
+        raise InvalidConfig(say("config.too_deep", file=file)) from None
     if not isinstance(config, dict):
-        raise InvalidConfig(f"{file} must hold a JSON object")
+        raise InvalidConfig(say("config.not_object", file=file))
     return config
 
 
@@ -731,12 +733,9 @@ def resolve(model: str) -> ModelSpec:
         if family.matches_hub_id(key):
             raise UnknownModel(f"{model}: {family.refusal(family.model_types[0], key)}")
     base = prequantized_base_name(key)
-    what = f"a pre-quantised copy of {base!r}, which is not in the catalog either" if base else "not in the catalog"
-    raise UnknownModel(
-        f"no model {model!r}: {what} (lorafit never downloads); {did_you_mean(base or key)}for a fine-tune or "
-        "any checkpoint of a supported architecture, pass its downloaded folder or its config.json as --model "
-        "(`lorafit models` lists the catalog)"
-    )
+    what = say("model.copy_not_in_catalog", base=base) if base else say("model.not_in_catalog")
+    hint = did_you_mean(base or key)
+    raise UnknownModel(say("error.unknown_model", model=model, what=what, hint=hint, setting="--model"))
 
 
 def catalog_entry(key: str) -> ModelSpec | None:
@@ -801,4 +800,4 @@ def did_you_mean(key: str) -> str:
     extending = [name for name in names if name.startswith(typed) and name != typed]
     close = difflib.get_close_matches(typed, list(names), n=3, cutoff=0.4)
     picked = list(dict.fromkeys(extending[:3] + close))[:3]
-    return f"did you mean {', '.join(picked)}? " if picked else ""
+    return say("model.did_you_mean", names=", ".join(picked)) if picked else ""

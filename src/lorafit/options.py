@@ -54,6 +54,7 @@ from lorafit.choices import (  # noqa: F401 (the choices are part of the declara
 )
 from lorafit.errors import InvalidConfig
 from lorafit.hardware import MAX_VRAM_GB, GpuSpec
+from lorafit.messages import say
 from lorafit.models import LoraTargets, ModelSpec
 from lorafit.rules import broken_rule
 
@@ -1000,30 +1001,30 @@ def _problem(error: ErrorDetails, option: Option | None) -> str:
     """A pydantic error in the words of the setting: what it must be."""
     kind, context = error["type"], error.get("ctx") or {}
     if kind == "literal_error" and option is not None:
-        return f"must be one of {', '.join(option.choices)}"
+        return say("problem.one_of", choices=", ".join(option.choices))
     limits = {
-        "greater_than": "greater than",
-        "greater_than_equal": "at least",
-        "less_than": "less than",
-        "less_than_equal": "at most",
+        "greater_than": "problem.greater_than",
+        "greater_than_equal": "problem.at_least",
+        "less_than": "problem.less_than",
+        "less_than_equal": "problem.at_most",
     }
     if kind in limits:
         limit = next(iter(context.values()))
-        return f"must be {limits[kind]} {limit:g}" if isinstance(limit, float) else f"must be {limits[kind]} {limit}"
+        return say(limits[kind], limit=f"{limit:g}" if isinstance(limit, float) else limit)
     phrases = {
-        "int_parsing": "must be a whole number",
-        "int_from_float": "must be a whole number",
-        "int_type": "must be a whole number",
-        "float_parsing": "must be a number",
-        "float_type": "must be a number",
-        "finite_number": "must be a finite number",
-        "bool_parsing": "must be true or false",
-        "bool_type": "must be true or false",
-        "string_too_short": "must not be empty",
-        "string_type": "must be text",
-        "dict_type": "must be a mapping of FIELD: COLUMN",
+        "int_parsing": "problem.whole_number",
+        "int_from_float": "problem.whole_number",
+        "int_type": "problem.whole_number",
+        "float_parsing": "problem.number",
+        "float_type": "problem.number",
+        "finite_number": "problem.finite_number",
+        "bool_parsing": "problem.true_or_false",
+        "bool_type": "problem.true_or_false",
+        "string_too_short": "problem.not_empty",
+        "string_type": "problem.text",
+        "dict_type": "problem.mapping",
     }
-    return phrases.get(kind, error["msg"].removeprefix("Value error, "))
+    return say(phrases[kind]) if kind in phrases else error["msg"].removeprefix("Value error, ")
 
 
 def _shown(value: Any) -> str:
@@ -1046,14 +1047,17 @@ def one_line(error: ValidationError, source: str = "", from_flags: Iterable[str]
     if not name:  # a rule over several settings: its message names them
         return where + problem["msg"].removeprefix("Value error, ")
     spelled = option.flag if option is not None and name in from_flags else ".".join(map(str, problem["loc"]))
-    return f"{where}{spelled} {_shown(problem.get('input'))}: {_problem(problem, option)}"
+    return where + say(
+        "error.setting", setting=spelled, value=_shown(problem.get("input")), problem=_problem(problem, option)
+    )
 
 
 def unknown_key(key: str, known: Iterable[str] | None = None) -> str:
     known = list(known) if known is not None else [o.name for o in OPTIONS if o.config]
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]}?" if close else "see `lorafit init` for every key"
-    return f"unknown key {key!r}; {hint}"
+    return (
+        say("error.unknown_key", key=key, setting_close=close[0]) if close else say("error.unknown_key_init", key=key)
+    )
 
 
 def parse_mapping(text: str) -> dict[str, str]:

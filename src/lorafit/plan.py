@@ -17,6 +17,7 @@ from lorafit import hardware, memory, options, rules, serving, stacks
 from lorafit.errors import LorafitError
 from lorafit.hardware import GpuSpec
 from lorafit.memory import estimate
+from lorafit.messages import say
 from lorafit.models import ModelSpec
 from lorafit.schema import TIGHT_SHARE, Estimate, Plan, PlanRequest, Settings, Suggestion, TrainerFit, is_tight
 from lorafit.timing import (
@@ -272,21 +273,16 @@ def smallest(found: list[Candidate]) -> Candidate:
 def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: float, spec: ModelSpec) -> list[str]:
     """Plain words for each choice, with the number that forced it."""
     s, card = chosen.settings, gpu.usable_gib(headroom)
-    reasons = [
-        f"peak {chosen.estimate.peak_device_gib:.2f} GiB on the device (nvidia-smi) of {gpu.memory_gib:.1f} GiB; "
-        f"{headroom:.0%} kept free leaves {card:.2f} GiB",
-    ]
+    peak = chosen.estimate.peak_device_gib
+    reasons = [say("plan.peak", peak=peak, memory=gpu.memory_gib, headroom=headroom, usable=card)]
     if s.grad_ckpt:
         without = [c for c in found if not c.settings.grad_ckpt]
         if without:
             least = smallest(without)
-            reasons.append(
-                f"gradient checkpointing on: without it even micro-batch {least.settings.micro_batch} "
-                f"needs {least.estimate.peak_device_gib:.1f} GiB and the card has {card:.1f}; it "
-                "recomputes the forward pass in backward (about a third more compute)"
-            )
+            least_peak = least.estimate.peak_device_gib
+            reasons.append(say("plan.ckpt_on", micro_batch=least.settings.micro_batch, peak=least_peak, usable=card))
     else:
-        reasons.append("gradient checkpointing off: activations fit, so no forward pass is recomputed")
+        reasons.append(say("plan.ckpt_off"))
     bigger = [
         c
         for c in found
@@ -295,20 +291,19 @@ def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: f
         and c.settings.optimizer == s.optimizer
         and savers_on(c.settings) == savers_on(s)
     ]
-    accum = f"micro-batch {s.micro_batch} x gradient accumulation {s.grad_accum}"
-    if s.n_gpus > 1:
-        accum += f" x {s.n_gpus} GPUs"
+    accum = say(
+        "plan.accum_gpus" if s.n_gpus > 1 else "plan.accum",
+        micro_batch=s.micro_batch,
+        grad_accum=s.grad_accum,
+        n_gpus=s.n_gpus,
+    )
     if bigger:
         need = smallest(bigger).estimate
-        larger = f"micro-batch {2 * s.micro_batch}"
-        larger += (
-            f" fits too ({need.peak_device_gib:.1f} GiB) but runs no faster"
-            if need.fits
-            else f" would need {need.peak_device_gib:.1f} GiB"
-        )
-        reasons.append(f"{accum} = effective batch {s.effective_batch}: {larger}")
+        said = "plan.larger_fits" if need.fits else "plan.larger_needs"
+        larger = say(said, micro_batch=2 * s.micro_batch, peak=need.peak_device_gib)
+        reasons.append(say("plan.batch_larger", accum=accum, batch=s.effective_batch, larger=larger))
     else:
-        reasons.append(f"{accum} = effective batch {s.effective_batch}")
+        reasons.append(say("plan.batch", accum=accum, batch=s.effective_batch))
     if s.optimizer != "adamw":
         full = [
             c
@@ -317,15 +312,15 @@ def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: f
             and c.settings.micro_batch == s.micro_batch
             and c.settings.grad_ckpt == s.grad_ckpt
         ]
-        adamw = f" (32-bit AdamW would need {smallest(full).estimate.peak_device_gib:.1f} GiB)" if full else ""
-        reasons.append(f"optimizer {s.optimizer}: 8-bit states are a quarter of 32-bit ones{adamw}")
+        if full:
+            adamw = smallest(full).estimate.peak_device_gib
+            reasons.append(say("plan.optimizer_adamw", optimizer=s.optimizer, peak=adamw))
+        else:
+            reasons.append(say("plan.optimizer", optimizer=s.optimizer))
     reasons += explain_savers(chosen, found, gpu, spec)
     if s.method == "qlora":
-        reasons.append(
-            "QLoRA: the frozen base is stored in 4-bit NF4"
-            f"{' with double quantisation' if s.double_quant else ''}; only LoRA adapters "
-            f"(r={s.lora_r}, {s.lora_targets} linear layers) train, in fp32"
-        )
+        said = "plan.qlora_double" if s.double_quant else "plan.qlora"
+        reasons.append(say(said, lora_r=s.lora_r, lora_targets=s.lora_targets))
     if spec.is_moe:
         reasons.append(moe_reason(spec, s))
     return reasons
@@ -356,39 +351,37 @@ def explain_savers(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, spec
     for name in savers_on(s):
         off = s.model_copy(update={name: options.BY_NAME[name].default})
         twin = next((c for c in found if c.settings == off), None)
-        without = f"; without it {twin.estimate.peak_device_gib:.2f} GiB" if twin else ""
+
+        def without(line: str, twin: Candidate | None = twin) -> str:
+            return say("plan.without", line=line, peak=twin.estimate.peak_device_gib) if twin else line
+
         if name == "loss":
             full = memory.logits_bytes(spec, off, runtime)
             chunked = memory.chunked_loss_bytes(spec, s)
             extra = memory_cost_share(spec, s, off, gpu)
-            lines.append(
-                f"loss chunked: the LM head and fp32 cross-entropy run {memory.loss_chunk_tokens(s)} tokens at a "
-                f"time, {gib(chunked):.2f} GiB instead of {gib(full):.2f} GiB of logits; the head runs again in "
-                f"backward (+{extra:.1%} step time){without}"
-            )
+            tokens = memory.loss_chunk_tokens(s)
+            line = say("plan.loss", tokens=tokens, chunked=gib(chunked), full=gib(full), extra=extra)
+            lines.append(without(line))
         elif name == "offload_embeddings":
             moved = memory.offloaded_embedding_bytes(spec, s, runtime)
-            lines.append(
-                f"offload_embeddings: the frozen input embedding ({gib(moved):.2f} GiB) stays in CPU RAM; each "
-                f"micro-batch copies its {n:,} rows over{without}"
-            )
+            lines.append(without(say("plan.offload_embeddings", moved=gib(moved), rows=n)))
         elif name == "offload_activations":
             host = memory.offloaded_activation_bytes(spec, s, runtime)
             extra = memory_cost_share(spec, s, off, gpu)
-            lines.append(
-                f"offload_activations: the {spec.num_hidden_layers} checkpointed layer inputs ({gib(host):.2f} GiB) "
-                f"wait in pinned CPU RAM, {2 * host / 1e9:.2f} GB over the "
-                f"{gpu.host_link_gbs or DEFAULT_HOST_LINK_GBS:g} GB/s host link per micro-batch "
-                f"(+{extra:.1%} step time){without}"
+            line = say(
+                "plan.offload_activations",
+                layers=spec.num_hidden_layers,
+                host=gib(host),
+                moved=2 * host / 1e9,
+                link=gpu.host_link_gbs or DEFAULT_HOST_LINK_GBS,
+                extra=extra,
             )
+            lines.append(without(line))
         elif name == "expandable_segments":
             plain = twin.estimate if twin else memory.estimate(spec, off)
-            lines.append(
-                "expandable_segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; the caching allocator keeps "
-                f"{chosen.estimate.peak_reserved_gib - chosen.estimate.peak_allocated_gib:.2f} GiB above the "
-                f"allocated peak instead of {plain.peak_reserved_gib - plain.peak_allocated_gib:.2f} GiB (its "
-                f"simulation, not measured on a GPU){without}"
-            )
+            kept = chosen.estimate.peak_reserved_gib - chosen.estimate.peak_allocated_gib
+            line = say("plan.expandable_segments", kept=kept, plain=plain.peak_reserved_gib - plain.peak_allocated_gib)
+            lines.append(without(line))
     return lines
 
 
@@ -400,9 +393,15 @@ def explain_gpus(chosen: Candidate, gpu: GpuSpec, spec: ModelSpec) -> list[str]:
     lines = []
     per_gpu = e.per_gpu_gib
     lines.append(
-        f"{e.world_size} GPU(s), {SHARD_TITLES.get(s.shard, s.shard)}: each holds {per_gpu['sharded_weights']:.2f} "
-        f"GiB of weights, {per_gpu['gradients']:.2f} GiB of gradients, {per_gpu['optimizer_states']:.2f} GiB of "
-        f"optimizer states, {per_gpu['gathered_layers']:.2f} GiB of gathered layers"
+        say(
+            "plan.gpus_hold",
+            world=e.world_size,
+            shard=SHARD_TITLES.get(s.shard, s.shard),
+            weights=per_gpu["sharded_weights"],
+            gradients=per_gpu["gradients"],
+            states=per_gpu["optimizer_states"],
+            gathered=per_gpu["gathered_layers"],
+        )
     )
     if e.world_size > 1:
         within, between = hardware.links_of(gpu)
@@ -410,20 +409,15 @@ def explain_gpus(chosen: Candidate, gpu: GpuSpec, spec: ModelSpec) -> list[str]:
         per_micro, per_step = communication_bytes(spec, s)
         step = step_time(spec, s, gpu)
         moved = per_micro * step.micro_batches + per_step
-        lines.append(
-            f"communication: {moved / 1e9:.2f} GB per GPU per optimizer step over {link} "
-            f"({collective_bytes_per_second(s, gpu) / 1e9:.1f} GB/s as NCCL runs it); "
-            f"{step.communication / step.total:.0%} of the step waits for it"
-        )
+        speed = collective_bytes_per_second(s, gpu) / 1e9
+        share = step.communication / step.total
+        lines.append(say("plan.communication", moved=moved / 1e9, link=link, speed=speed, share=share))
     if s.offload != "none":
         step = step_time(spec, s, gpu)
         host = sum(e.host_ram_breakdown_gib.get(part, 0.0) for part in ("offloaded_weights", "offloaded_optimizer"))
-        lines.append(
-            f"offload {s.offload}: {host:.1f} GiB in host RAM; the copies over PCIe and the CPU optimizer step "
-            f"take {step.offload / step.total:.0%} of the step"
-        )
+        lines.append(say("plan.offload", offload=s.offload, host=host, share=step.offload / step.total))
     if e.host_ram_gib is not None:
-        lines.append(f"host RAM: {e.host_ram_gib:.1f} GiB on each machine (the larger of loading and training)")
+        lines.append(say("plan.host_ram", host=e.host_ram_gib))
     return lines
 
 
@@ -459,14 +453,12 @@ def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int, other_cards: b
         return fit is not None
 
     for length in shorter_lengths(seq_len):
-        if suggest(f"sequence length {length} instead of {seq_len}", best(candidates(request, gpu, length))):
+        if suggest(say("change.seq_len", seq_len=length, was=seq_len), best(candidates(request, gpu, length))):
             break
     if request.method != "qlora" and "quant" not in request.pinned:
-        suggest(
-            f"QLoRA (4-bit base) instead of {request.method}", best(candidates(request, gpu, seq_len, method="qlora"))
-        )
+        suggest(say("change.qlora", method=request.method), best(candidates(request, gpu, seq_len, method="qlora")))
     if request.method == "full":
-        suggest("LoRA instead of full fine-tuning", best(candidates(request, gpu, seq_len, method="lora")))
+        suggest(say("change.lora"), best(candidates(request, gpu, seq_len, method="lora")))
 
     def size_then_price(g: GpuSpec) -> tuple[int, float, float]:
         return round(g.memory_gib / 8), g.rent_usd_per_hour or 1e9, g.price_usd or 1e9
@@ -474,7 +466,7 @@ def suggestions(request: PlanRequest, gpu: GpuSpec, seq_len: int, other_cards: b
     for bigger in sorted(hardware.catalog().values(), key=size_then_price) if other_cards else []:
         if bigger.kind == "apple" or bigger.memory_gib <= gpu.memory_gib:
             continue
-        change = f"a GPU with more memory: {bigger.name} ({bigger.memory_gib:.0f} GiB)"
+        change = say("change.bigger_gpu", gpu=bigger.name, memory=bigger.memory_gib)
         if suggest(change, best(candidates(request, bigger, seq_len)), bigger):
             break
     found += on_more_gpus(request, gpu, seq_len)
@@ -512,7 +504,6 @@ def on_more_gpus(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Sugge
 GPU_COUNTS = (2, 4, 8)
 OFFLOADS = ("none", "optimizer", "params")  # fastest first
 SHARD_TITLES = {"ddp": "DDP", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP"}
-OFFLOAD_TITLES = {"optimizer": "the optimizer states", "params": "the parameters"}
 
 
 def several_gpus_shard(request: PlanRequest) -> str:
@@ -562,11 +553,12 @@ def fewest_gpus(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Candid
 
 def gpus_change(settings: Settings, gpu: GpuSpec, hours: float) -> str:
     """'2x RTX 4090 with FSDP and CPU offload of the parameters, 31.2 h'."""
-    machines = f" on each of {settings.nodes} machines" if settings.nodes > 1 else ""
-    change = f"{settings.n_gpus}x {gpu.name}{machines} with {SHARD_TITLES.get(settings.shard, settings.shard)}"
-    if settings.offload != "none":
-        change += f" and CPU offload of {OFFLOAD_TITLES[settings.offload]}"
-    return f"{change}, {hours:.1f} h"
+    key = "change.gpus" + ("_nodes" if settings.nodes > 1 else "") + ("_offload" if settings.offload != "none" else "")
+    offload = say(f"offload.{settings.offload}") if settings.offload != "none" else ""
+    shard = SHARD_TITLES.get(settings.shard, settings.shard)
+    return say(
+        key, n_gpus=settings.n_gpus, gpu=gpu.name, nodes=settings.nodes, shard=shard, offload=offload, hours=hours
+    )
 
 
 # --- the plan -----------------------------------------------------------------------------------------------
@@ -593,14 +585,10 @@ def on_the_cpu(
     lighter = max(without, key=lambda c: c.settings.optimizer == "adamw")
     usable = free * (1 - headroom)
     if lighter.estimate.peak_allocated_gib > usable:
-        return chosen, reasons + [
-            f"gradient checkpointing on: without it the step needs {lighter.estimate.peak_allocated_gib:.1f} GiB "
-            f"of RAM and {usable:.1f} GiB is free"
-        ]
+        return chosen, reasons + [say("plan.cpu_ckpt_on", need=lighter.estimate.peak_allocated_gib, free=usable)]
     return lighter, [
-        "training on the CPU: settings are the defaults, sized to the RAM free now",
-        f"gradient checkpointing off: the step needs {lighter.estimate.peak_allocated_gib:.1f} GiB of the "
-        f"{usable:.1f} GiB of RAM free, so no forward pass is recomputed",
+        say("plan.cpu_defaults"),
+        say("plan.cpu_ckpt_off", need=lighter.estimate.peak_allocated_gib, free=usable),
     ]
 
 
@@ -616,17 +604,17 @@ def automatic_choices(request: PlanRequest, settings: Settings) -> list[str]:
     """Plain words for the settings nobody set that follow from the model, the GPU or the device."""
     reasons = []
     if (stored := request.model.prequantized) is not None:
+        base = say("plan.base_named", base=stored.base) if stored.base else say("plan.base_unnamed")
+        said = "plan.prequantized_double" if stored.double_quant else "plan.prequantized"
         reasons.append(
-            f"QLoRA only: {request.model.hf_id or request.model.name} is a pre-quantised checkpoint (bitsandbytes "
-            f"{stored.quant.upper()}{', double-quantised' if stored.double_quant else ''}, loaded as stored); LoRA "
-            f"or full fine-tuning need {f'the 16-bit base {stored.base}' if stored.base else 'its 16-bit base'}"
+            say(said, model=request.model.hf_id or request.model.name, quant=stored.quant.upper(), base=base)
         )
     if "attn" not in request.pinned and settings.attn != options.BY_NAME["attn"].default:
-        reasons.append(f"attention {settings.attn}: {request.model.name} has no sdpa kernel in transformers")
+        reasons.append(say("plan.attn", attn=settings.attn, model=request.model.name))
     if "precision" not in request.pinned and settings.precision == "fp32" and request.device == "cpu":
-        reasons.append("precision fp32: no GPU, training on the CPU (bf16 there runs ~20x slower)")
+        reasons.append(say("plan.cpu_fp32"))
     elif "precision" not in request.pinned and settings.precision == "fp16" and request.gpu:
-        reasons.append(f"precision fp16: the {request.gpu.name} has no bf16")
+        reasons.append(say("plan.no_bf16", gpu=request.gpu.name))
     spec = request.model
     if rope := stacks.past_positions(settings.stack, settings.seq_len, spec.name, spec.max_position_embeddings):
         reasons.append(rope)
@@ -698,11 +686,16 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None, details: 
             extra = suggestions(roomier, gpu, seq_len)
     elif gpu:
         chosen = smallest(found)
+        savers = ", ".join(savers_on(chosen.settings))
         reasons = [
-            f"does not fit: even the smallest configuration needs {chosen.estimate.peak_device_gib:.1f} GiB "
-            + (f"(with {', '.join(savers_on(chosen.settings))}) " if savers_on(chosen.settings) else "")
-            + f"and {gpu.name} has {gpu.usable_gib(request.headroom):.1f} GiB after "
-            f"{request.headroom:.0%} headroom"
+            say(
+                "plan.no_fit_savers" if savers else "plan.no_fit",
+                peak=chosen.estimate.peak_device_gib,
+                setting_savers=savers,
+                gpu=gpu.name,
+                usable=gpu.usable_gib(request.headroom),
+                headroom=request.headroom,
+            )
         ]
         sharded = chosen.settings.model_copy(update={"n_gpus": 2, "shard": several_gpus_shard(request)})
         runtime = memory.stack_runtime(sharded)
@@ -711,10 +704,17 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None, details: 
             fsdp_loads_on_host = "fsdp" not in runtime.quantized_whole_on_gpu
             instead = "--shard fsdp" if fsdp_loads_on_host else "--stack lorafit (FSDP)"
             shards = SHARD_TITLES[sharded.shard] if fsdp_loads_on_host else "FSDP or ZeRO-3"
+            stack, quant = chosen.settings.stack, chosen.settings.quant
             reasons.append(
-                f"several {gpu.name}s do not help {chosen.settings.stack}'s trainer with {shards}: it loads the "
-                f"{chosen.settings.quant} base whole ({loading:.1f} GiB) onto every GPU before sharding it; "
-                f"{instead} loads it in host memory and moves it to the GPUs a sharded layer at a time"
+                say(
+                    "plan.loads_whole",
+                    gpu=gpu.name,
+                    stack=stack,
+                    shards=shards,
+                    quant=quant,
+                    loading=loading,
+                    instead=instead,
+                )
             )
         extra = suggestions(request, gpu, seq_len)
     else:
@@ -722,27 +722,17 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None, details: 
         chosen = max(
             modest, key=lambda c: (c.settings.grad_ckpt, c.settings.optimizer == "adamw", c.settings.micro_batch)
         )
-        reasons = ["no GPU given or detected: settings are the defaults, memory is reported without a verdict"]
+        reasons = [say("plan.no_gpu")]
         if request.device == "cpu":
             chosen, reasons = on_the_cpu(modest, chosen, reasons, request.headroom)
     reasons += automatic_choices(request, chosen.settings)
     batching = options.resolve_batching(request.batching, chosen.settings.attn)
     if request.device is not None and request.batching == "auto":
-        reasons.append(
-            f"batching {batching}: "
-            + (
-                "flash attention takes packed rows exactly"
-                if batching == "padding_free"
-                else "rows of similar length together, so padding wastes little compute"
-            )
-        )
+        reasons.append(say("plan.packed" if batching == "padding_free" else "plan.grouped", batching=batching))
     if truncated_rows:
-        reasons.append(f"sequence length {seq_len} truncates {truncated_rows} rows of the data")
+        reasons.append(say("plan.truncates", seq_len=seq_len, rows=truncated_rows))
     if request.model.vision is not None:
-        reasons.append(
-            "image-text model: its vision tower is counted in memory (frozen, stored like the base) but images "
-            "in the data are not modelled: memory and time are for text-only rows"
-        )
+        reasons.append(say("plan.vision"))
     speed = chosen.tokens_per_s if gpu else 0.0
     epoch_tokens = tokens_per_epoch(request)
     timing = time_and_cost(

@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lorafit.messages import say
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -22,9 +24,9 @@ class Rule:
 def _quant_matches_method(v: Mapping[str, Any]) -> str | None:
     method, quant = v["method"], v["quant"]
     if method == "qlora" and quant == "none":
-        return "method qlora needs a quantised base: quant nf4 or int8 (for 16-bit weights use method lora)"
+        return say("rule.qlora_needs_quant", setting_method="method", setting_quant="quant")
     if method != "qlora" and quant != "none":
-        return f"method {method} trains on 16-bit weights: quant must be none (a quantised base is method qlora)"
+        return say("rule.quant_needs_qlora", setting_method="method", method=method, setting_quant="quant")
     return None
 
 

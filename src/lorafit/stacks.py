@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lorafit.choices import SAVER_ON, Stack, default_quant
 from lorafit.errors import InvalidConfig
+from lorafit.messages import say
 
 
 class StackSpec(BaseModel):
@@ -99,7 +100,7 @@ def resolve(name: str) -> StackSpec:
     if stack is None:
         raise InvalidConfig(f"stack {name}: not a stack lorafit knows; choose one of {', '.join(catalog())}")
     if not stack.offered:
-        raise InvalidConfig(f"stack {name}: not offered ({stack.not_offered_because}); see `lorafit stacks`")
+        raise InvalidConfig(say("error.stack_not_offered", setting="stack", name=name, why=stack.not_offered_because))
     return stack
 
 
@@ -110,7 +111,7 @@ def for_config_of(name: str) -> tuple[str, str | None]:
     if stack.offered:
         return name, None
     if stack.nearest is None:
-        raise InvalidConfig(f"stack {name}: not offered ({stack.not_offered_because}); see `lorafit stacks`")
+        raise InvalidConfig(say("error.stack_not_offered", setting="stack", name=name, why=stack.not_offered_because))
     return stack.nearest, (
         f"stack {name} is not offered ({stack.not_offered_because}); answered for stack {stack.nearest}: "
         f"{stack.nearest_because}"
@@ -193,11 +194,16 @@ def past_positions(stack_name: str, seq_len: int | None, model: str, positions: 
     scaling = [s.name for s in offered() if s.rope_scaling]
     if not stack.rope_scaling:
         raise InvalidConfig(
-            f"--seq-len {seq_len} is past {model}'s maximum of {positions} tokens, and stack {stack.name} does not "
-            f"scale RoPE; the stacks that do: {', '.join(scaling)}"
+            say(
+                "error.seq_len_no_rope",
+                setting="--seq-len",
+                seq_len=seq_len,
+                model=model,
+                limit=positions,
+                setting_stack="stack",
+                stack=stack.name,
+                stacks=", ".join(scaling),
+            )
         )
     factor = rope_factor(seq_len, positions)
-    return (
-        f"sequence length {seq_len} is past {model}'s {positions} trained positions: stack {stack.name} scales "
-        f"RoPE by a factor of {factor} (rope_scaling) to reach it"
-    )
+    return say("plan.rope", seq_len=seq_len, model=model, limit=positions, stack=stack.name, factor=factor)

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Literal, NamedTuple, get_args
 
 from lorafit.errors import DataError
+from lorafit.messages import say
 from lorafit.options import DataFormat as Format  # the formats `data_format` accepts, declared once
 
 FORMATS: tuple[Format, ...] = get_args(Format)
@@ -198,11 +199,7 @@ def detect_format(records: Iterable[Any], source: str = "data") -> Format:
             'expected one object per record, e.g. {"instruction": ..., "output": ...}'
         )
     seen = ", ".join(repr(name) for name, _ in columns.most_common(8)) or "none (every record is {})"
-    raise DataError(
-        f"cannot tell the format of {source}: columns seen: {seen}; expected one of alpaca "
-        "(instruction/output), sharegpt (conversations), messages, prompt_completion (prompt/completion) or "
-        "text; pass --format, or --map FIELD=COLUMN (e.g. --map instruction=question)"
-    )
+    raise DataError(say("data.format_unknown", name=source, seen=seen, setting_format="--format", setting_map="--map"))
 
 
 def check_format(name: str | None) -> Format | None:

@@ -23,11 +23,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from lorafit import answers, files, hardware, models, options
+from lorafit import answers, files, hardware, messages, models, options
 from lorafit import plan as planner
 from lorafit.data import counter_for, length_profile
 from lorafit.data.tokens import TokenCounter
 from lorafit.errors import LorafitError
+from lorafit.messages import say
 from lorafit.web.access import AccessGuard, Listening, check_can_listen, shown
 from lorafit.web.jobs import Comparison, Comparisons, workers
 
@@ -76,14 +77,67 @@ def language_of(accept_language: str | None, asked: str | None = None) -> str:
 
 @cache
 def strings(language: str) -> dict[str, str]:
-    """The page's words in `language`. English takes each field's help, unit and default from the option declaration
-    (the CLI's --help), so they are never copied; the other languages translate them."""
+    """The page's words in `language`. English takes each field's unit from the option declaration; a field's help
+    and its default are the page's own (they name fields and the page, not flags and commands), in every
+    language."""
     table = json.loads((STRINGS / f"{language}.json").read_text(encoding="utf-8"))
     if language == "en":
-        table |= {f"help.{o.name}": o.help for o in form_options()}
         table |= {f"unit.{o.name}": o.unit for o in form_options() if o.unit}
-        table |= {f"default.{o.name}": o.auto for o in form_options() if o.auto}
     return table
+
+
+DECIMAL_COMMA = str.maketrans(",.", ".,")
+FLAG_NAMES = {o.flag: o.name for o in options.OPTIONS}  # --seq-len -> seq_len
+
+
+@cache
+def message_catalog(language: str) -> dict[str, str]:
+    """The planner's sentences (lorafit.messages, keyed as there) in `language`. English is the declaration itself,
+    but for the few sentences whose CLI words point to a command or a flag: the page says them in its terms."""
+    return json.loads((STRINGS / "messages" / f"{language}.json").read_text(encoding="utf-8"))
+
+
+def in_language(text: str, language: str | None) -> str:
+    """A sentence of the planner or of an error, as the CLI says it, in the page's language and terms: a setting
+    is named by its field's label, not by its flag. No language: the CLI's words, as they are."""
+    if language is None:
+        return text
+    words = strings(language)
+
+    def label(spelled: str) -> str:  # a setting, or a list of them ("loss, offload_activations")
+        return ", ".join(words.get(f"label.{FLAG_NAMES.get(one, one)}", one) for one in spelled.split(", "))
+
+    def number(printed: str) -> str:  # 1,234.5 as Spanish and Portuguese write it: 1.234,5
+        return printed if language == "en" else printed.translate(DECIMAL_COMMA)
+
+    # a sentence not translated yet shows as the English page says it
+    return messages.render(text, message_catalog("en") | message_catalog(language), label, number)
+
+
+def plan_in_language(plan: dict[str, Any], language: str | None) -> dict[str, Any]:
+    """A plan's JSON with its reasons, its suggestions' changes and a card known by its memory ("8 GB GPU") in
+    `language`; without one, as `lorafit plan --json` prints it."""
+    if language is None:
+        return plan
+    gpu = plan.get("gpu")
+    return plan | {
+        "reasons": [in_language(reason, language) for reason in plan.get("reasons", [])],
+        "suggestions": [
+            row
+            | {"change": in_language(row["change"], language), "gpu": row["gpu"] and in_language(row["gpu"], language)}
+            for row in plan.get("suggestions", [])
+        ],
+        "gpu": gpu and gpu | {"name": in_language(gpu["name"], language)},
+    }
+
+
+def asked_language(items: list[tuple[str, str]]) -> str | None:
+    """The language a request's ?lang= names (the page sends its own; an unknown one is English); None without
+    ?lang=: the API then answers in the CLI's own words, as `lorafit plan --json` does."""
+    asked = next((value for key, value in items if key == "lang"), None)
+    if asked is None:
+        return None
+    return asked if asked in LANGUAGES else "en"
 
 
 # --- the form's declaration --------------------------------------------------------------------------------
@@ -123,22 +177,22 @@ def given_from_query(items: list[tuple[str, str]], command: options.Command, swi
         if value == "":
             continue
         if not option.config and not option.is_bool:  # a file on the CLI's machine (--from): not for a page
-            raise BadRequest(f"{key}: not a setting of /api/{command}", key)
+            raise BadRequest(say("error.not_here", setting=key, api=f"/api/{command}"), key)
         parsed: str | bool = value
         if option.is_bool:
             text = value.strip().lower()
             if text not in TRUE + FALSE:
-                raise BadRequest(f"{key} {value!r}: must be true or false", key)
+                raise BadRequest(say("error.bool", setting=key, value=value), key)
             parsed = text in TRUE
             if not option.config:
                 if key not in switches:
-                    raise BadRequest(f"{key}: not a setting of /api/{command}", key)
+                    raise BadRequest(say("error.not_here", setting=key, api=f"/api/{command}"), key)
                 on[key] = text in TRUE
                 continue
         if option.many:
             given.setdefault(key, []).append(parsed)
         elif key in given:
-            raise BadRequest(f"{key} is given twice", key)
+            raise BadRequest(say("error.twice", setting=key), key)
         else:
             given[key] = parsed
     return given, on
@@ -160,7 +214,7 @@ def field_of(message: str, given: Mapping[str, Any]) -> str | None:
 # --- uploads ----------------------------------------------------------------------------------------------
 def too_large(kind: str, name: str) -> str:
     limit = UPLOAD_LIMITS.get(kind, max(UPLOAD_LIMITS.values())) >> 20
-    return f"{name or 'the upload'} is larger than the {limit} MiB an upload of {kind or 'a file'} may be"
+    return say("error.too_large", name=name or say("upload.unnamed"), limit=limit, kind=kind or "a file")
 
 
 class Uploads:
@@ -172,17 +226,17 @@ class Uploads:
 
     def save(self, kind: str, name: str, body: bytes) -> str:
         if kind not in UPLOAD_LIMITS:
-            raise BadRequest(f"upload kind {kind!r}: must be model (a config.json) or data (a dataset file)")
+            raise BadRequest(say("error.upload_kind", kind=kind))
         if len(body) > UPLOAD_LIMITS[kind]:
             raise BadRequest(too_large(kind, name), kind)
         if not body:
-            raise BadRequest(f"{name or 'the upload'} is empty", kind)
+            raise BadRequest(say("error.empty", name=name or say("upload.unnamed")), kind)
         if kind == "model":
             name = "config.json"
         else:
             name = re.sub(r"[^A-Za-z0-9._-]", "_", Path(name or "data.jsonl").name)[-100:]
             if not name.lower().endswith(DATA_SUFFIXES):
-                raise BadRequest(f"{name}: a dataset upload is {', '.join(DATA_SUFFIXES)}", "data")
+                raise BadRequest(say("error.data_suffix", name=name, suffixes=", ".join(DATA_SUFFIXES)), "data")
         digest = hashlib.sha256(body).hexdigest()[:16]
         folder = self.root / digest
         folder.mkdir(parents=True, exist_ok=True)
@@ -192,13 +246,13 @@ class Uploads:
     def path(self, value: str, field: str) -> Path:
         """The file an `upload:` value names, or a clear refusal of any other path."""
         if not value.startswith(UPLOAD_PREFIX):
-            raise BadRequest(f"{field} {value}: the server reads only files sent to it; upload the file", field)
+            raise BadRequest(say("error.not_uploaded", setting=field, value=value), field)
         relative = value.removeprefix(UPLOAD_PREFIX)
         if not re.fullmatch(r"[0-9a-f]{16}/[A-Za-z0-9._-]+", relative):
-            raise BadRequest(f"{field} {value}: not an upload of this server", field)
+            raise BadRequest(say("error.not_an_upload", setting=field, value=value), field)
         path = self.root / relative
         if not path.is_file():
-            raise BadRequest(f"{field} {value}: no such upload on this server (upload the file again)", field)
+            raise BadRequest(say("error.upload_gone", setting=field, value=value), field)
         return path
 
     def discard(self, value: str) -> None:
@@ -223,14 +277,14 @@ class Uploads:
     def model(self, given: dict[str, Any]) -> dict[str, Any]:
         """`given` with an uploaded model's value turned into its file; a local path is refused."""
         if "tokenizer" in given:
-            raise BadRequest("tokenizer: the server counts a dataset's tokens without a local tokenizer", "tokenizer")
+            raise BadRequest(say("error.tokenizer", setting="tokenizer"), "tokenizer")
         value = given.get("model")
         if value is None:
             return given
         if value.startswith(UPLOAD_PREFIX):
             return given | {"model": str(self.path(value, "model"))}
         if Path(value).expanduser().exists() or Path(value).suffix == ".json":
-            raise BadRequest(f"model {value}: the server reads only files sent to it; upload the config.json", "model")
+            raise BadRequest(say("error.model_path", setting="model", value=value), "model")
         return given
 
 
@@ -285,18 +339,20 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
     # comparisons have a pool of their own (jobs.Comparisons), so a plan never waits for one
     planning = anyio.CapacityLimiter(workers())
 
-    def refusal(error: Exception, given: Mapping[str, Any]) -> dict[str, Any]:
-        """The page's {"error", "field"} for an error the user can fix (BadRequest, LorafitError, ValidationError);
-        anything else is re-raised."""
+    def refusal(error: Exception, given: Mapping[str, Any], language: str | None) -> dict[str, Any]:
+        """The page's {"error", "field"} for an error the user can fix (BadRequest, LorafitError, ValidationError),
+        in `language`; anything else is re-raised."""
         if isinstance(error, BadRequest):
-            return {"error": str(error), "field": error.field or field_of(str(error), given)}
-        if isinstance(error, LorafitError):
+            message, field = str(error), error.field or field_of(str(error), given)
+        elif isinstance(error, LorafitError):
             message = uploads.hide(str(error).splitlines()[0] if str(error) else type(error).__name__)
-            return {"error": message, "field": field_of(message, given)}
-        if isinstance(error, ValidationError):
+            field = field_of(message, given)
+        elif isinstance(error, ValidationError):
             message = options.one_line(error)
-            return {"error": message, "field": field_of(message, given)}
-        raise error
+            field = field_of(message, given)
+        else:
+            raise error
+        return {"error": in_language(message, language), "field": field}
 
     def answer(items: list[tuple[str, str]], command: options.Command, switches: tuple[str, ...], run: bool) -> Any:
         """The JSON of `lorafit COMMAND --json` for the query's settings, or a Refused; `run`: the `lorafit
@@ -314,12 +370,19 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
                 result = answers.estimate(given, exact=on["exact"])
             if run and isinstance(result, answers.PlanAnswer):
                 if result.kind != "one":
-                    raise BadRequest("/api/run takes the settings of one plan: a model and a GPU, no compare")
+                    raise BadRequest(say("error.run_one_plan"))
                 plan = result.plans[0]
                 return uploads.hide({"command": answers.train_command(plan), "yaml": answers.train_yaml(plan)})
-            return uploads.hide(result.to_json())
+            body = result.to_json()
+            if isinstance(result, answers.PlanAnswer):
+                language = asked_language(items)
+                if result.kind == "one":
+                    body = plan_in_language(body, language)
+                elif result.kind == "compare":
+                    body["plans"] = [plan_in_language(plan, language) for plan in body["plans"]]
+            return uploads.hide(body)
         except (LorafitError, ValidationError) as error:
-            return Refused(refusal(error, given))
+            return Refused(refusal(error, given, asked_language(items)))
 
     def comparison(items: list[tuple[str, str]]) -> tuple[Comparison, float | None] | Refused:
         """The comparison the query asks for, started or found, with its price cap; or a Refused."""
@@ -331,9 +394,11 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
                 given, compare=True, data_path=lambda v: uploads.path(v, "data"), skip_bad_rows=True
             )
         except (LorafitError, ValidationError) as error:
-            return Refused(refusal(error, given))
-        known = dict(given)
-        job = comparisons.start(asked, lambda: planner.compare_rows(asked), lambda error: refusal(error, known))
+            return Refused(refusal(error, given, asked_language(items)))
+        known, language = dict(given), asked_language(items)
+        job = comparisons.start(
+            asked, lambda: planner.compare_rows(asked), lambda error: refusal(error, known, language)
+        )
         return job, flags.max_price_hour
 
     async def answered(
@@ -353,6 +418,7 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
                 return JSONResponse(job.error, 400)
             plans = planner.in_compare_order(list(job.plans))
             body = uploads.hide(answers.PlanAnswer("compare", plans, max_price_hour=cap).to_json())
+            body["plans"] = [plan_in_language(plan, asked_language(items)) for plan in body["plans"]]
         else:
             body = await anyio.to_thread.run_sync(answer, items, command, switches, run, limiter=planning)
             if isinstance(body, Refused):
@@ -372,19 +438,20 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
     async def compare(request: Request) -> Response:
         """The GPU comparison as NDJSON, one line per card as it is planned ({"plan": ...}, catalog order), then
         {"done": true, "cheapest", "cheapest_under_price", "max_price_hour"} or {"error", "field"}."""
-        started_job = await anyio.to_thread.run_sync(
-            comparison, list(request.query_params.multi_items()), limiter=planning
-        )
+        items = list(request.query_params.multi_items())
+        started_job = await anyio.to_thread.run_sync(comparison, items, limiter=planning)
         if isinstance(started_job, Refused):
             return JSONResponse(started_job.body, 400)
         job, cap = started_job
+        language = asked_language(items)
 
         async def lines() -> AsyncIterator[str]:
             sent = 0
             while True:
                 done, plans = job.done, job.plans[sent:]  # done first: no row comes after it is set
                 for plan in plans:
-                    yield json.dumps({"plan": uploads.hide(plan.model_dump(mode="json"))}) + "\n"
+                    row = plan_in_language(plan.model_dump(mode="json"), language)
+                    yield json.dumps({"plan": uploads.hide(row)}) + "\n"
                 sent += len(plans)
                 if done:
                     break
@@ -419,19 +486,20 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
 
     async def upload(request: Request) -> Response:
         kind, name = request.query_params.get("kind", ""), request.query_params.get("name", "")
+        language = asked_language(list(request.query_params.multi_items()))
         limit = UPLOAD_LIMITS.get(kind, max(UPLOAD_LIMITS.values()))
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            return JSONResponse({"error": too_large(kind, name), "field": kind}, 413)
+            return JSONResponse({"error": in_language(too_large(kind, name), language), "field": kind}, 413)
         body = bytearray()
         async for chunk in request.stream():  # stop reading at the limit: an oversized body is never held
             body += chunk
             if len(body) > limit:
-                return JSONResponse({"error": too_large(kind, name), "field": kind}, 413)
+                return JSONResponse({"error": in_language(too_large(kind, name), language), "field": kind}, 413)
         try:
             value = uploads.save(kind, name, bytes(body))
         except BadRequest as error:
-            return JSONResponse({"error": str(error), "field": error.field or kind}, 400)
+            return JSONResponse({"error": in_language(str(error), language), "field": error.field or kind}, 400)
         path = uploads.path(value, kind)
         described: dict[str, Any] = {"value": value}
         try:
@@ -445,7 +513,7 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
         except LorafitError as error:  # the file as the user named it, not where the server keeps it
             uploads.discard(value)
             message = str(error).splitlines()[0].replace(str(path), name or path.name)
-            return JSONResponse({"error": message, "field": kind}, 400)
+            return JSONResponse({"error": in_language(message, language), "field": kind}, 400)
         except BaseException:
             uploads.discard(value)
             raise

@@ -278,7 +278,7 @@ async function sendFile(kind, file) {
   clearErrors();
   // a dataset is counted with the chat template of the model chosen, as the plan counts it
   const model = kind === "data" && page.values.model ? `&model=${encodeURIComponent(page.values.model)}` : "";
-  const response = await fetch(`/api/upload?kind=${kind}&name=${encodeURIComponent(file.name)}${model}`, { method: "POST", body: file });
+  const response = await fetch(`/api/upload?kind=${kind}&name=${encodeURIComponent(file.name)}${model}&lang=${page.lang}`, { method: "POST", body: file });
   const body = await response.json();
   if (!response.ok) return showError(body);
   page.values[kind] = body.value;
@@ -299,8 +299,10 @@ function readUrl() {
 }
 
 function query(values = page.values) {
+  // the page's language goes with every question: the server answers its reasons and errors in it
   const params = new URLSearchParams();
   for (const [key, value] of Object.entries(values)) if (value !== "" && value != null) params.append(key, value);
+  params.set("lang", page.lang);
   return params;
 }
 
@@ -751,8 +753,8 @@ async function setLanguage(lang) {
   translateStatic();
   if (page.declaration) {
     buildForm();
-    if (page.plan) { renderPlan(); renderGpus(); }
-    writeUrl();
+    changed(); // asked again: the plan's reasons, suggestions and errors come in the new language
+
   }
 }
 

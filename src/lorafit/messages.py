@@ -1,0 +1,232 @@
+"""The sentences lorafit says to a user, declared once by key: the CLI prints them in English (`say`), the web page
+renders the same sentence in its language from a translated catalog keyed the same way (`render`).
+
+An English sentence is parsed back into its key and parameters (`parse`), so that a reason, a suggestion or an
+error can travel as the plain text the CLI prints (in a Plan, in an exception) and still be translated where it is
+shown. A parameter named `setting...` is a setting as the CLI spells it (--seq-len, seq_len): a page shows its
+label instead. A parameter that is itself a sentence of the catalog is translated too.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Callable, Mapping
+from functools import cache
+
+EN: dict[str, str] = {
+    # --- plan: why these settings (plan.explain, explain_savers, explain_gpus) ---
+    "plan.peak": "peak {peak:.2f} GiB on the device (nvidia-smi) of {memory:.1f} GiB; {headroom:.0%} kept free "
+    "leaves {usable:.2f} GiB",
+    "plan.ckpt_on": "gradient checkpointing on: without it even micro-batch {micro_batch:d} needs {peak:.1f} GiB and "
+    "the card has {usable:.1f}; it recomputes the forward pass in backward (about a third more compute)",
+    "plan.ckpt_off": "gradient checkpointing off: activations fit, so no forward pass is recomputed",
+    "plan.accum": "micro-batch {micro_batch:d} x gradient accumulation {grad_accum:d}",
+    "plan.accum_gpus": "micro-batch {micro_batch:d} x gradient accumulation {grad_accum:d} x {n_gpus:d} GPUs",
+    "plan.batch": "{accum} = effective batch {batch:d}",
+    "plan.batch_larger": "{accum} = effective batch {batch:d}: {larger}",
+    "plan.larger_fits": "micro-batch {micro_batch:d} fits too ({peak:.1f} GiB) but runs no faster",
+    "plan.larger_needs": "micro-batch {micro_batch:d} would need {peak:.1f} GiB",
+    "plan.optimizer": "optimizer {optimizer}: 8-bit states are a quarter of 32-bit ones",
+    "plan.optimizer_adamw": "optimizer {optimizer}: 8-bit states are a quarter of 32-bit ones (32-bit AdamW would "
+    "need {peak:.1f} GiB)",
+    "plan.without": "{line}; without it {peak:.2f} GiB",
+    "plan.loss": "loss chunked: the LM head and fp32 cross-entropy run {tokens:d} tokens at a time, {chunked:.2f} GiB "
+    "instead of {full:.2f} GiB of logits; the head runs again in backward (+{extra:.1%} step time)",
+    "plan.offload_embeddings": "offload_embeddings: the frozen input embedding ({moved:.2f} GiB) stays in CPU RAM; "
+    "each micro-batch copies its {rows:,} rows over",
+    "plan.offload_activations": "offload_activations: the {layers:d} checkpointed layer inputs ({host:.2f} GiB) wait "
+    "in pinned CPU RAM, {moved:.2f} GB over the {link:g} GB/s host link per micro-batch (+{extra:.1%} step time)",
+    "plan.expandable_segments": "expandable_segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; the caching "
+    "allocator keeps {kept:.2f} GiB above the allocated peak instead of {plain:.2f} GiB (its simulation, not "
+    "measured on a GPU)",
+    "plan.qlora": "QLoRA: the frozen base is stored in 4-bit NF4; only LoRA adapters (r={lora_r:d}, {lora_targets} "
+    "linear layers) train, in fp32",
+    "plan.qlora_double": "QLoRA: the frozen base is stored in 4-bit NF4 with double quantisation; only LoRA "
+    "adapters (r={lora_r:d}, {lora_targets} linear layers) train, in fp32",
+    "plan.gpus_hold": "{world:d} GPU(s), {shard}: each holds {weights:.2f} GiB of weights, {gradients:.2f} GiB of "
+    "gradients, {states:.2f} GiB of optimizer states, {gathered:.2f} GiB of gathered layers",
+    "plan.communication": "communication: {moved:.2f} GB per GPU per optimizer step over {link} ({speed:.1f} GB/s "
+    "as NCCL runs it); {share:.0%} of the step waits for it",
+    "plan.offload": "offload {offload}: {host:.1f} GiB in host RAM; the copies over PCIe and the CPU optimizer step "
+    "take {share:.0%} of the step",
+    "plan.host_ram": "host RAM: {host:.1f} GiB on each machine (the larger of loading and training)",
+    # --- plan: a plan that does not fit, no GPU, the CPU ---
+    "plan.no_fit": "does not fit: even the smallest configuration needs {peak:.1f} GiB and {gpu} has {usable:.1f} "
+    "GiB after {headroom:.0%} headroom",
+    "plan.no_fit_savers": "does not fit: even the smallest configuration needs {peak:.1f} GiB (with "
+    "{setting_savers}) and {gpu} has {usable:.1f} GiB after {headroom:.0%} headroom",
+    "plan.loads_whole": "several {gpu}s do not help {stack}'s trainer with {shards}: it loads the {quant} base whole "
+    "({loading:.1f} GiB) onto every GPU before sharding it; {instead} loads it in host memory and moves it to the "
+    "GPUs a sharded layer at a time",
+    "plan.no_gpu": "no GPU given or detected: settings are the defaults, memory is reported without a verdict",
+    "plan.cpu_ckpt_on": "gradient checkpointing on: without it the step needs {need:.1f} GiB of RAM and {free:.1f} "
+    "GiB is free",
+    "plan.cpu_defaults": "training on the CPU: settings are the defaults, sized to the RAM free now",
+    "plan.cpu_ckpt_off": "gradient checkpointing off: the step needs {need:.1f} GiB of the {free:.1f} GiB of RAM "
+    "free, so no forward pass is recomputed",
+    # --- plan: settings that follow from the model, the GPU or the device ---
+    "plan.prequantized": "QLoRA only: {model} is a pre-quantised checkpoint (bitsandbytes {quant}, loaded as "
+    "stored); LoRA or full fine-tuning need {base}",
+    "plan.prequantized_double": "QLoRA only: {model} is a pre-quantised checkpoint (bitsandbytes {quant}, "
+    "double-quantised, loaded as stored); LoRA or full fine-tuning need {base}",
+    "plan.base_named": "the 16-bit base {base}",
+    "plan.base_unnamed": "its 16-bit base",
+    "plan.attn": "attention {attn}: {model} has no sdpa kernel in transformers",
+    "plan.cpu_fp32": "precision fp32: no GPU, training on the CPU (bf16 there runs ~20x slower)",
+    "plan.no_bf16": "precision fp16: the {gpu} has no bf16",
+    "plan.packed": "batching {batching}: flash attention takes packed rows exactly",
+    "plan.grouped": "batching {batching}: rows of similar length together, so padding wastes little compute",
+    "plan.truncates": "sequence length {seq_len:d} truncates {rows:d} rows of the data",
+    "plan.vision": "image-text model: its vision tower is counted in memory (frozen, stored like the base) but "
+    "images in the data are not modelled: memory and time are for text-only rows",
+    # --- plan: the smallest changes that fit (plan.suggestions) ---
+    "change.seq_len": "sequence length {seq_len:d} instead of {was:d}",
+    "change.qlora": "QLoRA (4-bit base) instead of {method}",
+    "change.lora": "LoRA instead of full fine-tuning",
+    "change.bigger_gpu": "a GPU with more memory: {gpu} ({memory:.0f} GiB)",
+    "change.gpus": "{n_gpus:d}x {gpu} with {shard}, {hours:.1f} h",
+    "change.gpus_nodes": "{n_gpus:d}x {gpu} on each of {nodes:d} machines with {shard}, {hours:.1f} h",
+    "change.gpus_offload": "{n_gpus:d}x {gpu} with {shard} and CPU offload of {offload}, {hours:.1f} h",
+    "change.gpus_nodes_offload": "{n_gpus:d}x {gpu} on each of {nodes:d} machines with {shard} and CPU offload of "
+    "{offload}, {hours:.1f} h",
+    "offload.optimizer": "the optimizer states",
+    "offload.params": "the parameters",
+    "gpu.by_memory": "{gb:g} GB GPU",
+    # --- errors: a setting's value (options.one_line), a request (answers, the web page) ---
+    "error.setting": "{setting} {value}: {problem}",
+    "error.unknown_key": "unknown key {key!r}; did you mean {setting_close}?",
+    "error.unknown_key_init": "unknown key {key!r}; see `lorafit init` for every key",
+    "error.gpu_and_vram": "pass {setting_gpu} or {setting_vram}, not both",
+    "problem.one_of": "must be one of {choices}",
+    "problem.greater_than": "must be greater than {limit}",
+    "problem.at_least": "must be at least {limit}",
+    "problem.less_than": "must be less than {limit}",
+    "problem.at_most": "must be at most {limit}",
+    "problem.whole_number": "must be a whole number",
+    "problem.number": "must be a number",
+    "problem.finite_number": "must be a finite number",
+    "problem.true_or_false": "must be true or false",
+    "problem.not_empty": "must not be empty",
+    "problem.text": "must be text",
+    "problem.mapping": "must be a mapping of FIELD: COLUMN",
+    "error.bool": "{setting} {value!r}: must be true or false",
+    "error.twice": "{setting} is given twice",
+    "error.not_here": "{setting}: not a setting of {api}",
+    "error.run_one_plan": "/api/run takes the settings of one plan: a model and a GPU, no compare",
+    "error.too_large": "{name} is larger than the {limit} MiB an upload of {kind} may be",
+    "error.empty": "{name} is empty",
+    "upload.unnamed": "the upload",
+    "error.upload_kind": "upload kind {kind!r}: must be model (a config.json) or data (a dataset file)",
+    "error.data_suffix": "{name}: a dataset upload is {suffixes}",
+    "error.not_uploaded": "{setting} {value}: the server reads only files sent to it; upload the file",
+    "error.not_an_upload": "{setting} {value}: not an upload of this server",
+    "error.upload_gone": "{setting} {value}: no such upload on this server (upload the file again)",
+    "error.model_path": "{setting} {value}: the server reads only files sent to it; upload the config.json",
+    "error.tokenizer": "{setting}: the server counts a dataset's tokens without a local tokenizer",
+    "error.unknown_gpu": "no GPU {name!r} in the catalog; see `lorafit gpus`, or pass {setting_vram} GB",
+    "error.unknown_gpu_close": "no GPU {name!r} in the catalog; did you mean {names}? see `lorafit gpus`, or pass "
+    "{setting_vram} GB",
+    "error.unknown_model": "no model {model!r}: {what} (lorafit never downloads); {hint}for a fine-tune or any "
+    "checkpoint of a supported architecture, pass its downloaded folder or its config.json as {setting} (`lorafit "
+    "models` lists the catalog)",
+    "model.not_in_catalog": "not in the catalog",
+    "model.copy_not_in_catalog": "a pre-quantised copy of {base!r}, which is not in the catalog either",
+    "model.did_you_mean": "did you mean {names}? ",
+    "error.seq_len_past": "{setting} {seq_len:d} is past {model}'s maximum of {limit:d} tokens",
+    "error.seq_len_no_rope": "{setting} {seq_len:d} is past {model}'s maximum of {limit:d} tokens, and "
+    "{setting_stack} {stack} does not scale RoPE; the stacks that do: {stacks}",
+    "plan.rope": "sequence length {seq_len:d} is past {model}'s {limit:d} trained positions: stack {stack} scales RoPE "
+    "by a factor of {factor:d} (rope_scaling) to reach it",
+    "error.stack_not_offered": "{setting} {name}: not offered ({why}); see `lorafit stacks`",
+    "rule.qlora_needs_quant": "{setting_method} qlora needs a quantised base: {setting_quant} nf4 or int8 (for "
+    "16-bit weights use {setting_method} lora)",
+    "rule.quant_needs_qlora": "{setting_method} {method} trains on 16-bit weights: {setting_quant} must be none (a "
+    "quantised base is {setting_method} qlora)",
+    "config.not_json": "{file} is not valid JSON ({why})",
+    "config.long_number": "{file} is not a config.json: it holds a number thousands of digits long",
+    "config.too_deep": "{file} is not a config.json: its JSON is nested too deeply",
+    "config.not_object": "{file} must hold a JSON object",
+    "config.unsupported": "{file}: model_type {model_type!r} is not supported; supported: {known}",
+    "data.format_unknown": "cannot tell the format of {name}: columns seen: {seen}; expected one of alpaca "
+    "(instruction/output), sharegpt (conversations), messages, prompt_completion (prompt/completion) or text; pass "
+    "{setting_format}, or {setting_map} FIELD=COLUMN (e.g. {setting_map} instruction=question)",
+}
+
+
+def say(key: str, /, **params: object) -> str:
+    """The English sentence `key` with its parameters: what the CLI prints."""
+    return EN[key].format(**params)
+
+
+NUMBER = r"-?[\d,]*\.?\d+%?"
+_FIELD = re.compile(r"\{(\w+)(?:![rsa])?(?::[^}]*)?\}")
+
+
+@cache
+def _numbers(key: str) -> frozenset[str]:
+    """The parameters of sentence `key` that are printed as numbers (their format is d, f, g, % or ,)."""
+    fields = string.Formatter().parse(EN[key])
+    return frozenset(name for _, name, spec, _ in fields if name and spec and spec[-1] in "dfg%,")
+
+
+@cache
+def _pattern(key: str) -> re.Pattern[str]:
+    """The regular expression that reads sentence `key` back into its parameters (each as it was printed)."""
+    parts, seen = [], set()
+    for literal, name, _, _ in string.Formatter().parse(EN[key]):
+        parts.append(re.escape(literal))
+        if name is None:
+            continue
+        value = NUMBER if name in _numbers(key) else ".*?"  # a number is digits: it cannot swallow words
+        parts.append(f"(?P={name})" if name in seen else f"(?P<{name}>{value})")
+        seen.add(name)
+    return re.compile("".join(parts), re.DOTALL)
+
+
+@cache
+def _most_specific_first() -> list[str]:
+    """Keys by how much fixed text their sentence has: a sentence with more words wins over a looser one."""
+    fixed = {key: sum(len(literal) for literal, *_ in string.Formatter().parse(text)) for key, text in EN.items()}
+    return sorted(EN, key=lambda key: -fixed[key])
+
+
+def parse(text: str) -> tuple[str, dict[str, str]] | None:
+    """(key, parameters as printed) of an English sentence of the catalog; None for any other text."""
+    for key in _most_specific_first():
+        match = _pattern(key).fullmatch(text)
+        if match:
+            return key, match.groupdict()
+    return None
+
+
+def render(
+    text: str,
+    catalog: Mapping[str, str],
+    setting_name: Callable[[str], str] = str,
+    number: Callable[[str], str] = str,
+) -> str:
+    """`text` (an English sentence as the CLI prints it) in the language of `catalog` (key -> sentence with
+    plain {parameters}); a setting's spelling through `setting_name`, a number's (as printed: 1,234.5) through
+    `number`. A sentence the catalog lacks stays English, and text that is no sentence of the catalog (a name, a
+    path) stays as it is."""
+    lines = text.split("\n")
+    if len(lines) > 1:
+        return "\n".join(render(line, catalog, setting_name, number) for line in lines)
+    found = parse(text)
+    if found is None:
+        return text
+    key, params = found
+
+    def shown(name: str, value: str) -> str:
+        if name.startswith("setting"):
+            return setting_name(value)
+        if name in _numbers(key):
+            return number(value)
+        return render(value, catalog, setting_name, number)
+
+    said = {name: shown(name, value) for name, value in params.items()}
+    template = catalog.get(key)
+    if template is None:  # not translated yet: the English sentence, with the settings named as the page names them
+        template = EN[key]
+    return _FIELD.sub(lambda m: said[m.group(1)], template)
