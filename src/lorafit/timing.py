@@ -171,7 +171,7 @@ def chunked_loss_flops_per_token(spec: ModelSpec, settings: Settings) -> float:
     return 2 * spec.vocab_size * spec.hidden_size if settings.loss == "chunked" else 0.0
 
 
-def eager_score_bytes(c: int) -> tuple[int, int]:
+def eager_score_bytes(c: float) -> tuple[float, float]:
     """(forward, backward) bytes an eager attention moves per score element (transformers'
     eager_attention_forward), as traced (`make bench-time-trace`): forward, the QK^T matmul writes the scores
     (c), the scaling reads and writes them (2c), the mask is added (read c, write c: the mask itself is
