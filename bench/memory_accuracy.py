@@ -1067,7 +1067,7 @@ def print_report(
     )
     # the rows of a stack estimated from its source (STACK_ROWS) have their own target: reported apart, below
     check = [figure for figure in report.figures if figure.split == "check" and figure.row_id not in apart]
-    fit = [figure for figure in report.figures if figure.split == "fit"]
+    fit = [figure for figure in report.figures if figure.split == "fit" and figure.row_id not in apart]
     machine = [figure for figure in report.figures if figure.split == "machine"]
     print(
         f"  Headline: check rows only ({len({f.row_id for f in check})} rows, {len(check)} figures; never used to "
@@ -1256,6 +1256,16 @@ def print_stack_rows(report: Report, rows: dict[str, Row]) -> dict[str, Any]:
             f"  padded to each batch's longest row, estimated at the cap: {len(padded)} figures, "
             + (f"under-predicted: {', '.join(under)}" if under else "none under-predicted")
         )
+        fitted = [
+            abs(f.error_pct)
+            for f in report.figures
+            if f.split == "fit" and f.row_id in rows and rows[f.row_id].raw["stack"] == stack
+        ]
+        if fitted:
+            print(
+                f"  fit rows (used to choose its terms): {len(fitted)} figures, median |err| "
+                f"{statistics.median(fitted):.1f} %, worst {max(fitted):.1f} %"
+            )
         out[stack] = {"fixed_abs_err_pct": fixed, "padded_under": under}
     return out
 
