@@ -16,6 +16,7 @@ from lorafit import memory
 from lorafit.errors import InvalidConfig
 from lorafit.models import ModelSpec, catalog, from_config_json, resolve
 from lorafit.schema import Settings
+from test_models import TINY
 
 torch = pytest.importorskip("torch")
 
@@ -26,15 +27,7 @@ ONE_PER_FAMILY = {
     "qwen2_5_vl": "qwen2.5-vl-7b",
     "qwen2_vl": "qwen2-vl-7b",
 }
-TINY_TEXT = dict(
-    num_hidden_layers=2,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=512,
-)
+TINY_TEXT = TINY  # the tiny language model tests/test_models.py builds every family at
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28)
 
 

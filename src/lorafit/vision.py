@@ -55,25 +55,21 @@ TEXT_DEFAULTS: dict[str, dict[str, int]] = {
 
 # vision_config key -> VisionTower field, per family (the key names of SiglipVisionConfig, PixtralVisionConfig,
 # Qwen2_5_VLVisionConfig), and the config classes' defaults for a key the config.json leaves out.
+_SAME_NAMES = {
+    name: name
+    for name in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "patch_size",
+        "image_size",
+        "num_channels",
+    )
+}
 _KEYS: dict[str, dict[str, str]] = {
-    "gemma3": {
-        "hidden_size": "hidden_size",
-        "intermediate_size": "intermediate_size",
-        "num_hidden_layers": "num_hidden_layers",
-        "num_attention_heads": "num_attention_heads",
-        "patch_size": "patch_size",
-        "image_size": "image_size",
-        "num_channels": "num_channels",
-    },
-    "mistral3": {
-        "hidden_size": "hidden_size",
-        "intermediate_size": "intermediate_size",
-        "num_hidden_layers": "num_hidden_layers",
-        "num_attention_heads": "num_attention_heads",
-        "patch_size": "patch_size",
-        "image_size": "image_size",
-        "num_channels": "num_channels",
-    },
+    "gemma3": _SAME_NAMES,
+    "mistral3": _SAME_NAMES,
     "qwen2_5_vl": {
         "hidden_size": "hidden_size",
         "intermediate_size": "intermediate_size",
