@@ -336,6 +336,36 @@ def test_a_dataset_with_some_bad_rows_is_planned_without_them_and_says_why(
     assert served.json()["tokens"]["rows"] == 47 and served.json()["hours"] == local["hours"]
 
 
+def english_of_rows(text: str) -> list[str]:
+    """The fixed words of the sentences about a dataset's rows (lorafit.messages, as the CLI says them) in `text`."""
+    keys = [key for key in messages.EN if key.split(".")[0] in ("row", "json", "type", "data")]
+    literals = (literal.strip(" ;:(),") for key in keys for literal, *_ in string.Formatter().parse(messages.EN[key]))
+    words = {literal for literal in literals if len(literal) >= 5 and any(c.isalpha() for c in literal)}
+    return [word for word in words if re.search(rf"(?<!\w){re.escape(word)}(?!\w)", text)]
+
+
+def test_the_skipped_rows_of_an_upload_are_said_in_the_pages_language(client: TestClient) -> None:
+    """An upload with bad rows on the Spanish or Portuguese page says why each row is skipped in that language,
+    not in the CLI's English; so does the error of an upload whose every row is bad."""
+    good = [json.dumps({"instruction": "word " * i, "output": "answer " * i}) for i in range(1, 20)]
+    bad = ['{"instruction": ', json.dumps({"instruction": "no answer"}), json.dumps({"instruction": 3, "output": "x"})]
+    body = ("\n".join(bad + good) + "\n").encode()
+    english = client.post("/api/upload?kind=data&name=mine.jsonl", content=body).json()["skipped"]["problems"]
+    assert "missing column 'output'" in english[1]["message"]  # the English the CLI prints, as it was
+    for language in ("es", "pt"):
+        uploaded = client.post(f"/api/upload?kind=data&name=mine.jsonl&lang={language}", content=body)
+        assert uploaded.status_code == 200, uploaded.text
+        shown = [problem["message"] for problem in uploaded.json()["skipped"]["problems"]]
+        assert len(shown) == 3 and all(line.startswith("mine.jsonl:") for line in shown), shown
+        assert "'output'" in shown[1] and "'instruction'" in shown[2]  # a column keeps its name
+        for line in shown:
+            assert not english_of_rows(line), (language, line)
+        refused = client.post(f"/api/upload?kind=data&name=bad.jsonl&lang={language}", content=b"not json\n")
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error.startswith("bad.jsonl:1 (") and not english_of_rows(error), error
+
+
 def test_an_uploaded_dataset_is_counted_with_the_chosen_models_chat_template(
     client: TestClient, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

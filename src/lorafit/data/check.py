@@ -19,6 +19,7 @@ from lorafit.data.dataset import Dataset, Record
 from lorafit.data.formats import Format, Messages
 from lorafit.data.problems import Problem
 from lorafit.data.tokens import TokenCounter, load_counter
+from lorafit.messages import say
 
 TOKEN_BATCH_ROWS = 4096  # the Rust tokenizer runs a batch on all cores; 512 rows left it ~40% idle
 SEQ_LEN_MULTIPLE = 64
@@ -197,7 +198,7 @@ class _Scan:
                 self.rejected += 1
                 continue
             if self.seq_len is not None and count.total > self.seq_len:
-                message = f"{count.total} tokens, longer than --seq-len {self.seq_len}: would be truncated"
+                message = say("row.truncated", tokens=count.total, setting="--seq-len", seq_len=self.seq_len)
                 self.problems.append(Problem(message, "warning", record.file, record.line, record.row))
             self.hashes.append(conversation_hash(record.messages))  # type: ignore[arg-type]
             self.row_of.append(record.row)  # type: ignore[arg-type]
@@ -229,13 +230,22 @@ class _Scan:
             if first == index:
                 continue
             line, first_line = self.line_of[index], self.line_of[first]
-            where = f"row {self.row_of[first]}" + (f", line {first_line}" if first_line >= 0 else "")
-            if self.file_of[first] != self.file_of[index]:
-                where += f" of {files[self.file_of[first]]}"
+            row = self.row_of[first]
+            if self.file_of[first] == self.file_of[index]:
+                said = (
+                    say("row.duplicate_line", row=row, line=first_line)
+                    if first_line >= 0
+                    else say("row.duplicate", row=row)
+                )
+            else:
+                other = files[self.file_of[first]]
+                said = (
+                    say("row.duplicate_line_file", row=row, line=first_line, file=other)
+                    if first_line >= 0
+                    else say("row.duplicate_file", row=row, file=other)
+                )
             file = files[self.file_of[index]]
-            problems.append(
-                Problem(f"duplicate of {where}", "warning", file, None if line < 0 else line, self.row_of[index])
-            )
+            problems.append(Problem(said, "warning", file, None if line < 0 else line, self.row_of[index]))
         return problems
 
     def finish(self) -> CheckReport:
@@ -243,7 +253,7 @@ class _Scan:
             self._flush()
         problems = self.problems + self._duplicates()
         if self.rows == 0 and not any(problem.row is None for problem in problems):
-            problems.append(Problem("no rows: the dataset is empty", "error", str(self.dataset.path)))
+            problems.append(Problem(say("row.empty_dataset"), "error", str(self.dataset.path)))
         problems.sort(key=lambda problem: -1 if problem.row is None else problem.row)
         import numpy as np
 

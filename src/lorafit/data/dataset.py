@@ -24,6 +24,7 @@ from lorafit.data.formats import (
 from lorafit.data.problems import Problem
 from lorafit.data.readers import data_files, file_kind, read_records
 from lorafit.errors import DataError
+from lorafit.messages import say
 
 
 @dataclass(slots=True)
@@ -157,12 +158,14 @@ def load_conversations(
         else:
             rows.append(record.messages)
     if first_error is not None:
-        others = f" (and {error_rows - 1} more rows with errors)" if error_rows > 1 else ""
+        where, problem = first_error.where(), first_error.message
         raise DataError(
-            f"{first_error.where()}: {first_error.message}{others}; run `lorafit data check {path}` for the full list"
+            say("data.bad_rows_more", where=where, problem=problem, more=error_rows - 1, path=path)
+            if error_rows > 1
+            else say("data.bad_rows", where=where, problem=problem, path=path)
         )
     if not rows:
-        raise DataError(f"{path} has no rows; run `lorafit data check {path}`")
+        raise DataError(say("data.no_rows", path=path))
     return Conversations(rows, dataset.format, str(path), warnings)
 
 

@@ -57,10 +57,6 @@ TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
 # text only, so a row with an image is refused, never trained with its image silently dropped.
 IMAGE_COLUMNS = ("images", "image")
 IMAGE_PARTS = ("image", "image_url", "input_image")
-IMAGE_ROWS = (
-    "holds an image; lorafit fine-tunes image-text models on text only (the vision tower stays frozen): "
-    "drop the image columns and image parts, or keep only the text rows"
-)
 
 # How many parsed records detection looks at before it decides.
 DETECT_SAMPLE = 100
@@ -194,10 +190,8 @@ def detect_format(records: Iterable[Any], source: str = "data") -> Format:
         return votes.most_common(1)[0][0]
     if others and not columns:
         kinds = ", ".join(kind for kind, _ in others.most_common())
-        raise DataError(
-            f"cannot tell the format of {source}: its records are not objects with columns (they are {kinds}); "
-            'expected one object per record, e.g. {"instruction": ..., "output": ...}'
-        )
+        example = '{"instruction": ..., "output": ...}'
+        raise DataError(say("data.not_records", source=source, kinds=kinds, example=example))
     seen = ", ".join(repr(name) for name, _ in columns.most_common(8)) or "none (every record is {})"
     raise DataError(say("data.format_unknown", name=source, seen=seen, setting_format="--format", setting_map="--map"))
 
@@ -217,10 +211,10 @@ def normalize(
     """One record -> (conversation, issues). The conversation is None when any issue is an error."""
     mapping = mapping or {}
     if not isinstance(record, dict):
-        return None, [Issue(None, f"expected an object with columns, got {_type_name(record)}")]
+        return None, [Issue(None, say("row.not_object", type=_type_name(record)))]
     record = apply_mapping(record, mapping)
     issues: list[Issue] = [
-        Issue(column, f"column {column!r} {IMAGE_ROWS}") for column in IMAGE_COLUMNS if record.get(column)
+        Issue(column, say("row.image_column", column=column)) for column in IMAGE_COLUMNS if record.get(column)
     ]
     if fmt == "alpaca":
         messages = _from_alpaca(record, mapping, issues)
@@ -277,14 +271,14 @@ def _from_turns(
 ) -> Messages | None:
     shown = column_name(key, mapping)
     if key not in record:
-        issues.append(Issue(shown, f"missing column {shown!r}"))
+        issues.append(Issue(shown, say("row.missing_column", column=shown)))
         return None
     turns = record[key]
     if not isinstance(turns, list):
-        issues.append(Issue(shown, f"wrong type: expected a list of turns, got {_type_name(turns)}"))
+        issues.append(Issue(shown, say("row.turns_type", type=_type_name(turns))))
         return None
     if not turns:
-        issues.append(Issue(shown, "empty conversation"))
+        issues.append(Issue(shown, say("row.empty_conversation")))
         return None
     messages: Messages = []
     failed = False
@@ -299,7 +293,7 @@ def _from_turns(
 
 def _turn(turn: Any, where: str, mapping: Mapping[str, str], issues: list[Issue], sharegpt: bool) -> dict | None:
     if not isinstance(turn, dict):
-        issues.append(Issue(where, f"wrong type: expected a turn object, got {_type_name(turn)}"))
+        issues.append(Issue(where, say("row.turn_type", type=_type_name(turn))))
         return None
     # ShareGPT says from/value; some ShareGPT files use role/content, and so do messages.
     role_key, content_key = (
@@ -307,22 +301,22 @@ def _turn(turn: Any, where: str, mapping: Mapping[str, str], issues: list[Issue]
     )
     role_shown, content_shown = column_name(role_key, mapping), column_name(content_key, mapping)
     if role_key not in turn:
-        issues.append(Issue(f"{where}.{role_shown}", f"missing {role_shown!r} in a turn"))
+        issues.append(Issue(f"{where}.{role_shown}", say("row.missing_role", key=role_shown)))
         return None
     raw_role = turn[role_key]
     if not isinstance(raw_role, str):
-        issues.append(Issue(f"{where}.{role_shown}", f"wrong type: role is {_type_name(raw_role)}, expected a string"))
+        issues.append(Issue(f"{where}.{role_shown}", say("row.role_type", type=_type_name(raw_role))))
         return None
     known = SHAREGPT_ROLES if sharegpt else MESSAGE_ROLES
     role = known.get(raw_role.strip().lower())
     if role is None:
         expected = ", ".join(sorted(set(known))) if sharegpt else ", ".join(ROLES)
-        issues.append(Issue(f"{where}.{role_shown}", f"unknown role {raw_role!r} (expected {expected})"))
+        issues.append(Issue(f"{where}.{role_shown}", say("row.unknown_role", role=raw_role, expected=expected)))
         return None
     extras = {key: turn[key] for key in TOOL_KEYS if turn.get(key) is not None}
     content = turn.get(content_key)
     if content is None and "tool_calls" not in extras:
-        issues.append(Issue(f"{where}.{content_shown}", f"missing {content_shown!r} in a {role} turn"))
+        issues.append(Issue(f"{where}.{content_shown}", say("row.missing_content", key=content_shown, role=role)))
         return None
     if isinstance(content, list):
         content = _join_text_parts(content, f"{where}.{content_shown}", issues)
@@ -331,13 +325,11 @@ def _turn(turn: Any, where: str, mapping: Mapping[str, str], issues: list[Issue]
     elif content is None:
         content = ""  # an assistant turn that only calls tools
     elif not isinstance(content, str):
-        issues.append(
-            Issue(f"{where}.{content_shown}", f"wrong type: content is {_type_name(content)}, expected a string")
-        )
+        issues.append(Issue(f"{where}.{content_shown}", say("row.content_type", type=_type_name(content))))
         return None
     if not content.strip() and "tool_calls" not in extras:
         severity = "warning" if role == "system" else "error"
-        issues.append(Issue(f"{where}.{content_shown}", f"empty content in a {role} turn", severity))
+        issues.append(Issue(f"{where}.{content_shown}", say("row.empty_content", role=role), severity))
         if severity == "error":
             return None
     return {"role": role, "content": content, **extras}
@@ -352,9 +344,9 @@ def _join_text_parts(parts: list[Any], where: str, issues: list[Issue]) -> str |
         else:
             kind = part.get("type") if isinstance(part, dict) else _type_name(part)
             if kind in IMAGE_PARTS:
-                issues.append(Issue(where, f"content part {kind!r} {IMAGE_ROWS}"))
+                issues.append(Issue(where, say("row.image_part", kind=kind)))
             else:
-                issues.append(Issue(where, f"unsupported content part {kind!r}: only text parts can be trained on"))
+                issues.append(Issue(where, say("row.part_unsupported", kind=kind)))
             return None
     return "".join(texts)
 
@@ -362,17 +354,17 @@ def _join_text_parts(parts: list[Any], where: str, issues: list[Issue]) -> str |
 def _required_string(record: dict[str, Any], field: str, mapping: Mapping[str, str], issues: list[Issue]) -> str | None:
     shown = column_name(field, mapping)
     if field not in record:
-        issues.append(Issue(shown, f"missing column {shown!r}"))
+        issues.append(Issue(shown, say("row.missing_column", column=shown)))
         return None
     value = record[field]
     if value is None:  # the column is there (Parquet, a JSON null): the value is missing
-        issues.append(Issue(shown, f"{shown!r} is null"))
+        issues.append(Issue(shown, say("row.null", column=shown)))
         return None
     if not isinstance(value, str):
-        issues.append(Issue(shown, f"wrong type: {shown!r} is {_type_name(value)}, expected a string"))
+        issues.append(Issue(shown, say("row.column_type", column=shown, type=_type_name(value))))
         return None
     if not value.strip():
-        issues.append(Issue(shown, f"empty {shown!r}"))
+        issues.append(Issue(shown, say("row.empty_column", column=shown)))
         return None
     return value
 
@@ -383,7 +375,7 @@ def _optional_string(record: dict[str, Any], field: str, mapping: Mapping[str, s
         return ""
     if not isinstance(value, str):
         shown = column_name(field, mapping)
-        issues.append(Issue(shown, f"wrong type: {shown!r} is {_type_name(value)}, expected a string"))
+        issues.append(Issue(shown, say("row.column_type", column=shown, type=_type_name(value))))
         return ""
     return value
 
@@ -405,30 +397,29 @@ def check_turns(messages: Messages, field: str | None) -> list[Issue]:
                 issues.append(
                     Issue(
                         where,
-                        f"system turn at position {index}, after the conversation started: some chat templates "
-                        "(Llama 2, Mistral, Gemma) refuse it; check with --tokenizer",
+                        say("row.system_late", index=index, setting="--tokenizer"),
                         "warning",
                     )
                 )
             continue
         if previous is None:
             if role != "user":
-                issues.append(Issue(where, f"turns out of order: conversation starts with {role}, expected user"))
+                issues.append(Issue(where, say("row.order_start", role=role)))
         elif role == "tool" and previous not in ("assistant", "tool"):
-            issues.append(Issue(where, f"turns out of order: tool turn at position {index} follows {previous}"))
+            issues.append(Issue(where, say("row.order_tool", index=index, previous=previous)))
         elif role == previous and role in ("user", "assistant"):
-            issues.append(Issue(where, f"turns out of order: two {role} turns in a row at position {index}"))
+            issues.append(Issue(where, say("row.order_twice", role=role, index=index)))
         elif previous == "tool" and role == "user":
             issues.append(
                 Issue(
                     where,
-                    f"turns out of order: user turn at position {index} before the assistant answers a tool",
+                    say("row.order_user", index=index),
                 )
             )
         previous = role
     last = messages[-1]["role"] if messages else None
     if last != "assistant":
-        issues.append(Issue(where, f"last turn is {last}, not assistant: there is no answer to train on"))
+        issues.append(Issue(where, say("row.last_turn", last=last)))
     return issues
 
 
@@ -460,11 +451,11 @@ def plain_text(messages: Messages, fmt: Format | None = None) -> str:
 
 def _type_name(value: Any) -> str:
     return {
-        dict: "an object",
-        list: "a list",
-        str: "a string",
-        bool: "a boolean",
-        int: "a number",
-        float: "a number",
-        type(None): "null",
+        dict: say("type.object"),
+        list: say("type.list"),
+        str: say("type.string"),
+        bool: say("type.boolean"),
+        int: say("type.number"),
+        float: say("type.number"),
+        type(None): say("type.null"),
     }.get(type(value), type(value).__name__)

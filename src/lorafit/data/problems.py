@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from lorafit.messages import say
+
 Severity = Literal["error", "warning"]
 
 
@@ -32,5 +34,5 @@ class Problem:
         if self.line is not None:
             place += f":{self.line}"
         if self.row is not None:
-            place += f" (row {self.row})"
+            place = say("row.where", place=place, row=self.row)
         return place

@@ -18,6 +18,7 @@ from lorafit.data.check import truncated_rows as _count_above
 from lorafit.data.problems import Problem
 from lorafit.data.tokens import TokenCounter, load_counter
 from lorafit.errors import DataError
+from lorafit.messages import say
 from lorafit.schema import TokenProfile
 
 
@@ -52,10 +53,14 @@ def length_profile(
     if errors and not (skip_bad_rows and report.valid_rows):
         first = errors[0]
         error_rows = len({(problem.file, problem.row) for problem in errors})
-        more = f" (and {error_rows - 1} more rows with errors)" if error_rows > 1 else ""
-        raise DataError(f"{first.where()}: {first.message}{more}; run `lorafit data check {path}` for the full list")
+        where, problem = first.where(), first.message
+        raise DataError(
+            say("data.bad_rows_more", where=where, problem=problem, more=error_rows - 1, path=path)
+            if error_rows > 1
+            else say("data.bad_rows", where=where, problem=problem, path=path)
+        )
     if report.tokens is None:
-        raise DataError(f"{path} has no rows to profile; run `lorafit data check {path}`")
+        raise DataError(say("data.no_rows_profile", path=path))
     profile = _profile(report.tokens, str(path), report.valid_rows, counter.basis)
     return LengthProfile(profile, report.lengths, report.rejected_rows, tuple(errors))
 

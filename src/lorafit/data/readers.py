@@ -18,6 +18,7 @@ from typing import Any, Literal, NamedTuple
 
 from lorafit.data.formats import Issue
 from lorafit.errors import DataError
+from lorafit.messages import say
 
 FileKind = Literal["jsonl", "json", "csv", "tsv", "parquet", "text"]
 EXTENSIONS: dict[str, FileKind] = {
@@ -47,7 +48,19 @@ SIGNATURES = (
     (b"PAR1", "a Parquet file"),
 )
 SNIFF_BYTES = 8192
-SURROGATE_MESSAGE = "invalid Unicode: a lone surrogate escape (\\ud800-\\udfff) that no UTF-8 text can hold"
+SURROGATE_MESSAGE = say("row.surrogate")
+
+# What the json module says it expected, declared in lorafit.messages (json.decoder's own words).
+JSON_MESSAGES = (
+    "json.expecting_value",
+    "json.expecting_name",
+    "json.expecting_comma",
+    "json.expecting_colon",
+    "json.extra_data",
+    "json.unterminated",
+    "json.control",
+    "json.escape",
+)
 
 
 class RawRecord(NamedTuple):
@@ -141,12 +154,10 @@ def _foreign_content(path: Path) -> str | None:
         return None
     if what.endswith(" text"):
         encoding = what.split()[0]
-        return (
-            f"{what}; lorafit reads UTF-8: convert it, e.g. iconv -f {encoding} -t UTF-8 {path.name} > utf8-{path.name}"
-        )
+        return say("row.encoding", what=what, encoding=encoding, name=path.name)
     if what == "binary":
-        return "a binary file (NUL bytes), not text"
-    return f"{what}, not {path.suffix} text: extract it, or name it for what it holds"
+        return say("row.binary")
+    return say("row.compressed", what=what, suffix=path.suffix)
 
 
 def _utf16_without_mark(head: bytes) -> str | None:
@@ -168,7 +179,7 @@ def _decode(raw: bytes, first: bool) -> tuple[str | None, Issue | None]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         byte = raw[error.start : error.start + 1].hex()
-        return None, Issue(None, f"non-UTF-8 bytes (0x{byte} at byte {error.start + 1} of the line)")
+        return None, Issue(None, say("row.non_utf8", byte=byte, offset=error.start + 1))
     if first and text.startswith("\ufeff"):
         text = text[1:]
     return text, None
@@ -188,7 +199,7 @@ def _read_jsonl(path: Path) -> Iterator[RawRecord]:
             try:
                 value = json.loads(text)
             except (ValueError, RecursionError) as error:
-                yield RawRecord(name, number, None, Issue(None, f"invalid JSON: {_json_reason(error)}"))
+                yield RawRecord(name, number, None, Issue(None, say("row.invalid_json", reason=_json_reason(error))))
                 continue
             if _may_hold_surrogates(text) and not _valid_unicode(value):
                 yield RawRecord(name, number, None, Issue(None, SURROGATE_MESSAGE))
@@ -211,7 +222,7 @@ def _read_json(path: Path) -> Iterator[RawRecord]:
                 whole = None
             if isinstance(whole, dict):
                 keys = ", ".join(repr(key) for key in list(whole)[:5])
-                message = f"holds one JSON object (keys: {keys}); expected an array of records or one per line"
+                message = say("row.one_object", keys=keys)
                 yield RawRecord(name, None, None, Issue(None, message), False)
                 return
         yield from _read_jsonl(path)
@@ -222,7 +233,7 @@ def _read_json(path: Path) -> Iterator[RawRecord]:
         yield RawRecord(name, error.line, None, Issue(None, error.message), False)
         return
     if not isinstance(data, list):  # unreachable but for a trailing-garbage edge: json.loads saw '[' first
-        yield RawRecord(name, None, None, Issue(None, "expected a JSON array of records"), False)
+        yield RawRecord(name, None, None, Issue(None, say("row.not_array")), False)
         return
     for value in data:
         if not _valid_unicode(value):
@@ -244,13 +255,14 @@ def _parse_whole(path: Path) -> Any:
     except UnicodeDecodeError as error:
         line = raw.count(b"\n", 0, error.start) + 1
         raise _WholeFileError(
-            f"non-UTF-8 bytes (0x{raw[error.start : error.start + 1].hex()}) on line {line}", line
+            say("row.non_utf8_line", byte=raw[error.start : error.start + 1].hex(), line=line), line
         ) from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
         raise _WholeFileError(
-            f"invalid JSON: {error.msg} (line {error.lineno}, column {error.colno})", error.lineno
+            say("row.invalid_json_at", reason=_json_message(error), line=error.lineno, column=error.colno),
+            error.lineno,
         ) from None
     except (ValueError, RecursionError) as error:
         raise _WholeFileError(f"invalid JSON: {_json_reason(error)}") from None
@@ -274,10 +286,15 @@ def _valid_unicode(value: Any) -> bool:
 
 def _json_reason(error: Exception) -> str:
     if isinstance(error, json.JSONDecodeError):
-        return f"{error.msg} (column {error.colno})"
+        return say("row.json_column", reason=_json_message(error), column=error.colno)
     if isinstance(error, RecursionError):
-        return "nested too deeply"
+        return say("row.nested")
     return str(error).splitlines()[0][:200]
+
+
+def _json_message(error: json.JSONDecodeError) -> str:
+    """The json module's words for what it expected, as the catalog declares them (so a page can translate them)."""
+    return next((say(key) for key in JSON_MESSAGES if say(key) == error.msg), error.msg)
 
 
 def _read_text(path: Path) -> Iterator[RawRecord]:
@@ -318,7 +335,8 @@ def _read_csv(path: Path, delimiter: str) -> Iterator[RawRecord]:
         except StopIteration:
             return
         except csv.Error as error:
-            yield RawRecord(name, last_line + 1, None, Issue(None, f"invalid CSV: {error}"), header is not None)
+            issue = Issue(None, say("row.invalid_csv", reason=error))
+            yield RawRecord(name, last_line + 1, None, issue, header is not None)
             last_line = reader.line_num
             continue
         first_line, last_line = last_line + 1, reader.line_num
@@ -327,7 +345,7 @@ def _read_csv(path: Path, delimiter: str) -> Iterator[RawRecord]:
             if not cells:
                 continue
             if bad is not None:
-                yield RawRecord(name, first_line, None, Issue(None, f"header: {bad.message}"), False)
+                yield RawRecord(name, first_line, None, Issue(None, say("row.header", problem=bad.message)), False)
                 return
             header = [cell.strip() for cell in cells]
             continue
@@ -336,7 +354,7 @@ def _read_csv(path: Path, delimiter: str) -> Iterator[RawRecord]:
         if bad is not None:
             yield RawRecord(name, first_line, None, bad)
         elif len(cells) != len(header):
-            message = f"row has {len(cells)} fields, the header has {len(header)}"
+            message = say("row.fields", cells=len(cells), header=len(header))
             yield RawRecord(name, first_line, None, Issue(None, message))
         else:
             yield RawRecord(name, first_line, dict(zip(header, cells, strict=True)))
@@ -355,4 +373,4 @@ def _read_parquet(path: Path) -> Iterator[RawRecord]:
                 yield RawRecord(name, None, value)
     except (pa.ArrowException, ValueError) as error:
         message = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-        yield RawRecord(name, None, None, Issue(None, f"cannot read Parquet: {message}"), False)
+        yield RawRecord(name, None, None, Issue(None, say("row.parquet", reason=message)), False)

@@ -15,6 +15,7 @@ from lorafit.data.chat_text import ensure_chat_template, row_text, token_lengths
 from lorafit.data.formats import Format, Messages, plain_text
 from lorafit.data.template_cost import TemplateCost, accuracy_line, template_for, token_accuracy
 from lorafit.errors import DataError
+from lorafit.messages import say
 from lorafit.models import ModelSpec, catalog
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ class TokenizerCounter:
                 errors.append(None)
             except Exception as error:  # the template is user code (jinja raises many types): a row problem
                 texts.append(None)
-                errors.append(f"rejected by the chat template: {_first_line(error)}")
+                errors.append(say("row.template", reason=_first_line(error)))
         totals = iter(self.lengths([text for text in texts if text is not None], raw_text))
         answers = [m["content"] for messages in conversations for m in messages if m["role"] == "assistant"]
         answer_lengths = iter(self.lengths(answers, False))

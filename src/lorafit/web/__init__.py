@@ -16,7 +16,7 @@ import re
 import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from lorafit import answers, files, hardware, messages, models, options
 from lorafit import plan as planner
 from lorafit.data import counter_for, length_profile
+from lorafit.data.problems import Problem
 from lorafit.data.tokens import TokenCounter
 from lorafit.errors import LorafitError
 from lorafit.messages import say
@@ -288,15 +289,22 @@ class Uploads:
         return given
 
 
-def data_described(path: Path, name: str, counter: TokenCounter) -> dict[str, Any]:
+def shown_as(problem: Problem, path: str, name: str) -> Problem:
+    """`problem` with the uploaded file named as the user named it, not where the server keeps it."""
+    file = problem.file and problem.file.replace(path, name)
+    return replace(problem, file=file, message=problem.message.replace(path, name))
+
+
+def data_described(path: Path, name: str, counter: TokenCounter, language: str | None = None) -> dict[str, Any]:
     """An uploaded dataset's token profile, and where some rows have errors, how many the plan skips and why (the
-    first few errors as `lorafit data check` words them, the file named as the user named it)."""
+    first few errors as `lorafit data check` words them, in the page's language, the file named as the user named
+    it)."""
     lengths = length_profile(path, tokenizer=counter, skip_bad_rows=True)
     described: dict[str, Any] = {"tokens": lengths.profile.model_dump(mode="json")}
     if lengths.skipped_rows:
         problems = [
-            {"message": f"{p.where()}: {p.message}".replace(str(path), name), "row": p.row}
-            for p in lengths.skipped_because[:SKIPPED_SHOWN]
+            {"message": f"{in_language(p.where(), language)}: {in_language(p.message, language)}", "row": p.row}
+            for p in (shown_as(problem, str(path), name) for problem in lengths.skipped_because[:SKIPPED_SHOWN])
         ]
         total = lengths.profile.rows + lengths.skipped_rows
         described["skipped"] = {"rows": lengths.skipped_rows, "of": total, "problems": problems}
@@ -509,7 +517,9 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
             else:  # counting a dataset's tokens takes seconds: in a worker, as a plan
                 counter = data_counter(uploads, request.query_params.get("model"))
                 name_shown = name or path.name
-                described |= await anyio.to_thread.run_sync(data_described, path, name_shown, counter, limiter=planning)
+                described |= await anyio.to_thread.run_sync(
+                    data_described, path, name_shown, counter, language, limiter=planning
+                )
         except LorafitError as error:  # the file as the user named it, not where the server keeps it
             uploads.discard(value)
             message = str(error).splitlines()[0].replace(str(path), name or path.name)
