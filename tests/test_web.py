@@ -198,6 +198,12 @@ BAD_QUERIES = {
     "a config file on the server": ("/api/plan", {"from_config": "/etc/passwd"}, "from_config", "not a setting"),
     "a stack not offered": ("/api/estimate", {"stack": "torchtune"}, None, "stack torchtune: not offered"),
     "seq_len past the model": ("/api/plan", {"model": "llama-2-7b", "seq_len": "999999"}, "seq_len", "999999"),
+    "bf16 on a card without it": (
+        "/api/plan",
+        {"model": "llama-2-7b", "gpu": "t4", "precision": "bf16"},
+        "precision",
+        "no bf16",
+    ),
 }
 
 
@@ -275,6 +281,25 @@ CONFIG = {
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
 }
+
+
+@pytest.mark.parametrize("language", ["es", "pt"])
+def test_a_mixture_of_experts_line_and_a_pre_quantised_refusal_are_said_in_the_pages_language(
+    language: str, client: TestClient
+) -> None:
+    """The MoE line of a plan, and the refusal of a checkpoint stored in bitsandbytes fp4, in the page's language:
+    no English sentence of the CLI left in them."""
+    query = {"model": "qwen3-30b-a3b", "gpu": "h100-sxm", "method": "qlora"}
+    english = client.get("/api/plan", params=query | {"lang": "en"}).json()["reasons"]
+    shown = client.get("/api/plan", params=query | {"lang": language}).json()["reasons"]
+    experts = [line for line, said in zip(shown, english, strict=True) if said.startswith("mixture of experts")]
+    assert len(experts) == 1 and "128" in experts[0] and english_in(experts[0]) == [], experts
+    fp4 = CONFIG | {"quantization_config": {"load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}}
+    model = client.post("/api/upload?kind=model&name=config.json", content=json.dumps(fp4).encode()).json()["value"]
+    refused = client.get("/api/plan", params={"model": model, "gpu": "rtx-4090", "lang": language})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert "fp4" in error and "NF4" in error and english_in(error) == [], error
 
 
 def test_an_uploaded_config_is_planned_as_the_cli_plans_that_file(

@@ -80,6 +80,15 @@ EN: dict[str, str] = {
     "plan.truncates": "sequence length {seq_len:d} truncates {rows:d} rows of the data",
     "plan.vision": "image-text model: its vision tower is counted in memory (frozen, stored like the base) but "
     "images in the data are not modelled: memory and time are for text-only rows",
+    "plan.moe_full": "mixture of experts: {experts:d} experts a layer, {per_token:d} per token, held in 16 bit "
+    "(4-bit quantisation covers nn.Linear layers only); "
+    "every expert trains",
+    "plan.moe_experts": "mixture of experts: {experts:d} experts a layer, {per_token:d} per token, held in 16 bit "
+    "(4-bit quantisation covers nn.Linear layers only); "
+    "LoRA adapts the attention and every expert (peft target_parameters)",
+    "plan.moe_attention": "mixture of experts: {experts:d} experts a layer, {per_token:d} per token, held in 16 bit "
+    "(4-bit quantisation covers nn.Linear layers only); "
+    "LoRA adapts the attention ({setting_targets} experts {setting_dropout} 0 adapts the experts too)",
     # --- plan: the smallest changes that fit (plan.suggestions) ---
     "change.seq_len": "sequence length {seq_len:d} instead of {was:d}",
     "change.qlora": "QLoRA (4-bit base) instead of {method}",
@@ -143,6 +152,23 @@ EN: dict[str, str] = {
     "16-bit weights use {setting_method} lora)",
     "rule.quant_needs_qlora": "{setting_method} {method} trains on 16-bit weights: {setting_quant} must be none (a "
     "quantised base is {setting_method} qlora)",
+    "error.prequantized_fp4": "{model}: its weights are stored bitsandbytes 4-bit fp4; lorafit trains a 4-bit base in "
+    "NF4 only: use the 16-bit base model",
+    "error.prequantized": "{what}: {model} is a pre-quantised {bits}-bit checkpoint: only {setting_method} qlora "
+    "{setting_quant} {quant} trains it; for LoRA or full fine-tuning use {base}",
+    "error.prequantized_shard": "{setting} {shard}: {model} stores its 4-bit weights as uint8, which ZeRO-3 and FSDP "
+    "cannot flatten with the 16-bit ones (train/hf_args.py quant_storage); use {setting} ddp or zero2, or the 16-bit "
+    "base {base} with {setting_method} qlora",
+    "error.tied_offload": "{setting}: {model} ties its input embeddings to the LM head, which runs on the GPU; turn "
+    "{setting} off",
+    "error.no_attention": "{setting} {attn}: {model} ({architecture}) has no {attn} attention in transformers; use "
+    "{setting} {choices}",
+    "error.no_bf16": "{setting} bf16: the {gpu} has no bf16; use {setting} fp16 (or fp32)",
+    "error.fp16_cpu": "{setting} fp16 needs a CUDA GPU; on the CPU use {setting} fp32 (or bf16)",
+    "error.flash_cpu": "{setting} flash: flash attention runs on CUDA GPUs only; on the CPU use {setting} sdpa",
+    "error.unmodelled": "{name}: {family} ({model_type}) is not modelled yet; the nearest supported preset is "
+    "{nearest} ({setting_model} {nearest} estimates that one instead; `lorafit models` lists them all)",
+    "model.base_unnamed": "its 16-bit base model",
     "config.not_json": "{file} is not valid JSON ({why})",
     "config.long_number": "{file} is not a config.json: it holds a number thousands of digits long",
     "config.too_deep": "{file} is not a config.json: its JSON is nested too deeply",

@@ -147,11 +147,10 @@ class PreQuantized(BaseModel):
 
     def refusal(self, name: str, what: str) -> str:
         """One line: why `what` cannot train this checkpoint, and what would."""
-        instead = f"the 16-bit base {self.base}" if self.base else "its 16-bit base model"
-        return (
-            f"{what}: {name} is a pre-quantised {'4-bit' if self.quant == 'nf4' else '8-bit'} checkpoint: only "
-            f"--method qlora --quant {self.quant} trains it; for LoRA or full fine-tuning use {instead}"
-        )
+        instead = say("plan.base_named", base=self.base) if self.base else say("model.base_unnamed")
+        bits = 4 if self.quant == "nf4" else 8
+        said = {"setting_method": "--method", "setting_quant": "--quant", "quant": self.quant, "base": instead}
+        return say("error.prequantized", what=what, model=name, bits=bits, **said)
 
 
 class ModelSpec(BaseModel):
@@ -482,13 +481,12 @@ class UnmodelledFamily:
         presets = catalog()
         return min(self.nearest, key=lambda name: abs(math.log(presets[name].num_params / size)))
 
-    def refusal(self, model_type: str, hub_id: str | None = None) -> str:
-        """The one-line reason: the family, its model_type, and the preset to estimate instead."""
+    def refusal(self, name: str, model_type: str, hub_id: str | None = None) -> str:
+        """The one-line reason, after `name` (the file or the model asked for): the family, its model_type, and
+        the preset to estimate instead."""
         nearest = self.nearest_preset(hub_id)
-        return (
-            f"{self.family} ({model_type}) is not modelled yet; the nearest supported preset is {nearest} "
-            f"(--model {nearest} estimates that one instead; `lorafit models` lists them all)"
-        )
+        said = {"family": self.family, "model_type": model_type, "nearest": nearest, "setting_model": "--model"}
+        return say("error.unmodelled", name=name, **said)
 
 
 def repo_name(hub_id: str) -> str:
@@ -581,7 +579,7 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
     # an image-text model lorafit does not model is refused as a whole, before its text model is looked at
     for layer in (config, config.get("text_config")):
         if isinstance(layer, dict) and (family := unmodelled_model_type(layer.get("model_type"))):
-            raise InvalidConfig(f"{file}: {family.refusal(layer['model_type'])}")
+            raise InvalidConfig(family.refusal(str(file), layer["model_type"]))
     vision = read_vision(config, file)
     if vision is not None:
         spec = _image_text_spec(file, config, vision, name)
@@ -731,7 +729,7 @@ def resolve(model: str) -> ModelSpec:
         return spec
     for family in unmodelled_families():
         if family.matches_hub_id(key):
-            raise UnknownModel(f"{model}: {family.refusal(family.model_types[0], key)}")
+            raise UnknownModel(family.refusal(model, family.model_types[0], key))
     base = prequantized_base_name(key)
     what = say("model.copy_not_in_catalog", base=base) if base else say("model.not_in_catalog")
     hint = did_you_mean(base or key)

@@ -875,23 +875,19 @@ def check_against(
     if spec is not None and spec.prequantized is not None:
         check_prequantized(values, spec)
     if spec is not None and values.get("offload_embeddings") and spec.tie_word_embeddings:
-        raise InvalidConfig(
-            f"offload_embeddings: {spec.name} ties its input embeddings to the LM head, which runs on the GPU; "
-            "turn offload_embeddings off"
-        )
+        raise InvalidConfig(say("error.tied_offload", setting="offload_embeddings", model=spec.name))
     if spec is not None:
         spec.check_lora_targets(values.get("lora_targets"), values.get("lora_dropout"))
     if spec is not None and attn is not None and attn not in spec.attention_implementations:
-        raise InvalidConfig(
-            f"attn {attn}: {spec.name} ({spec.architecture}) has no {attn} attention in transformers; use attn "
-            f"{' or '.join(spec.attention_implementations)}"
-        )
+        choices = " or ".join(spec.attention_implementations)
+        said = {"model": spec.name, "architecture": spec.architecture, "choices": choices}
+        raise InvalidConfig(say("error.no_attention", setting="attn", attn=attn, **said))
     if precision == "bf16" and gpu is not None and not gpu.supports_bf16 and not on_cpu:
-        raise InvalidConfig(f"precision bf16: the {gpu.name} has no bf16; use precision fp16 (or fp32)")
+        raise InvalidConfig(say("error.no_bf16", setting="precision", gpu=gpu.name))
     if precision == "fp16" and on_cpu:
-        raise InvalidConfig("precision fp16 needs a CUDA GPU; on the CPU use precision fp32 (or bf16)")
+        raise InvalidConfig(say("error.fp16_cpu", setting="precision"))
     if attn == "flash" and on_cpu:  # (and training on the CPU is fp32, which flash attention has no kernel for)
-        raise InvalidConfig("attn flash: flash attention runs on CUDA GPUs only; on the CPU use attn sdpa")
+        raise InvalidConfig(say("error.flash_cpu", setting="attn"))
 
 
 def check_prequantized(values: Mapping[str, Any], spec: ModelSpec) -> None:
@@ -900,10 +896,7 @@ def check_prequantized(values: Mapping[str, Any], spec: ModelSpec) -> None:
     stored = spec.prequantized
     assert stored is not None
     if stored.quant == "fp4":  # read so that an export can merge into it; lorafit trains NF4 or int8 only
-        raise InvalidConfig(
-            f"{spec.name}: its weights are stored bitsandbytes 4-bit fp4; lorafit trains a 4-bit base in NF4 only: "
-            "use the 16-bit base model"
-        )
+        raise InvalidConfig(say("error.prequantized_fp4", model=spec.name))
     wanted = {"method": "qlora", "quant": stored.quant, "double_quant": stored.double_quant}
     for name, value in wanted.items():
         given = values.get(name)
@@ -911,11 +904,9 @@ def check_prequantized(values: Mapping[str, Any], spec: ModelSpec) -> None:
             shown = str(given).lower() if isinstance(given, bool) else _shown(given)
             raise InvalidConfig(stored.refusal(spec.hf_id or spec.name, f"{name} {shown}"))
     if values.get("shard") in PREQUANTIZED_UNSHARDABLE:
-        raise InvalidConfig(
-            f"shard {values['shard']}: {spec.hf_id or spec.name} stores its 4-bit weights as uint8, which ZeRO-3 and "
-            "FSDP cannot flatten with the 16-bit ones (train/hf_args.py quant_storage); use shard ddp or zero2, "
-            f"or the 16-bit base {stored.base or 'model'} with --method qlora"
-        )
+        model, base = spec.hf_id or spec.name, stored.base or "model"
+        said = {"shard": values["shard"], "model": model, "base": base, "setting_method": "--method"}
+        raise InvalidConfig(say("error.prequantized_shard", setting="shard", **said))
 
 
 # ZeRO-3 and FSDP shard the weights themselves: the 4-bit storage must then be the compute dtype, which

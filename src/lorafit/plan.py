@@ -330,15 +330,12 @@ def moe_reason(spec: ModelSpec, s: Settings) -> str:
     """What an MoE's experts are in this plan: 16-bit (bitsandbytes quantises nn.Linear layers only; gpt-oss's
     MXFP4 experts train dequantised to bf16), adapted or not."""
     adapted = spec.expert_target_names(s.lora_targets) and s.method != "full"
-    line = (
-        f"mixture of experts: {spec.num_local_experts} experts a layer, {spec.num_experts_per_tok} per token, "
-        "held in 16 bit (4-bit quantisation covers nn.Linear layers only); "
-    )
+    experts = {"experts": spec.num_local_experts, "per_token": spec.num_experts_per_tok}
     if s.method == "full":
-        return line + "every expert trains"
+        return say("plan.moe_full", **experts)
     if adapted:
-        return line + "LoRA adapts the attention and every expert (peft target_parameters)"
-    return line + "LoRA adapts the attention (--lora-targets experts --lora-dropout 0 adapts the experts too)"
+        return say("plan.moe_experts", **experts)
+    return say("plan.moe_attention", **experts, setting_targets="--lora-targets", setting_dropout="--lora-dropout")
 
 
 def explain_savers(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, spec: ModelSpec) -> list[str]:
