@@ -198,6 +198,18 @@ BAD_QUERIES = {
     "a config file on the server": ("/api/plan", {"from_config": "/etc/passwd"}, "from_config", "not a setting"),
     "a stack not offered": ("/api/estimate", {"stack": "torchtune"}, None, "stack torchtune: not offered"),
     "seq_len past the model": ("/api/plan", {"model": "llama-2-7b", "seq_len": "999999"}, "seq_len", "999999"),
+    "a method the stack does not model": (
+        "/api/plan",
+        {"model": "llama-2-7b", "stack": "unsloth", "method": "full"},
+        "method",
+        "modelled for",
+    ),
+    "experts of a dense model": (
+        "/api/plan",
+        {"model": "llama-2-7b", "lora_targets": "experts"},
+        "lora_targets",
+        "no experts",
+    ),
     "bf16 on a card without it": (
         "/api/plan",
         {"model": "llama-2-7b", "gpu": "t4", "precision": "bf16"},

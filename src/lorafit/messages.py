@@ -169,6 +169,39 @@ EN: dict[str, str] = {
     "error.unmodelled": "{name}: {family} ({model_type}) is not modelled yet; the nearest supported preset is "
     "{nearest} ({setting_model} {nearest} estimates that one instead; `lorafit models` lists them all)",
     "model.base_unnamed": "its 16-bit base model",
+    "error.stack_unknown": "{setting} {name}: not a stack lorafit knows; choose one of {names}",
+    "error.stack_families": "{setting} {stack} patches the step of {families} models, not {family}; choose one of "
+    "those or another stack (`lorafit stacks`)",
+    "error.stack_method": "{setting_method} {method}: {setting} {stack} is modelled for {setting_method} {methods}; "
+    "choose that or another stack (`lorafit stacks`)",
+    "error.stack_shard": "{setting_shard} {shard}: {setting} {stack} runs on several GPUs only with {shards}; choose "
+    "that or another stack (`lorafit stacks`)",
+    "error.stack_quant": "{setting_quant} {quant}: {setting} {stack} trains over {setting_quant} {can}; see `lorafit "
+    "stacks`",
+    "stack.no_quant": "none (no quantised base)",
+    "error.stack_saver": "{setting_saver}: {setting} {stack} has no such switch (stacks that do: {others})",
+    "error.kbit_peft": "{setting_kbit}: {setting} {stack} does not build its adapters with peft",
+    "error.kbit_quant": "{setting_kbit} prepares a quantised base: it needs {setting_method} qlora ({setting_quant} "
+    "nf4 or int8)",
+    "error.liger_switch": "{setting_liger}: {setting} {stack} has no use_liger_kernel switch (stacks that do: "
+    "{others})",
+    "error.liger_loss": "{setting_loss} chunked: with {setting_liger}, Liger's fused linear cross-entropy is the loss "
+    "and never makes the logits; leave {setting_loss} full",
+    "error.liger_model": "{setting_liger}: {pinned} does not patch {name} (model type {model_type}); it patches "
+    "{count:d} model types, llama, mistral, qwen2, qwen3, gemma and phi3 among them (catalog/stacks.toml [liger]); "
+    "turn {setting_liger} off",
+    "error.no_experts": "{setting} experts: {model} has no experts; {setting} all adapts its MLP projections",
+    "error.experts_dropout": "{setting} experts with {setting_dropout} {dropout}: peft adapts {model}'s fused experts "
+    "through target_parameters, which refuses dropout; set {setting_dropout} 0, or {setting} all (the attention only)",
+    "config.vision_text": "{file}: a {family} model with a {text_type!r} text model is not modelled; supported text "
+    "models: {known}",
+    "config.quant_type": "{file}: bnb_4bit_quant_type {kind!r} is not a bitsandbytes 4-bit type (nf4, fp4)",
+    "config.dense_layers": "{file}: layers with a dense MLP (mlp_only_layers {dense}, decoder_sparse_step {step}) are "
+    "not modelled; lorafit plans MoE models whose every layer is sparse (mlp_only_layers [], decoder_sparse_step 1, "
+    "as in the released Qwen3-MoE checkpoints)",
+    "config.bool": "{file}: {key} {value} must be true or false",
+    "config.whole": "{file}: {key} {value} must be a whole number",
+    "config.past": "{file}: {key} {value} is past what any real model has (at most {limit:,})",
     "config.not_json": "{file} is not valid JSON ({why})",
     "config.long_number": "{file} is not a config.json: it holds a number thousands of digits long",
     "config.too_deep": "{file} is not a config.json: its JSON is nested too deeply",

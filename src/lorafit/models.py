@@ -296,15 +296,10 @@ class ModelSpec(BaseModel):
         if targets != "experts":
             return
         if not self.is_moe:
-            raise InvalidConfig(
-                f"lora_targets experts: {self.name} has no experts; lora_targets all adapts its MLP projections"
-            )
+            raise InvalidConfig(say("error.no_experts", setting="lora_targets", model=self.name))
         if lora_dropout:
-            raise InvalidConfig(
-                f"lora_targets experts with lora_dropout {lora_dropout}: peft adapts {self.name}'s fused experts "
-                "through target_parameters, which refuses dropout; set lora_dropout 0, or lora_targets all "
-                "(the attention only)"
-            )
+            said = {"setting_dropout": "lora_dropout", "dropout": lora_dropout, "model": self.name}
+            raise InvalidConfig(say("error.experts_dropout", setting="lora_targets", **said))
 
     # --- parameter counts -----------------------------------------------------------------------------------
     @property
@@ -606,9 +601,9 @@ def _image_text_spec(file: Path, config: dict[str, Any], vision: VisionTower, na
     elif text_type in (None, vision.family, f"{vision.family}_text"):
         architecture = cast(Architecture, TEXT_ARCHITECTURE[vision.family])
     else:
+        known = ", ".join(sorted(families))
         raise InvalidConfig(
-            f"{file}: a {vision.family} model with a {text_type!r} text model is not modelled; "
-            f"supported text models: {', '.join(sorted(families))}"
+            say("config.vision_text", file=file, family=vision.family, text_type=text_type, known=known)
         )
     tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", TIED_BY_DEFAULT[vision.family]))
     text["tie_word_embeddings"] = tied
@@ -654,7 +649,7 @@ def bitsandbytes_quantization(file: Path, quantization: object) -> PreQuantized 
         return None
     kind = quantization.get("bnb_4bit_quant_type", "fp4")  # BitsAndBytesConfig's default is fp4
     if kind not in ("nf4", "fp4"):
-        raise InvalidConfig(f"{file}: bnb_4bit_quant_type {kind!r} is not a bitsandbytes 4-bit type (nf4, fp4)")
+        raise InvalidConfig(say("config.quant_type", file=file, kind=kind))
     return PreQuantized(quant=kind, double_quant=quantization.get("bnb_4bit_use_double_quant") is True)
 
 
@@ -668,11 +663,7 @@ def moe_fields(file: Path, config: dict[str, Any], arch: ArchitectureSpec) -> di
     dense = config.get("mlp_only_layers") or []
     step = config.get("decoder_sparse_step", 1)
     if dense or step not in (1, None):
-        raise InvalidConfig(
-            f"{file}: layers with a dense MLP (mlp_only_layers {dense}, decoder_sparse_step {step}) are not "
-            "modelled; lorafit plans MoE models whose every layer is sparse (mlp_only_layers [], "
-            "decoder_sparse_step 1, as in the released Qwen3-MoE checkpoints)"
-        )
+        raise InvalidConfig(say("config.dense_layers", file=file, dense=dense, step=step))
     return fields
 
 
@@ -703,17 +694,17 @@ def check_dimensions(file: Path, fields: dict[str, Any]) -> None:
     that is past what any real model has (`DIMENSION_LIMITS`), before anything is planned from it."""
     for key in ("tie_word_embeddings", "attention_bias", "norm_topk_prob"):
         if key in fields and type(fields[key]) is not bool:
-            raise InvalidConfig(f"{file}: {key} {json.dumps(fields[key])[:40]} must be true or false")
+            raise InvalidConfig(say("config.bool", file=file, key=key, value=json.dumps(fields[key])[:40]))
     for key, limit in DIMENSION_LIMITS.items():
         value = fields.get(key)
         if value is None:
             continue
         if type(value) is not int:
-            raise InvalidConfig(f"{file}: {key} {json.dumps(value)[:40]} must be a whole number")
+            raise InvalidConfig(say("config.whole", file=file, key=key, value=json.dumps(value)[:40]))
         if value > limit:
             digits = str(value)
             shown = digits if len(digits) <= 20 else f"{digits[:4]}... ({len(digits)} digits)"
-            raise InvalidConfig(f"{file}: {key} {shown} is past what any real model has (at most {limit:,})")
+            raise InvalidConfig(say("config.past", file=file, key=key, value=shown, limit=limit))
 
 
 def resolve(model: str) -> ModelSpec:

@@ -98,7 +98,7 @@ def offered() -> list[StackSpec]:
 def resolve(name: str) -> StackSpec:
     stack = catalog().get(name)
     if stack is None:
-        raise InvalidConfig(f"stack {name}: not a stack lorafit knows; choose one of {', '.join(catalog())}")
+        raise InvalidConfig(say("error.stack_unknown", setting="stack", name=name, names=", ".join(catalog())))
     if not stack.offered:
         raise InvalidConfig(say("error.stack_not_offered", setting="stack", name=name, why=stack.not_offered_because))
     return stack
@@ -124,36 +124,35 @@ def check(values: Mapping[str, Any], family: str | None = None) -> None:
     settings are checked as a whole step's; `family`: the model's architecture, where it is known."""
     stack = resolve(values["stack"])
     if family is not None and stack.families and family not in stack.families:
+        families = ", ".join(stack.families)
         raise InvalidConfig(
-            f"stack {stack.name} patches the step of {', '.join(stack.families)} models, not {family}; "
-            "choose one of those or another stack (`lorafit stacks`)"
+            say("error.stack_families", setting="stack", stack=stack.name, families=families, family=family)
         )
     if stack.methods and values["method"] not in stack.methods:
-        raise InvalidConfig(
-            f"method {values['method']}: stack {stack.name} is modelled for method {' or '.join(stack.methods)}; "
-            "choose that or another stack (`lorafit stacks`)"
-        )
+        said = {"method": values["method"], "stack": stack.name, "methods": " or ".join(stack.methods)}
+        raise InvalidConfig(say("error.stack_method", setting="stack", setting_method="method", **said))
     shard = values.get("shard")
     if stack.shards and shard not in (None, "none", *stack.shards):
-        raise InvalidConfig(
-            f"shard {shard}: stack {stack.name} runs on several GPUs only with {' or '.join(stack.shards)}; "
-            "choose that or another stack (`lorafit stacks`)"
-        )
+        said = {"shard": shard, "stack": stack.name, "shards": " or ".join(stack.shards)}
+        raise InvalidConfig(say("error.stack_shard", setting="stack", setting_shard="shard", **said))
     quant = values.get("quant") or default_quant(values["method"])
     if quant != "none" and quant not in stack.quant:
-        can = " or ".join(stack.quant) if stack.quant else "none (no quantised base)"
-        raise InvalidConfig(f"quant {quant}: stack {stack.name} trains over quant {can}; see `lorafit stacks`")
+        can = " or ".join(stack.quant) if stack.quant else say("stack.no_quant")
+        said = {"quant": quant, "stack": stack.name, "can": can}
+        raise InvalidConfig(say("error.stack_quant", setting="stack", setting_quant="quant", **said))
     for saver, on in SAVER_ON.items():
         if values.get(saver) == on and saver not in stack.savers:
             others = ", ".join(s.name for s in offered() if saver in s.savers)
-            raise InvalidConfig(f"{saver}: stack {stack.name} has no such switch (stacks that do: {others})")
+            said = {"setting_saver": saver, "stack": stack.name, "others": others}
+            raise InvalidConfig(say("error.stack_saver", setting="stack", **said))
     if values.get("liger"):
         check_liger(stack, values)
     if values.get("kbit_prep") is not None:
         if not stack.peft:
-            raise InvalidConfig(f"kbit_prep: stack {stack.name} does not build its adapters with peft")
+            raise InvalidConfig(say("error.kbit_peft", setting_kbit="kbit_prep", setting="stack", stack=stack.name))
         if values["kbit_prep"] and quant == "none":
-            raise InvalidConfig("kbit_prep prepares a quantised base: it needs method qlora (quant nf4 or int8)")
+            said = {"setting_kbit": "kbit_prep", "setting_method": "method", "setting_quant": "quant"}
+            raise InvalidConfig(say("error.kbit_quant", **said))
 
 
 def check_liger(stack: StackSpec, values: Mapping[str, Any]) -> None:
@@ -161,22 +160,17 @@ def check_liger(stack: StackSpec, values: Mapping[str, Any]) -> None:
     loss, lorafit's chunked loss is not."""
     if not stack.liger_runtime:
         others = ", ".join(s.name for s in offered() if s.liger_runtime)
-        raise InvalidConfig(f"liger: stack {stack.name} has no use_liger_kernel switch (stacks that do: {others})")
+        said = {"setting_liger": "liger", "setting": "stack", "stack": stack.name, "others": others}
+        raise InvalidConfig(say("error.liger_switch", **said))
     if stack.liger_fuses_loss and values.get("loss") == SAVER_ON["loss"]:
-        raise InvalidConfig(
-            "loss chunked: with liger, Liger's fused linear cross-entropy is the loss and never makes the logits; "
-            "leave loss full"
-        )
+        raise InvalidConfig(say("error.liger_loss", setting_loss="loss", setting_liger="liger"))
 
 
 def check_liger_model(model_types: tuple[str, ...], name: str) -> None:
     """Liger patches only the model types it knows; another is trained without its kernels."""
     if not set(model_types) & set(liger().model_types):
-        raise InvalidConfig(
-            f"liger: {liger().pinned} does not patch {name} (model type {model_types[0]}); it patches "
-            f"{len(liger().model_types)} model types, llama, mistral, qwen2, qwen3, gemma and phi3 among them "
-            "(catalog/stacks.toml [liger]); turn liger off"
-        )
+        said = {"pinned": liger().pinned, "name": name, "model_type": model_types[0], "count": len(liger().model_types)}
+        raise InvalidConfig(say("error.liger_model", setting_liger="liger", **said))
 
 
 def rope_factor(seq_len: int, positions: int) -> int:
