@@ -151,14 +151,22 @@ def read_adapter(run_dir: Path) -> Adapter:
 
 def target_parameter(module: str, targets: list[str]) -> str | None:
     """The parameter a `target_parameters` adapter (an MoE's fused experts) adapts, or None for a module's
-    weight. peft nests one ParamWrapper per parameter in the order of `target_parameters`, the last outermost:
-    `mlp.experts.lora_A` adapts the last listed, `mlp.experts.base_layer.lora_A` the one before."""
+    weight. peft nests one ParamWrapper per parameter in the order the module registers its parameters
+    (transformers' experts: gate_up_proj, then down_proj), the last outermost: `mlp.experts.lora_A` adapts
+    down_proj, `mlp.experts.base_layer.lora_A` gate_up_proj. The adapter_config's list is a set's order, so it
+    is put in the module's order first (EXPERT_PARAMETER_ORDER)."""
     depth = 0
     while module.endswith(".base_layer"):
         module, depth = module.removesuffix(".base_layer"), depth + 1
     listed = [target.rsplit(".", 1) for target in targets]
     names = [name for owner, name in listed if module == owner or module.endswith("." + owner)]
+    names.sort(key=lambda name: EXPERT_PARAMETER_ORDER.get(name, len(EXPERT_PARAMETER_ORDER)))
     return f"{module}.{names[-1 - depth]}" if depth < len(names) else None
+
+
+# The order transformers' fused experts register their parameters (Qwen3MoeExperts, MixtralExperts, GptOssExperts
+# @ v5.25.0: gate_up_proj before down_proj), which is peft's nesting order.
+EXPERT_PARAMETER_ORDER = {"gate_up_proj": 0, "down_proj": 1}
 
 
 def lora_delta_shape(a_shape: tuple[int, ...], b_shape: tuple[int, ...], base: tuple[int, ...]) -> tuple[int, ...]:
