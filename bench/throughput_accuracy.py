@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from lorafit import hardware, memory, models, timing
+from lorafit import costs, hardware, memory, models, timing
 from lorafit.schema import Settings
 from lorafit.timing import tokens_per_second
 
@@ -474,12 +474,12 @@ ACCURACY = Path(__file__).resolve().parents[1] / "src" / "lorafit" / "catalog" /
 
 
 def accuracy_table(check: list[tuple[dict[str, str], float]]) -> dict[str, dict[str, float]]:
-    """Per class of run (timing.run_classes: GPU kind and count, count, all): how many check rows, and the 10th
+    """Per class of run (costs.run_classes: GPU kind and count, count, all): how many check rows, and the 10th
     and 90th percentiles of the signed error
     (predicted - published) / published, which lorafit's plan turns into its hours range (timing.hours_range)."""
     kinds: dict[str, list[float]] = {"all": [error for _, error in check]}
     for facts, error in check:
-        for name in timing.run_classes(facts["kind"], 1 if facts["gpus"] == "one GPU" else 2)[:2]:
+        for name in costs.run_classes(facts["kind"], 1 if facts["gpus"] == "one GPU" else 2)[:2]:
             kinds.setdefault(name, []).append(error)
     table = {}
     for kind, errors in kinds.items():

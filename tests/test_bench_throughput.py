@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import load_script
-from lorafit import hardware, models, timing
+from lorafit import costs, hardware, models
 from lorafit.schema import Settings
 
 
@@ -18,7 +18,7 @@ def bench():
 def test_the_stored_accuracy_is_what_the_throughput_bench_computes_now(bench):
     """catalog/time_accuracy.toml is written by `make bench-throughput`: a change to the time model or the
     calibration rows without re-running it fails here."""
-    assert bench.main(write=False)["accuracy"] == timing.time_accuracy()
+    assert bench.main(write=False)["accuracy"] == costs.time_accuracy()
 
 
 def test_every_row_is_a_calibration_row_with_a_speed(bench):

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import run_cli
-from lorafit import hardware, memory, models, options, timing
+from lorafit import costs, hardware, memory, models, options, timing
 from lorafit import plan as planner
 from lorafit.cli import main
 from lorafit.errors import InvalidConfig, LorafitError
@@ -699,5 +699,5 @@ def test_the_plan_says_how_sure_its_time_is_and_what_it_is_for(capsys) -> None:
     text = " ".join(out.split())
     assert code == 0 and "of 2,000,000 tokens (--tokens-per-epoch)" in text
     assert f"({low:.1f}-{high:.1f} h)" not in text  # another run, another range
-    name, entry = timing.accuracy_of(hardware.resolve("RTX 4090"), 1)
+    name, entry = costs.accuracy_of(hardware.resolve("RTX 4090"), 1)
     assert f"{entry['rows']} published runs ({name})" in text and "lorafit measure" in text

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorafit import hardware, models, timing
+from lorafit import costs, hardware, models, timing
 from lorafit.schema import Settings
 
 LAYERS_WEIGHTS = 6_476_271_616  # the decoder layers' matmul weights (and norms), as above
@@ -280,16 +280,16 @@ def test_liger_kernels_make_fewer_passes_over_memory_and_its_loss_no_more_matmul
 def test_the_hours_range_is_the_check_rows_error_of_the_narrowest_class_with_rows(a100) -> None:
     """hours x (1 + the 10th and 90th percentile errors) of the run's class: GPU kind and count, else count,
     else all check rows, whichever first has MIN_KIND_ROWS rows."""
-    table = timing.time_accuracy()
+    table = costs.time_accuracy()
     for gpu, n_gpus in ((a100, 1), (a100, 8), (hardware.resolve("RTX 4090"), 1), (hardware.resolve("RTX 4090"), 2)):
-        name, entry = timing.accuracy_of(gpu, n_gpus)
-        narrower = timing.run_classes(gpu.kind, n_gpus)
+        name, entry = costs.accuracy_of(gpu, n_gpus)
+        narrower = costs.run_classes(gpu.kind, n_gpus)
         assert name in narrower and entry == table[name]
         skipped = narrower[: narrower.index(name)]
-        assert all(table.get(other, {"rows": 0})["rows"] < timing.MIN_KIND_ROWS for other in skipped)
-        assert name == "all" or entry["rows"] >= timing.MIN_KIND_ROWS
-        low, high = timing.hours_range(gpu, 10.0, n_gpus)
+        assert all(table.get(other, {"rows": 0})["rows"] < costs.MIN_KIND_ROWS for other in skipped)
+        assert name == "all" or entry["rows"] >= costs.MIN_KIND_ROWS
+        low, high = costs.hours_range(gpu, 10.0, n_gpus)
         assert low == pytest.approx(10 * (1 + entry["low"]), abs=1e-3)
         assert high == pytest.approx(10 * (1 + entry["high"]), abs=1e-3)
         assert low <= 10.0 <= high
-    assert timing.hours_range(None, 10.0) is None and timing.hours_range(a100, 0.0) is None
+    assert costs.hours_range(None, 10.0) is None and costs.hours_range(a100, 0.0) is None

@@ -14,6 +14,7 @@ from functools import cached_property, lru_cache, partial
 from typing import Any
 
 from lorafit import hardware, memory, options, rules, serving, stacks
+from lorafit.costs import time_and_cost
 from lorafit.errors import LorafitError
 from lorafit.hardware import GpuSpec
 from lorafit.memory import estimate
@@ -26,7 +27,6 @@ from lorafit.timing import (
     communication_bytes,
     step_seconds,
     step_time,
-    time_and_cost,
     tokens_per_second,
 )
 from lorafit.units import gib

@@ -11,7 +11,7 @@ from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
-from lorafit import timing
+from lorafit import costs
 from lorafit.configs import KIND_TITLES
 from lorafit.hardware import GpuSpec, LocalMachine
 from lorafit.models import ModelSpec, variants
@@ -226,7 +226,7 @@ def time_basis_line(plan: Plan) -> str:
         return "speed measured on this device (lorafit measure); range: the spread of the timed steps"
     runs = "runs"
     if plan.gpu:
-        name, entry = timing.accuracy_of(plan.gpu, plan.estimate.world_size)
+        name, entry = costs.accuracy_of(plan.gpu, plan.estimate.world_size)
         runs = f"{entry['rows']} published runs ({name})"
     return (
         f"speed from the time model (every token counted, no padding); range: its error on {runs}, "

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from lorafit import __version__, hardware, hostcard, memory
+from lorafit.costs import time_and_cost
 from lorafit.errors import InvalidConfig, LorafitError
 from lorafit.hardware import GpuSpec
 from lorafit.measure import engine
 from lorafit.schema import Device, Plan
-from lorafit.timing import time_and_cost
 from lorafit.train import guard, savers
 from lorafit.units import gib
 
