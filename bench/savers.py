@@ -104,8 +104,9 @@ class Tracer:
 
 
 def plan_row(spec: models.ModelSpec, pinned: dict) -> dict:
-    from lorafit.plan import make_plan, savers_on
+    from lorafit.plan import make_plan
     from lorafit.schema import PlanRequest
+    from lorafit.search import savers_on
 
     request = PlanRequest(model=spec, gpu=hardware.custom(FASTER_CARD_GB), fixed=pinned | {"method": "qlora"})
     found = make_plan(request)

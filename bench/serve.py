@@ -38,7 +38,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from lorafit import answers, hardware, memory, models, serving
+from lorafit import answers, hardware, memory, models, search, serving
 from lorafit import plan as planner
 from lorafit.schema import Plan, PlanRequest, Settings
 
@@ -75,8 +75,8 @@ def start_server() -> tuple[str, object]:
 def cold() -> None:
     models._memoised.cache_clear()
     memory.activation_bytes_per_layer.cache_clear()
-    planner._estimate_anywhere.cache_clear()
-    planner._settings.cache_clear()
+    search._estimate_anywhere.cache_clear()
+    search._settings.cache_clear()
     serving.gguf_weight_bytes.cache_clear()
 
 
@@ -84,14 +84,14 @@ def cold() -> None:
 def unshared() -> Iterator[None]:
     """The planner as it was before the comparison shared work between cards: every step validated and
     estimated on its own card, the GGUF sizes worked out for every plan."""
-    saved = planner.estimate_on, planner.settings_of, serving.gguf_weight_bytes
-    planner.estimate_on = lambda spec, settings, gpu, headroom: memory.estimate(spec, settings, gpu, headroom)
-    planner.settings_of = lambda values: Settings(**values)
+    saved = search.estimate_on, search.settings_of, serving.gguf_weight_bytes
+    search.estimate_on = lambda spec, settings, gpu, headroom: memory.estimate(spec, settings, gpu, headroom)
+    search.settings_of = lambda values: Settings(**values)
     serving.gguf_weight_bytes = serving.gguf_weight_bytes.__wrapped__
     try:
         yield
     finally:
-        planner.estimate_on, planner.settings_of, serving.gguf_weight_bytes = saved
+        search.estimate_on, search.settings_of, serving.gguf_weight_bytes = saved
 
 
 def unshared_compare(request: PlanRequest) -> list[Plan]:

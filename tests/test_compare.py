@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from lorafit import hardware, memory, models
+from lorafit import hardware, memory, models, search
 from lorafit import plan as planner
 from lorafit.schema import Plan, PlanRequest, Settings
 
@@ -26,9 +26,9 @@ def each_card_alone(request: PlanRequest, monkeypatch: pytest.MonkeyPatch) -> di
     suggestion of a card that does not fit worked out, and several_of's pick among them."""
     with monkeypatch.context() as patched:
         patched.setattr(
-            planner, "estimate_on", lambda spec, settings, gpu, headroom: memory.estimate(spec, settings, gpu, headroom)
+            search, "estimate_on", lambda spec, settings, gpu, headroom: memory.estimate(spec, settings, gpu, headroom)
         )
-        patched.setattr(planner, "settings_of", lambda values: Settings(**values))
+        patched.setattr(search, "settings_of", lambda values: Settings(**values))
         plans = {}
         for gpu in hardware.gpus(max_price_hour=CAP):
             plan = planner.make_plan(request.model_copy(update={"gpu": gpu}), details=False)
@@ -62,5 +62,5 @@ def test_a_verdict_on_the_line_is_the_estimators() -> None:
         usable = exact.peak_device_gib + shift
         card = like.model_copy(update={"memory_gib": usable / like.usable_fraction / (1 - headroom)})
         verdicts.add(memory.estimate(spec, settings, card, headroom).fits)
-        assert planner.estimate_on(spec, settings, card, headroom) == memory.estimate(spec, settings, card, headroom)
+        assert search.estimate_on(spec, settings, card, headroom) == memory.estimate(spec, settings, card, headroom)
     assert verdicts == {True, False}  # the cards straddle the line

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import run_cli
-from lorafit import costs, hardware, memory, models, options, timing
+from lorafit import costs, hardware, memory, models, options, search, timing
 from lorafit import plan as planner
 from lorafit.cli import main
 from lorafit.errors import InvalidConfig, LorafitError
@@ -120,7 +120,7 @@ def test_7b_qlora_fits_an_8gb_card_with_the_savers(card: str) -> None:
     plan = planner.make_plan(ask(gpu=gpu))
     assert plan.fits
     assert_verdict_follows_from_the_estimate(plan)
-    on = planner.savers_on(plan.settings)
+    on = search.savers_on(plan.settings)
     assert on
     # every saver it turned on is needed: the same step without it does not fit
     for name in on:
@@ -332,20 +332,20 @@ def test_speed_follows_the_work() -> None:
 
 # --- the search ----------------------------------------------------------------------------------------------------
 def test_micro_batches_are_powers_of_two_dividing_the_effective_batch() -> None:
-    assert planner._micro_batches(16, 1) == [16, 8, 4, 2, 1]
-    assert planner._micro_batches(16, 4) == [4, 2, 1]
-    assert planner._micro_batches(24, 1) == [24, 8, 4, 2, 1]  # the whole per-GPU batch is tried too
-    found = planner.candidates(ask(gpu="RTX 4090"), hardware.resolve("RTX 4090"), 2048)
+    assert search._micro_batches(16, 1) == [16, 8, 4, 2, 1]
+    assert search._micro_batches(16, 4) == [4, 2, 1]
+    assert search._micro_batches(24, 1) == [24, 8, 4, 2, 1]  # the whole per-GPU batch is tried too
+    found = search.candidates(ask(gpu="RTX 4090"), hardware.resolve("RTX 4090"), 2048)
     assert {c.settings.effective_batch for c in found} == {16}
     assert {c.settings.grad_ckpt for c in found} == {True, False}
-    assert {c.settings.optimizer for c in found} == set(planner.OPTIMIZERS["qlora"])
+    assert {c.settings.optimizer for c in found} == set(search.OPTIMIZERS["qlora"])
 
 
 def test_the_plan_is_the_fastest_candidate_that_fits(on_4090: Plan) -> None:
-    found = planner.candidates(ask(gpu="RTX 4090"), on_4090.gpu, 2048)
+    found = search.candidates(ask(gpu="RTX 4090"), on_4090.gpu, 2048)
     fitting = [c for c in found if c.estimate.fits]
     assert fitting and any(not c.estimate.fits for c in found)
-    assert on_4090.tokens_per_s >= max(c.tokens_per_s for c in fitting) * (1 - planner.SPEED_TIE) - 0.1
+    assert on_4090.tokens_per_s >= max(c.tokens_per_s for c in fitting) * (1 - search.SPEED_TIE) - 0.1
 
 
 def test_an_8_bit_optimizer_only_when_32_bit_states_do_not_fit() -> None:
@@ -365,12 +365,12 @@ def test_an_8_bit_optimizer_only_when_32_bit_states_do_not_fit() -> None:
     # with the savers free 32-bit AdamW fits again (a saver changes no number of the training, 8-bit states
     # do): the planner takes 8-bit states only where they make the step faster than any 32-bit one that fits
     free = planner.make_plan(ask(gpu=between))
-    assert free.fits and planner.savers_on(free.settings)
-    found = planner.candidates(ask(gpu=between), between, 2048)
-    adamw = planner.best([c for c in found if c.settings.optimizer == "adamw"])
+    assert free.fits and search.savers_on(free.settings)
+    found = search.candidates(ask(gpu=between), between, 2048)
+    adamw = search.best([c for c in found if c.settings.optimizer == "adamw"])
     assert adamw is not None
     if free.optimizer != "adamw":
-        assert free.tokens_per_s > adamw.tokens_per_s * (1 + planner.SPEED_TIE)
+        assert free.tokens_per_s > adamw.tokens_per_s * (1 + search.SPEED_TIE)
 
 
 def test_pinned_settings_are_respected() -> None:
@@ -408,7 +408,7 @@ PINS_OF_SEARCHED = {
 def tried(request: PlanRequest, name: str) -> set:
     """The values the search tried for one setting (7B QLoRA on an RTX 4090: every saver can apply)."""
     gpu = hardware.resolve("RTX 4090")
-    return {getattr(candidate.settings, name) for candidate in planner.candidates(request, gpu, 2048)}
+    return {getattr(candidate.settings, name) for candidate in search.candidates(request, gpu, 2048)}
 
 
 def test_the_search_is_what_options_declare(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -545,29 +545,29 @@ def test_other_settings_are_estimated_again_with_the_same_tokens_to_train() -> N
 # --- memory savers ----------------------------------------------------------------------------------------------
 def test_no_saver_where_the_step_fits_without(on_4090: Plan) -> None:
     # on the 4090 the fastest step (no checkpointing) fits only with expandable segments, which cost no time
-    assert planner.savers_on(on_4090.settings) == ["expandable_segments"] and not on_4090.grad_ckpt
+    assert search.savers_on(on_4090.settings) == ["expandable_segments"] and not on_4090.grad_ckpt
     plain = planner.make_plan(ask(gpu="RTX 4090", pinned={"expandable_segments": False, "loss": "full"}))
     assert plain.fits and plain.tokens_per_s < on_4090.tokens_per_s
-    assert planner.savers_on(planner.make_plan(ask(gpu="A40")).settings) == []
+    assert search.savers_on(planner.make_plan(ask(gpu="A40")).settings) == []
 
 
 def test_savers_are_tried_only_where_they_apply() -> None:
     tight = hardware.custom(4)
     # tied embeddings are the LM head's weight: never offloaded
-    tied = planner.candidates(ask("qwen2.5-1.5b", gpu=tight), tight, 2048)
+    tied = search.candidates(ask("qwen2.5-1.5b", gpu=tight), tight, 2048)
     assert models.resolve("qwen2.5-1.5b").tie_word_embeddings
     assert not any(c.settings.offload_embeddings for c in tied)
     assert any(c.settings.loss == "chunked" for c in tied)
     # full fine-tuning trains the embeddings; activations are offloaded only where they are checkpointed
-    full = planner.candidates(ask(gpu=tight, method="full"), tight, 2048)
+    full = search.candidates(ask(gpu=tight, method="full"), tight, 2048)
     assert not any(c.settings.offload_embeddings for c in full)
     assert all(c.settings.grad_ckpt for c in full + tied if c.settings.offload_activations)
     # Apple's memory is the host's: nothing to offload to, no CUDA allocator
     apple = hardware.resolve("Apple M-series 16GB")
-    on_apple = planner.candidates(ask(gpu=apple), apple, 2048)
+    on_apple = search.candidates(ask(gpu=apple), apple, 2048)
     assert not any(c.settings.offload_activations or c.settings.expandable_segments for c in on_apple)
     # no GPU: the savers stay at their defaults
-    assert all(planner.savers_on(c.settings) == [] for c in planner.candidates(ask(), None, 2048))
+    assert all(search.savers_on(c.settings) == [] for c in search.candidates(ask(), None, 2048))
 
 
 def test_a_pinned_saver_is_kept() -> None:
@@ -582,7 +582,7 @@ def test_an_8b_qlora_at_2048_tokens_fits_8gb_with_the_savers(model: str) -> None
     assert_verdict_follows_from_the_estimate(plan)
     assert plan.fits
     # every saver is needed: the 128k-152k vocabulary's logits, the embeddings and the reserve
-    assert set(planner.savers_on(plan.settings)) == set(planner.SAVERS)
+    assert set(search.savers_on(plan.settings)) == set(search.SAVERS)
     without = planner.make_plan(ask(model, gpu=gpu, method="qlora", seq_len=2048, pinned=SAVERS_OFF))
     assert not without.fits
     assert plan.estimate.peak_device_gib < without.estimate.peak_device_gib - 3
@@ -601,7 +601,7 @@ def test_when_nothing_fits_the_longest_length_that_does_is_suggested() -> None:
     lengths = planner.shorter_lengths(2048)
     position = lengths.index(length)
     longer = lengths[position - 1] if position else 2048  # the longest tried is right below the length asked
-    assert planner.best(planner.candidates(request, gpu, longer)) is None
+    assert search.best(search.candidates(request, gpu, longer)) is None
 
 
 def test_shorter_lengths_are_powers_of_two_and_the_steps_between() -> None:
@@ -628,7 +628,7 @@ def test_the_bigger_micro_batch_it_did_not_choose_is_compared_with_the_same_save
     )
     need = memory.estimate(models.resolve("llama-2-7b"), bigger, hardware.custom(16)).peak_device_gib
     reason = next(r for r in plan.reasons if r.startswith(f"micro-batch {plan.micro_batch} x"))
-    assert not planner.savers_on(plan.settings) and need > usable_gib(hardware.custom(16))
+    assert not search.savers_on(plan.settings) and need > usable_gib(hardware.custom(16))
     assert reason.endswith(f"micro-batch {2 * plan.micro_batch} would need {need:.1f} GiB")
 
 
@@ -658,7 +658,7 @@ def test_plan_output_and_json_name_the_savers(capsys: pytest.CaptureFixture[str]
         main(["plan", "--model", "llama-2-7b", "--vram", "8", "--json"])
     assert exit_info.value.code == 0
     printed = json.loads(capsys.readouterr().out)
-    chosen = [name for name in planner.SAVERS if printed["settings"][name] == planner.SAVER_ON[name]]
+    chosen = [name for name in search.SAVERS if printed["settings"][name] == search.SAVER_ON[name]]
     assert printed["fits"] and chosen
     with pytest.raises(SystemExit):
         main(["plan", "--model", "llama-2-7b", "--vram", "8"])
