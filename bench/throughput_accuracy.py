@@ -60,9 +60,21 @@ FL = dict(FMS, precision="fp16")
 # AnswerDotAI/fsdp_qlora benchmarks_03_2024.md: train.py's template command and defaults (2024-03): dummy rows filled
 # to the context length, reentrant checkpointing, grad accum 1, pure bf16, AdamW, LoRA r64 on q,k,v,gate,up,down
 # (lorafit's 'all' adds o), sdpa, 2 GPUs with FSDP FULL_SHARD ('ddp' rows: replicated, shard none; 'CPU offload'
-# rows: FSDP parameter offload, offload params). Its own loop: no lorafit stack.
+# rows: FSDP parameter offload, offload params). Its own loop: no lorafit stack. Pure bf16 (train.py's precision
+# "bf16"): no autocast (nullcontext), and the adapters in bf16 - peft casts new adapters to the base weight's
+# dtype (Linear4bit's quant_storage is bf16) and FSDP without a mixed-precision policy flattens every parameter of
+# a wrapped block into one bf16 FlatParameter.
 AQ = dict(
-    seq_len=2048, grad_ckpt=True, attn="sdpa", lora_r=64, lora_targets="all", grad_accum=1, n_gpus=2, shard="fsdp"
+    seq_len=2048,
+    grad_ckpt=True,
+    attn="sdpa",
+    lora_r=64,
+    lora_targets="all",
+    grad_accum=1,
+    n_gpus=2,
+    shard="fsdp",
+    autocast=False,
+    fp32_adapters=False,
 )
 ROWS: dict[str, tuple[str, str, dict]] = {
     "FMS-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="full", quant="none", micro_batch=4)),

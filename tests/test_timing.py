@@ -126,6 +126,15 @@ def test_lora_path_bytes_by_hand(spec, a100) -> None:
     # reads 2 + 4 and writes 4, and the cast back reads 4 and writes 2
     plain = lora(autocast=False)
     assert timing.lora_bytes_per_element(plain, timing.memory.stack_runtime(plain)) == (19, 28)
+    # a pure-bf16 loop with its adapters in bf16 (fp32_adapters off, no autocast): a bf16 dropout (2 + 2 + 1)
+    # and lora_A's read; lora_B writes 2, the scaling 4, the sum reads 2 + 2 and writes 2
+    pure = lora(autocast=False, fp32_adapters=False)
+    assert timing.lora_bytes_per_element(pure, timing.memory.stack_runtime(pure)) == (7, 12)
+    assert timing.lora_seconds(spec, pure, a100) < timing.lora_seconds(spec, plain, a100) / 2
+    # and the adapters, their gradients and AdamW's states take half the memory of fp32 ones
+    assert timing.memory.adapter_bytes(spec, pure, timing.memory.stack_runtime(pure)) * 2 == pytest.approx(
+        timing.memory.adapter_bytes(spec, plain, timing.memory.stack_runtime(plain))
+    )
     # q and v (4096 -> 4096) of 32 layers, 2048 tokens, forward + recomputation + about as much in backward
     qv = lora(lora_targets="qv")
     moved = 2048 * 32 * (2 * 4096 * 23 + 2 * 4096 * 12) * 3

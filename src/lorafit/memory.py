@@ -123,7 +123,7 @@ class Runtime(BaseModel):
 
 def stack_runtime(settings: Settings, **overrides: Any) -> Runtime:
     """The Runtime of the trainer `settings.stack` names (lorafit.stacks, catalog/stacks.toml), with the facets
-    the settings switch (autocast, kbit_prep, fused_optimizer, torch_compile, liger) and `overrides` (e.g. device)
+    the settings switch (autocast, kbit_prep, fp32_adapters, fused_optimizer, torch_compile, liger) and `overrides` (e.g. device)
     on top."""
     quantized = settings.quant != "none"
     fields = stacks.resolve(settings.stack).facts(quantized, liger=bool(settings.liger))
@@ -131,6 +131,8 @@ def stack_runtime(settings: Settings, **overrides: Any) -> Runtime:
         fields["autocast"] = settings.autocast
     if settings.fused_optimizer is not None:
         fields["fused_optimizer"] = settings.fused_optimizer
+    if settings.fp32_adapters is not None:
+        fields["lora_dtype"] = "fp32" if settings.fp32_adapters else "compute"
     if settings.torch_compile is not None:
         fields["compiled"] = settings.torch_compile
     if settings.kbit_prep is not None and quantized:

@@ -387,6 +387,17 @@ class Settings(_RuledModel):
             auto="the stack's",
         ),
     ] = None
+    fp32_adapters: Annotated[
+        bool | None,
+        About(
+            "the LoRA adapters are held in fp32 (peft's autocast_adapter_dtype, its default since 0.12); off: in the "
+            "compute dtype, as older peft made them and as a loop that casts the whole model (FSDP without mixed "
+            "precision) runs them",
+            ("estimate", "plan"),
+            "stack",
+            auto="the stack's",
+        ),
+    ] = None
     fused_optimizer: Annotated[
         bool | None,
         About(

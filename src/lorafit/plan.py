@@ -400,7 +400,7 @@ def under_other_trainers(request: PlanRequest, chosen: Settings, gpu: GpuSpec) -
             chosen.seq_len > request.model.max_position_embeddings and not stack.rope_scaling
         ):
             continue  # (a trainer that does not scale RoPE cannot run past the model's positions)
-        lacks = {saver for saver in SAVERS if saver not in stack.savers} | {"kbit_prep"}
+        lacks = {saver for saver in SAVERS if saver not in stack.savers} | {"kbit_prep", "fp32_adapters"}
         lacks |= set() if stack.liger_runtime else {"liger"}
         given = {name: value for name, value in request.given.items() if name not in lacks}
         try:

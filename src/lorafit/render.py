@@ -71,6 +71,7 @@ def stack_words(settings: Settings) -> str:
         for name, on in (
             ("autocast", settings.autocast),
             ("kbit preparation", settings.kbit_prep),
+            ("fp32 adapters", settings.fp32_adapters),
             ("fused AdamW", settings.fused_optimizer),
             ("torch.compile", settings.torch_compile),
             ("Liger kernels", settings.liger),

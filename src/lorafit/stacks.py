@@ -147,6 +147,8 @@ def check(values: Mapping[str, Any], family: str | None = None) -> None:
             raise InvalidConfig(say("error.stack_saver", setting="stack", **said))
     if values.get("liger"):
         check_liger(stack, values)
+    if values.get("fp32_adapters") is not None and not stack.peft:
+        raise InvalidConfig(say("error.kbit_peft", setting_kbit="fp32_adapters", setting="stack", stack=stack.name))
     if values.get("kbit_prep") is not None:
         if not stack.peft:
             raise InvalidConfig(say("error.kbit_peft", setting_kbit="kbit_prep", setting="stack", stack=stack.name))
