@@ -123,8 +123,8 @@ class Runtime(BaseModel):
 
 def stack_runtime(settings: Settings, **overrides: Any) -> Runtime:
     """The Runtime of the trainer `settings.stack` names (lorafit.stacks, catalog/stacks.toml), with the facets
-    the settings switch (autocast, kbit_prep, fp32_adapters, fused_optimizer, torch_compile, liger) and `overrides` (e.g. device)
-    on top."""
+    the settings switch (autocast, kbit_prep, fp32_adapters, fused_optimizer, torch_compile, liger) and
+    `overrides` (e.g. device) on top."""
     quantized = settings.quant != "none"
     fields = stacks.resolve(settings.stack).facts(quantized, liger=bool(settings.liger))
     if settings.autocast is not None:
