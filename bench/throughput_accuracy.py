@@ -30,6 +30,10 @@ CALIBRATION = Path(__file__).resolve().parent / "calibration" / "measured_memory
 # from the config the source ran at its commit; the row's split (fit / check) is the CSV's. `stack` is set only
 # for the stacks lorafit offers (`lorafit stacks`); torchtune rows run on the default.
 FMS = dict(seq_len=4096, grad_ckpt=True, attn="flash", lora_r=16, lora_targets="attn", grad_accum=1, stack="trl")
+# its full-finetuning and standard-peft scenarios set torch_dtype bfloat16 without the bf16 flag (scenarios.yaml at
+# both commits): the Trainer runs no autocast, so peft 0.13.2's fp32 adapters (autocast_adapter_dtype) run their
+# matmuls in fp32; the bnb and gptq scenarios set bf16/fp16 True
+FMS_PURE = dict(FMS, autocast=False)
 # torchtune README @0217d44 table ('Batch Size = 4, Seq Length = 2048'; unpacked alpaca recipes, padding not
 # stated): the configs of that commit give the rest.
 TT_0217 = dict(micro_batch=4, seq_len=2048)
@@ -57,6 +61,10 @@ PM = dict(
 PS = dict(method="qlora", seq_len=1024, grad_ckpt=True, attn="flash", lora_r=16, lora_targets="all", stack="trl")
 # fms-acceleration l40_40gb.csv @8af8fa7d: the A100 file's scenario (FMS above) with torch_dtype float16
 FL = dict(FMS, precision="fp16")
+# its standard-peft scenario sets torch_dtype float16 without the fp16 flag: the Trainer runs no autocast, and the
+# peft of that date (the commit pins transformers < 4.40, peft unpinned: 0.10, 2024-03) made new adapters in the
+# base weight's dtype (fp16); peft casts them to fp32 only from 0.12 (autocast_adapter_dtype, huggingface/peft#1706)
+FL_LORA = dict(FL, method="lora", quant="none", autocast=False, fp32_adapters=False)
 # AnswerDotAI/fsdp_qlora benchmarks_03_2024.md: train.py's template command and defaults (2024-03): dummy rows filled
 # to the context length, reentrant checkpointing, grad accum 1, pure bf16, AdamW, LoRA r64 on q,k,v,gate,up,down
 # (lorafit's 'all' adds o), sdpa, 2 GPUs with FSDP FULL_SHARD ('ddp' rows: replicated, shard none; 'CPU offload'
@@ -77,9 +85,9 @@ AQ = dict(
     fp32_adapters=False,
 )
 ROWS: dict[str, tuple[str, str, dict]] = {
-    "FMS-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="full", quant="none", micro_batch=4)),
-    "FMS-03": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="lora", quant="none", micro_batch=4)),
-    "FMS-04": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="lora", quant="none", micro_batch=8)),
+    "FMS-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS_PURE, method="full", quant="none", micro_batch=4)),
+    "FMS-03": ("mistral-7b-v0.1", "A100 80GB", dict(FMS_PURE, method="lora", quant="none", micro_batch=4)),
+    "FMS-04": ("mistral-7b-v0.1", "A100 80GB", dict(FMS_PURE, method="lora", quant="none", micro_batch=8)),
     "FMS-06": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=4)),
     "FMS-07": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=8)),
     "FMS-10": ("llama-2-70b", "A100 80GB", dict(FMS, method="qlora", micro_batch=4)),
@@ -284,17 +292,17 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     "TP-PM-06": ("llama-3.2-3b", "L40S", dict(PM, method="lora", lora_r=64)),
     # fms-acceleration on L40s (@8af8fa7d): LoRA r16 q,k,v,o in fp16 weights, packed 4096, checkpointing, flash
     # attention; 2 GPUs under accelerate's FSDP FULL_SHARD
-    "TP-FL-01": ("mistral-7b-v0.1", "L40", dict(FL, method="lora", quant="none", micro_batch=4)),
-    "TP-FL-02": ("mistral-7b-v0.1", "L40", dict(FL, method="lora", quant="none", micro_batch=8)),
+    "TP-FL-01": ("mistral-7b-v0.1", "L40", dict(FL_LORA, micro_batch=4)),
+    "TP-FL-02": ("mistral-7b-v0.1", "L40", dict(FL_LORA, micro_batch=8)),
     "TP-FL-03": (
         "mistral-7b-v0.1",
         "L40",
-        dict(FL, method="lora", quant="none", micro_batch=2, n_gpus=2, shard="fsdp"),
+        dict(FL_LORA, micro_batch=2, n_gpus=2, shard="fsdp"),
     ),
     "TP-FL-04": (
         "mistral-7b-v0.1",
         "L40",
-        dict(FL, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+        dict(FL_LORA, micro_batch=4, n_gpus=2, shard="fsdp"),
     ),
     # accelerated-peft-bnb: bitsandbytes nf4 through the fms plugin, fp16=True
     "TP-FL-05": ("mistral-7b-v0.1", "L40", dict(FL, method="qlora", micro_batch=4)),
@@ -315,28 +323,28 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     ),
     # fms-acceleration a100_80gb.csv @24bdadb lines the FMS rows do not use: the same scenario (FMS), bf16; 2 GPUs
     # under accelerate's FSDP FULL_SHARD; baseline-peft-bnb is HF's bitsandbytes nf4
-    "TP-FA-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="full", quant="none", micro_batch=8)),
+    "TP-FA-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS_PURE, method="full", quant="none", micro_batch=8)),
     "TP-FA-02": (
         "mistral-7b-v0.1",
         "A100 80GB",
-        dict(FMS, method="full", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+        dict(FMS_PURE, method="full", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
     ),
     "TP-FA-03": (
         "mistral-7b-v0.1",
         "A100 80GB",
-        dict(FMS, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+        dict(FMS_PURE, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
     ),
     "TP-FA-04": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=2, n_gpus=2, shard="fsdp")),
     "TP-FA-05": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=4, n_gpus=2, shard="fsdp")),
     "TP-FA-06": (
         "mixtral-8x7b",
         "A100 80GB",
-        dict(FMS, method="lora", quant="none", micro_batch=2, n_gpus=2, shard="fsdp"),
+        dict(FMS_PURE, method="lora", quant="none", micro_batch=2, n_gpus=2, shard="fsdp"),
     ),
     "TP-FA-07": (
         "mixtral-8x7b",
         "A100 80GB",
-        dict(FMS, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+        dict(FMS_PURE, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
     ),
     "TP-FA-08": ("mixtral-8x7b", "A100 80GB", dict(FMS, method="qlora", micro_batch=2, n_gpus=2, shard="fsdp")),
     "TP-FA-09": ("mixtral-8x7b", "A100 80GB", dict(FMS, method="qlora", micro_batch=8)),
