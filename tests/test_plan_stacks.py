@@ -108,3 +108,10 @@ def test_stack_all_with_what_needs_one_stack_is_refused_in_one_line(
 def test_plan_help_offers_all(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(["plan", "--help"], capsys)
     assert code == 0 and "|unsloth|all" in out and "every offered stack" in " ".join(out.split())
+
+
+def test_lorafit_stacks_points_to_the_comparison_for_one_job(capsys: pytest.CaptureFixture[str]) -> None:
+    for args in (["stacks"], ["stacks", "--help"]):
+        code, out, _ = run_cli(args, capsys)
+        assert code == 0 and "plan --model MODEL --gpu GPU --stack all" in " ".join(out.split())
+    assert isinstance(as_json(["stacks"], capsys), list)  # the JSON stays the catalog, for programs

@@ -144,7 +144,8 @@ def list_models(**values: Any) -> None:
 @app.command("stacks")
 @derived_options("stacks")
 def list_stacks(**values: Any) -> None:
-    """The trainers `--stack` estimates: the pinned versions and what each keeps alive differently."""
+    """The trainers `--stack` estimates: the pinned versions and what each keeps alive differently. To compare
+    them for one job: lorafit plan --model MODEL --gpu GPU --stack all."""
     listed = list(stacks.catalog().values())
     if values["json"]:
         render.print_json([stack.model_dump(mode="json") for stack in listed])

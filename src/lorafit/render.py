@@ -437,6 +437,7 @@ def show_stacks(listed: list[StackSpec]) -> None:
         console.print(f"  traced: {stack.traced}", highlight=False)
         if stack.nearest:
             console.print(f"  its config files (--from) are answered for stack {stack.nearest}", highlight=False)
+    console.print("to compare the offered stacks for one job: lorafit plan --model MODEL --gpu GPU --stack all")
 
 
 def liger_words(stack: StackSpec) -> str:
