@@ -7,8 +7,10 @@ import json
 from typing import Any
 
 import pytest
+from starlette.testclient import TestClient
 
 from conftest import run_cli
+from lorafit import web
 
 # README's 8 GB answer: Llama-3.1-8B QLoRA fits, tightly, with lorafit's own trainer and with no other stack
 EIGHT_GB = ["plan", "--model", "llama-3.1-8b", "--vram", "8", "--method", "qlora"]
@@ -115,3 +117,36 @@ def test_lorafit_stacks_points_to_the_comparison_for_one_job(capsys: pytest.Capt
         code, out, _ = run_cli(args, capsys)
         assert code == 0 and "plan --model MODEL --gpu GPU --stack all" in " ".join(out.split())
     assert isinstance(as_json(["stacks"], capsys), list)  # the JSON stays the catalog, for programs
+
+
+# --- the page: /api/plan serves the same rows ---------------------------------------------------------------------
+SERVED_AT = "http://127.0.0.1:8765"  # as `lorafit serve` listens by default
+EIGHT_GB_QUERY = {"model": "llama-3.1-8b", "vram": "8", "method": "qlora"}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> TestClient:
+    return TestClient(web.create_app(tmp_path_factory.mktemp("uploads")), base_url=SERVED_AT)
+
+
+def test_the_api_serves_stack_all_as_the_cli_prints_it(client: TestClient, capsys: pytest.CaptureFixture[str]) -> None:
+    response = client.get("/api/plan", params=EIGHT_GB_QUERY | {"stack": "all"})
+    assert response.status_code == 200, response.text
+    assert response.json() == as_json([*EIGHT_GB, "--stack", "all"], capsys)
+
+
+def test_the_page_table_of_trainers_is_each_stack_planned_alone(client: TestClient) -> None:
+    """The page's table of trainers: the plan's own stack and its `trainers`, each the peak and the fit that
+    /api/plan with that stack pinned answers."""
+    plan = client.get("/api/plan", params=EIGHT_GB_QUERY).json()
+    table = {plan["settings"]["stack"]: (plan["estimate"]["peak_device_gib"], plan["estimate"]["fits"])}
+    table |= {row["stack"]: (row["peak_device_gib"], row["fits"]) for row in plan["trainers"]}
+    for stack, (peak, fits) in table.items():
+        alone = client.get("/api/plan", params=EIGHT_GB_QUERY | {"stack": stack}).json()
+        assert (alone["estimate"]["peak_device_gib"], alone["estimate"]["fits"]) == (peak, fits), stack
+    assert [name for name, (_, fits) in table.items() if fits] == ["lorafit"]
+
+
+def test_a_run_takes_one_stack(client: TestClient) -> None:
+    response = client.get("/api/run", params=EIGHT_GB_QUERY | {"stack": "all"})
+    assert response.status_code == 400 and "stack" in response.json()["error"]
