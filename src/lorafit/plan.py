@@ -435,25 +435,33 @@ class StackRow:
     lacks: tuple[str, ...] = ()  # the savers the compared plan turned on that this stack has no switch for
 
     def to_json(self) -> dict[str, Any]:
+        """As `plan --stack all --json` lists it: the speed and hours only where the job fits, the plan's first
+        change that fits where it does not."""
         plan = self.plan
-        fits = plan is not None and plan.fits
-        change = plan.suggestions[0] if plan is not None and not plan.fits and plan.suggestions else None
+        if plan is None:  # the same keys, for programs
+            unsaid = dict.fromkeys(("peak_device_gib", "fits", "tokens_per_s", "hours", "settings"))
+            return (
+                {"stack": self.stack.name, "pinned": self.stack.pinned, "verdict": "refused", "refused": self.refused}
+                | unsaid
+                | {"changes": {}, "lacks_savers": [], "smallest_change": None}
+            )
+        fits = plan.fits and plan.gpu is not None
+        first = plan.suggestions[0] if plan.suggestions and not plan.fits else None
         return {
             "stack": self.stack.name,
             "pinned": self.stack.pinned,
-            "verdict": plan.verdict if plan else "refused",
-            "refused": self.refused,
-            "peak_device_gib": plan.estimate.peak_device_gib if plan else None,
-            "fits": plan.estimate.fits if plan else None,
-            "tokens_per_s": plan.tokens_per_s if fits and plan else None,
-            "hours": plan.hours if fits and plan else None,
-            "settings": plan.settings.model_dump(mode="json") if plan else None,
+            "verdict": plan.verdict,
+            "refused": None,
+            "peak_device_gib": plan.estimate.peak_device_gib,
+            "fits": plan.estimate.fits,
+            "tokens_per_s": plan.tokens_per_s if fits else None,
+            "hours": plan.hours if fits else None,
+            "settings": plan.settings.model_dump(mode="json"),
             "changes": self.changes,
             "lacks_savers": list(self.lacks),
-            "smallest_change": change.model_dump(mode="json", include={"change", "gpu", "hours"})
-            | {"peak_device_gib": change.estimate.peak_device_gib}
-            if change
-            else None,
+            "smallest_change": None
+            if first is None
+            else {"change": first.change, "gpu": first.gpu, "peak_device_gib": first.estimate.peak_device_gib},
         }
 
 
