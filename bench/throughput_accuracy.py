@@ -441,8 +441,8 @@ SKIPPED = {
     },
     "TP-PS-01": "not packed: the tokens of a step are not stated (the row has a step time only)",
     **{
-        f"TP-TI-{n:02d}": "selective activation checkpointing (every 2nd layer, or torchtitan's per-op policy): "
-        "lorafit's checkpointing is all layers or none"
+        f"TP-TI-{n:02d}": "selective activation checkpointing (every N-th layer, N not stated, or torchtitan's "
+        "per-op policy): lorafit's checkpointing is all layers or none"
         for n in (1, 2, 5, 6, 7)
     },
 }
