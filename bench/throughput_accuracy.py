@@ -84,6 +84,20 @@ AQ = dict(
     autocast=False,
     fp32_adapters=False,
 )
+# pytorch/torchtitan docs/performance.md @157a12c5 (64 A100 80GB): train_configs and train.py of that commit: FSDP2
+# fully_shard over 8 nodes of 8, no TP/PP, grad accum 1, AdamW(foreach=True), F.scaled_dot_product_attention, compile
+# off, the full-vocabulary cross-entropy; every row seq_len tokens (C4 streamed into contiguous windows)
+TI = dict(
+    method="full",
+    quant="none",
+    precision="bf16",
+    grad_accum=1,
+    attn="sdpa",
+    fused_optimizer=False,
+    n_gpus=8,
+    nodes=8,
+    shard="fsdp",
+)
 ROWS: dict[str, tuple[str, str, dict]] = {
     "FMS-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS_PURE, method="full", quant="none", micro_batch=4)),
     "FMS-03": ("mistral-7b-v0.1", "A100 80GB", dict(FMS_PURE, method="lora", quant="none", micro_batch=4)),
@@ -363,6 +377,32 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     "TP-AQ-22": ("llama-2-70b", "RTX 4090", dict(AQ, method="qlora", micro_batch=2, offload="params")),
     # Mistral-7B-v0.2 base: v0.1's shapes (no sliding window; irrelevant at 2048)
     "TP-AQ-23": ("mistral-7b-v0.1", "RTX 4090", dict(AQ, method="qlora", micro_batch=12, offload="params")),
+    # torchtitan @157a12c5 on 64 A100s (8 nodes of 8): pre-training, every weight trained (lorafit's full step), FSDP2
+    # with bf16 compute over fp32 master weights, foreach AdamW, sdpa, no compile, contiguous C4 windows; the
+    # table's local batch; its own loop (no lorafit stack)
+    "TP-TI-03": ("llama-3-70b", "A100 80GB", dict(TI, micro_batch=1, seq_len=8192, grad_ckpt=True)),
+    "TP-TI-04": ("llama-2-13b", "A100 80GB", dict(TI, micro_batch=2, seq_len=4096, grad_ckpt=False)),
+    "TP-TI-08": ("llama-2-70b", "A100 80GB", dict(TI, micro_batch=2, seq_len=4096, grad_ckpt=True)),
+    # Unsloth 2024.1 on a Colab T4: TinyLlama QLoRA r32 on all seven projections, packed 4096-token rows (RoPE scaled
+    # 2x past its 2048), batch 2 x accum 4, no checkpointing, adamw_8bit, fp16, xformers attention (timed as sdpa)
+    "TP-UT-01": (
+        "tinyllama-1.1b",
+        "T4",
+        dict(
+            method="qlora",
+            stack="unsloth",
+            precision="fp16",
+            micro_batch=2,
+            grad_accum=4,
+            seq_len=4096,
+            grad_ckpt=False,
+            lora_r=32,
+            lora_targets="all",
+            lora_dropout=0.0,
+            optimizer="adamw_8bit",
+            attn="sdpa",
+        ),
+    ),
 }
 
 # Rows run under torch.compile (their notes say so): timed with the torch_compile facet, and summarised apart.
@@ -419,6 +459,11 @@ SKIPPED = {
         row_id: "GPTQ 4-bit weights (auto-gptq's kernels): lorafit models bitsandbytes nf4/int8 (as "
         "bench/memory_accuracy.py excludes FMS-08)"
         for row_id in ("FMS-08", "TP-FL-07")
+    },
+    **{
+        f"TP-TI-{n:02d}": "selective activation checkpointing (every N-th layer, N not stated, or torchtitan's "
+        "per-op policy): lorafit's checkpointing is all layers or none"
+        for n in (1, 2, 5, 6, 7)
     },
 }
 
