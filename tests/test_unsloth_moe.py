@@ -1,0 +1,117 @@
+"""`--stack unsloth` for the families it loads through FastModel: gpt-oss, Qwen3-MoE (4-bit experts) and Gemma 3.
+
+Expected figures are worked out from the model's shapes and bitsandbytes' NF4 layout, not read from the estimator.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from lorafit import hardware, memory, timing
+from lorafit.models import resolve
+from lorafit.schema import Settings
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+STEP = dict(method="qlora", micro_batch=1, seq_len=2048, lora_dropout=0.0, optimizer="adamw_8bit", double_quant=True)
+# NF4 with double quantisation: half a byte a weight, one uint8 absmax per 64 weights, one fp32 per 256 absmax
+NF4_DQ_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
+def expert_weights(name: str) -> int:
+    """Every layer's experts: gate_up (2 x width x hidden) and down (width x hidden) for each expert."""
+    spec = resolve(name)
+    width = spec.moe_intermediate_size or spec.intermediate_size
+    return spec.num_hidden_layers * spec.num_local_experts * 3 * width * spec.hidden_size
+
+
+def weights(name: str, stack: str) -> float:
+    step = Settings(stack=stack, **STEP)
+    return memory.weights_bytes(resolve(name), step, memory.stack_runtime(step))
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "qwen3-30b-a3b"])
+def test_unsloth_stores_the_moe_experts_in_4_bit_where_the_hf_stacks_keep_them_16_bit(name: str) -> None:
+    """transformers' bitsandbytes integration packs nn.Linear only; Unsloth's load packs the experts too."""
+    saved = weights(name, "lorafit") - weights(name, "unsloth")
+    assert saved == pytest.approx(expert_weights(name) * (2 - NF4_DQ_BYTES), rel=1e-9)
+    assert weights(name, "trl") == weights(name, "lorafit")
+
+
+def test_unsloth_holds_one_layers_dequantised_experts_for_its_grouped_matmuls() -> None:
+    """gpt-oss-20b: 32 experts of 2880 x 5760 and 2880 x 2880 in bf16, where the HF stacks dequantise one
+    linear at a time."""
+    spec = resolve("gpt-oss-20b")
+    unsloth = Settings(stack="unsloth", **STEP)
+    assert memory.dequant_bytes(spec, unsloth, memory.stack_runtime(unsloth)) == 32 * 3 * 2880 * 2880 * 2
+    lorafit = Settings(stack="lorafit", **STEP)
+    assert memory.dequant_bytes(spec, lorafit, memory.stack_runtime(lorafit)) < 2880 * 5760 * 2 + 1
+
+
+def test_unsloth_dequantises_every_expert_each_pass() -> None:
+    spec, gpu = resolve("qwen3-30b-a3b"), hardware.resolve("RTX 4090")
+    seconds = {s: timing.dequant_seconds(spec, Settings(stack=s, **STEP), gpu) for s in ("unsloth", "lorafit")}
+    assert seconds["unsloth"] > 10 * seconds["lorafit"]  # the experts are ~99% of the packed weights
+
+
+def test_a_dense_family_unsloth_loads_through_fastmodel_runs_without_its_triton_kernels() -> None:
+    """Gemma 3 gets Unsloth's checkpointing and fused loss but transformers' own modules: the same layer saves
+    what it saves without the kernels, where Gemma 2 (FastLanguageModel) saves less with them."""
+    step = Settings(stack="unsloth", **STEP)
+    runtime = memory.stack_runtime(step)
+    plain = runtime.model_copy(update={"triton_kernels": False})
+    for name, same in (("gemma-3-12b", True), ("gemma-2-9b", False)):
+        spec = resolve(name)
+        kept = memory.activation_bytes_per_layer(spec, step, runtime)
+        assert (kept == memory.activation_bytes_per_layer(spec, step, plain)) is same
+    assert weights("gemma-3-12b", "unsloth") == weights("gemma-3-12b", "lorafit")
+
+
+@pytest.mark.parametrize(
+    ("model", "less"), [("openai/gpt-oss-20b", True), ("Qwen/Qwen3-30B-A3B", True), ("google/gemma-3-12b-it", None)]
+)
+def test_stack_unsloth_resolves_these_families_and_its_moe_steps_need_less_than_trl(
+    model: str, less: bool | None, capsys
+) -> None:
+    """The MoEs: 4-bit experts outweigh everything else. Gemma 3 (dense): resolved; which needs less depends on
+    the card (Unsloth's loss chunks take up to half the free memory), so only that it is estimated."""
+    peaks = {}
+    for stack in ("unsloth", "trl"):
+        args = ["estimate", "--model", model, "--method", "qlora", "--stack", stack, "--micro-batch", "1", "--json"]
+        code, out, err = run_cli(args, capsys)
+        assert code == 0, err
+        peaks[stack] = json.loads(out)["peak_device_gib"]
+    if less is not None:
+        assert (peaks["unsloth"] < peaks["trl"]) is less
+
+
+def test_gpt_oss_20b_fits_a_24_gb_card_only_under_unsloth(capsys) -> None:
+    """The HF stacks keep its experts 16-bit (about 38 GiB); Unsloth's 4-bit experts fit the card."""
+    fits = {}
+    for stack in ("unsloth", "trl"):
+        code, out, _ = run_cli(
+            ["plan", "--model", "openai/gpt-oss-20b", "--gpu", "4090", "--stack", stack, "--json"], capsys
+        )
+        fits[stack] = json.loads(out)["fits"]
+    assert fits == {"unsloth": True, "trl": False}
+
+
+@pytest.mark.parametrize("model", ["mixtral-8x7b", "phi-3-mini"])
+def test_a_family_lorafit_has_not_read_unsloths_step_for_is_refused_in_one_line(model: str, capsys) -> None:
+    code, _, err = run_cli(["estimate", "--model", model, "--method", "qlora", "--stack", "unsloth"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "gpt_oss, qwen3_moe, gemma3" in err, err
+
+
+def test_the_unsloth_moe_rows_route_to_the_stack_with_4_bit_experts() -> None:
+    sys.path.insert(0, str(BENCH))
+    accuracy = importlib.import_module("memory_accuracy")
+    rows = [row for row in accuracy.read_rows(accuracy.DEFAULT_CSV) if row.id.startswith("USM-")]
+    assert {row.raw["split"] for row in rows} == {"check"} and len(rows) == 4
+    for row in rows:
+        mapping = accuracy.map_row(row, accuracy.resolve_model(row.raw["model"]))
+        assert mapping.settings.stack == "unsloth" and mapping.runtime.quantized_experts
