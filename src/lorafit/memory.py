@@ -125,6 +125,14 @@ class Runtime(BaseModel):
     # Unsloth's 4-bit load quantises an MoE's experts too (NF4, as the linears): transformers' bitsandbytes
     # integration packs nn.Linear only and leaves the fused 3-D experts 16-bit (quantized_expert_params)
     quantized_experts: bool = False
+    # an image-text model's vision tower and projector packed with the rest by a 4-bit load (transformers'
+    # quantizer skips neither); Unsloth's skips them (llm_int8_skip_modules: vision_tower, multi_modal_projector)
+    quantized_vision: bool = True
+    # LoRA on an MoE's experts added beside the base's grouped matmul, ((x A) B) per expert, instead of peft's
+    # W + B A materialised for the layer (Unsloth's default: unsloth_zoo temporary_patches/moe_utils.py @ ce232d6c,
+    # _should_use_separated_lora l. 1095-1097, forward_native_grouped_mm l. 1619-1680): no merged weight is kept
+    # (merged_expert_bytes); the N k x r products it saves are not counted (read from the source, not traced)
+    separated_expert_lora: bool = False
 
 
 def triton_kernels_apply(spec: ModelSpec, runtime: Runtime) -> bool:
@@ -140,6 +148,13 @@ def quantized_expert_params(spec: ModelSpec, settings: Settings, runtime: Runtim
     if settings.quant == "none" or not runtime.quantized_experts:
         return 0
     return spec.expert_params * spec.num_hidden_layers
+
+
+def packed_params(spec: ModelSpec, settings: Settings, runtime: Runtime) -> int:
+    """The weights a 4-bit load packs: the decoder's linears (and the vision tower's, unless the load skips it,
+    unsloth_zoo/peft_utils.py @ ce232d6c SKIP_QUANTIZATION_MODULES l. 35-52), and the experts where it packs them."""
+    vision = 0 if runtime.quantized_vision or not spec.vision else spec.vision.linear_params(spec.hidden_size)
+    return spec.quantized_linear_params - vision + quantized_expert_params(spec, settings, runtime)
 
 
 def stack_runtime(settings: Settings, **overrides: Any) -> Runtime:
@@ -194,7 +209,7 @@ def _base_weights_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -
     head_copy = spec.embedding_params if runtime.untied_head and spec.tie_word_embeddings else 0
     if settings.quant == "none":
         return (spec.num_params + head_copy) * c
-    linear = spec.quantized_linear_params + quantized_expert_params(spec, settings, runtime)
+    linear = packed_params(spec, settings, runtime)
     rest = spec.num_params - linear
     if runtime.quantized_head:
         # the head quantised like the layers; the embeddings stay in the compute dtype
@@ -514,7 +529,8 @@ def activation_bytes_per_layer(
 ) -> float:
     """Saved bytes of one decoder layer for one micro-batch, without checkpointing."""
     parts = activation_parts_per_token(spec, settings, runtime, input_requires_grad)
-    return sum(parts.values()) * settings.tokens_per_micro_batch + merged_expert_bytes(spec, settings)
+    merged = 0.0 if runtime.separated_expert_lora else merged_expert_bytes(spec, settings)
+    return sum(parts.values()) * settings.tokens_per_micro_batch + merged
 
 
 def merged_expert_bytes(spec: ModelSpec, settings: Settings) -> float:
@@ -899,7 +915,8 @@ def expert_stack_params(spec: ModelSpec, settings: Settings, runtime: Runtime) -
     the layer: gpt-oss pins its gate_up and down stacks through a checkpointed layer's backward (gpt_oss.py
     _forward_grouped_bnb4bit, l. 920-1000; moe_utils.py _moe_recompute_default, l. 412-447), Qwen3-MoE rebuilds
     them one at a time (moe_utils_bnb4bit.py forward_moe_backend_bnb4bit, l. 128-195). Counted as one layer's
-    experts, both stacks: exact for gpt-oss, a third over for Qwen3-MoE (read from the source, not traced)."""
+    experts, both stacks: exact for gpt-oss, a third over for Qwen3-MoE, and over for gpt-oss with LoRA on its
+    experts, which falls back to a loop over them (l. 1018-1023; read from the source, not traced)."""
     if not quantized_expert_params(spec, settings, runtime):
         return 0
     return spec.expert_params
@@ -955,7 +972,7 @@ def quant_state_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> 
     not a parameter, so ZeRO-3 and FSDP neither shard it nor offload it; every GPU keeps all of it."""
     if settings.quant != "nf4":
         return 0.0
-    linear = spec.quantized_linear_params + quantized_expert_params(spec, settings, runtime)
+    linear = packed_params(spec, settings, runtime)
     if runtime.quantized_head:
         linear += spec.lm_head_params
     return quantized_weight_bytes(linear, settings) - 0.5 * linear
