@@ -119,6 +119,16 @@ def test_unsloth_adds_lora_beside_the_experts_without_a_merged_weight() -> None:
     assert kept["trl"] - kept["unsloth"] >= 128 * 3 * 2048 * 768 * 2
 
 
+def test_unsloth_does_not_scale_rope_for_the_families_it_loads_through_fastmodel(capsys) -> None:
+    """FastModel leaves rope_scaling unused: past Qwen3-30B-A3B's 40,960 positions it is refused, while
+    FastLanguageModel's Llama still scales."""
+    base = ["estimate", "--method", "qlora", "--stack", "unsloth"]
+    code, _, err = run_cli([*base, "--model", "qwen3-30b-a3b", "--seq-len", "65536"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "does not scale RoPE" in err and "unsloth" not in err.split(":")[-1]
+    code, _, err = run_cli([*base, "--model", "llama-3.1-8b", "--seq-len", "262144"], capsys)
+    assert code == 0, err
+
+
 @pytest.mark.parametrize("model", ["mixtral-8x7b", "phi-3-mini"])
 def test_a_family_lorafit_has_not_read_unsloths_step_for_is_refused_in_one_line(model: str, capsys) -> None:
     code, _, err = run_cli(["estimate", "--model", model, "--method", "qlora", "--stack", "unsloth"], capsys)

@@ -915,8 +915,9 @@ def expert_stack_params(spec: ModelSpec, settings: Settings, runtime: Runtime) -
     the layer: gpt-oss pins its gate_up and down stacks through a checkpointed layer's backward (gpt_oss.py
     _forward_grouped_bnb4bit, l. 920-1000; moe_utils.py _moe_recompute_default, l. 412-447), Qwen3-MoE rebuilds
     them one at a time (moe_utils_bnb4bit.py forward_moe_backend_bnb4bit, l. 128-195). Counted as one layer's
-    experts, both stacks: exact for gpt-oss, a third over for Qwen3-MoE, and over for gpt-oss with LoRA on its
-    experts, which falls back to a loop over them (l. 1018-1023; read from the source, not traced)."""
+    experts, both stacks: exact for gpt-oss, a third over for Qwen3-MoE, and over for gpt-oss where it loops over
+    its experts instead: with LoRA on them, or without torch._grouped_mm (T4; torch 2.8 below Hopper) (l. 1018-1023;
+    read from the source, not traced)."""
     if not quantized_expert_params(spec, settings, runtime):
         return 0
     return spec.expert_params
