@@ -129,6 +129,23 @@ def test_unsloth_does_not_scale_rope_for_the_families_it_loads_through_fastmodel
     assert code == 0, err
 
 
+def test_unsloth_trains_gpt_oss_with_attention_that_keeps_no_score_matrix(capsys) -> None:
+    """Its flex attention with sinks, counted as flash: transformers' gpt-oss has eager attention only under TRL."""
+    attn, peak = {}, {}
+    for stack in ("unsloth", "trl"):
+        args = ["estimate", "--model", "gpt-oss-20b", "--method", "qlora", "--stack", stack, "--json"]
+        code, out, err = run_cli([*args, "--micro-batch", "4"], capsys)
+        assert code == 0, err
+        attn[stack] = json.loads(out)["settings"]["attn"]
+    assert attn == {"unsloth": "flash", "trl": "eager"}
+    for kernel in ("flash", "eager"):
+        args = ["estimate", "--model", "gpt-oss-20b", "--method", "qlora", "--stack", "unsloth", "--micro-batch", "4"]
+        code, out, _ = run_cli([*args, "--attn", kernel, "--json"], capsys)
+        peak[kernel] = json.loads(out)["peak_device_gib"]
+    # eager keeps each layer's 4 x 64 x 2048 x 2048 attention probabilities (bf16) through its backward
+    assert peak["eager"] - peak["flash"] > 4 * 64 * 2048 * 2048 * 2 / 2**30
+
+
 @pytest.mark.parametrize("model", ["mixtral-8x7b", "phi-3-mini"])
 def test_a_family_lorafit_has_not_read_unsloths_step_for_is_refused_in_one_line(model: str, capsys) -> None:
     code, _, err = run_cli(["estimate", "--model", model, "--method", "qlora", "--stack", "unsloth"], capsys)

@@ -857,9 +857,12 @@ def step_defaults(
         filled["double_quant"] = stored.double_quant
     if values.get("lora_alpha") is None:
         filled["lora_alpha"] = 2 * (values.get("lora_r") or BY_NAME["lora_r"].default)
-    if values.get("attn") is None and spec is not None and "sdpa" not in spec.attention_implementations:
-        filled["attn"] = spec.attention_implementations[0]
     stack = stacks.catalog().get(values.get("stack") or BY_NAME["stack"].default)
+    own_attn = stack.family_attn.get(spec.architecture) if stack and spec is not None else None
+    if values.get("attn") is None and own_attn:  # e.g. Unsloth's flex attention for gpt-oss
+        filled["attn"] = own_attn
+    elif values.get("attn") is None and spec is not None and "sdpa" not in spec.attention_implementations:
+        filled["attn"] = spec.attention_implementations[0]
     for name, value in (stack.defaults if stack else {}).items():  # e.g. Unsloth's lora_dropout 0
         if values.get(name) is None:
             filled[name] = value

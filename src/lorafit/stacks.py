@@ -48,6 +48,9 @@ class StackSpec(BaseModel):
     rope_scaling: bool = False  # trains past the model's trained context by scaling RoPE
     rope_scaling_source: str = ""
     rope_scaling_families: tuple[str, ...] = ()  # the families whose load scales RoPE; empty: every family
+    # the attention a family trains with under this stack where it replaces transformers' kernel, as the lorafit
+    # kernel that keeps the same tensors (the default where --attn is not given)
+    family_attn: dict[str, str] = Field(default_factory=dict)
 
     keeps: tuple[str, ...]
     sources: tuple[str, ...] = ()
