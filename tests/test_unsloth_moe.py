@@ -60,12 +60,13 @@ def test_unsloth_dequantises_every_expert_each_pass() -> None:
 
 
 def test_a_dense_family_unsloth_loads_through_fastmodel_runs_without_its_triton_kernels() -> None:
-    """Gemma 3 gets Unsloth's checkpointing and fused loss but transformers' own modules: the same layer saves
-    what it saves without the kernels, where Gemma 2 (FastLanguageModel) saves less with them."""
+    """Gemma 3 and the image-text Qwen2.5-VL get Unsloth's checkpointing and fused loss but transformers' own
+    modules: the same layer saves what it saves without the kernels, where Gemma 2 and Qwen2.5 (FastLanguageModel)
+    save less with them."""
     step = Settings(stack="unsloth", **STEP)
     runtime = memory.stack_runtime(step)
     plain = runtime.model_copy(update={"triton_kernels": False})
-    for name, same in (("gemma-3-12b", True), ("gemma-2-9b", False)):
+    for name, same in (("gemma-3-12b", True), ("gemma-2-9b", False), ("qwen2.5-vl-7b", True), ("qwen2.5-7b", False)):
         spec = resolve(name)
         kept = memory.activation_bytes_per_layer(spec, step, runtime)
         assert (kept == memory.activation_bytes_per_layer(spec, step, plain)) is same

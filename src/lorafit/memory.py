@@ -136,8 +136,11 @@ class Runtime(BaseModel):
 
 
 def triton_kernels_apply(spec: ModelSpec, runtime: Runtime) -> bool:
-    """Unsloth's Triton kernels run only in the families FastLanguageModel patches (Runtime.kernel_families)."""
-    return runtime.triton_kernels and (not runtime.kernel_families or spec.architecture in runtime.kernel_families)
+    """Unsloth's Triton kernels run only in the families FastLanguageModel patches (Runtime.kernel_families); an
+    image-text model is its own model_type (mistral3, qwen2_5_vl), which it loads through FastModel."""
+    if not runtime.kernel_families:
+        return runtime.triton_kernels
+    return runtime.triton_kernels and spec.vision is None and spec.architecture in runtime.kernel_families
 
 
 def quantized_expert_params(spec: ModelSpec, settings: Settings, runtime: Runtime) -> int:

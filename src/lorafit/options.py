@@ -883,7 +883,8 @@ def check_against(
     attn, precision = values.get("attn"), values.get("precision")
     if spec is not None:
         stack = values.get("stack") or BY_NAME["stack"].default
-        stacks.past_positions(stack, values.get("seq_len"), spec.name, spec.max_position_embeddings, family)
+        model_type = spec.vision.family if spec.vision else family  # an image-text model loads as its own type
+        stacks.past_positions(stack, values.get("seq_len"), spec.name, spec.max_position_embeddings, model_type)
         if values.get("liger"):
             stacks.check_liger_model(spec.arch.model_types, spec.name)
     if spec is not None and spec.prequantized is not None:
