@@ -35,7 +35,7 @@ def weights(name: str, stack: str) -> float:
     return memory.weights_bytes(resolve(name), step, memory.stack_runtime(step))
 
 
-@pytest.mark.parametrize("name", ["gpt-oss-20b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "qwen3-30b-a3b", "mixtral-8x7b"])
 def test_unsloth_stores_the_moe_experts_in_4_bit_where_the_hf_stacks_keep_them_16_bit(name: str) -> None:
     """transformers' bitsandbytes integration packs nn.Linear only; Unsloth's load packs the experts too."""
     saved = weights(name, "lorafit") - weights(name, "unsloth")
@@ -147,10 +147,10 @@ def test_unsloth_trains_gpt_oss_with_attention_that_keeps_no_score_matrix(capsys
     assert peak["eager"] - peak["flash"] > 4 * 64 * 2048 * 2048 * 2 / 2**30
 
 
-@pytest.mark.parametrize("model", ["mixtral-8x7b", "phi-3-mini"])
+@pytest.mark.parametrize("model", ["phi-3-mini", "phi-4"])
 def test_a_family_lorafit_has_not_read_unsloths_step_for_is_refused_in_one_line(model: str, capsys) -> None:
     code, _, err = run_cli(["estimate", "--model", model, "--method", "qlora", "--stack", "unsloth"], capsys)
-    assert code == 2 and err.count("\n") == 1 and "gpt_oss, qwen3_moe, gemma3" in err, err
+    assert code == 2 and err.count("\n") == 1 and "gpt_oss, qwen3_moe, mixtral, gemma3" in err, err
 
 
 def test_the_unsloth_moe_rows_route_to_the_stack_with_4_bit_experts() -> None:
