@@ -119,6 +119,45 @@ class Runtime(BaseModel):
     # Unsloth's Triton RMSNorm / RoPE / SwiGLU and, with lora_dropout 0, its LoRA autograd functions for q/k/v, o
     # and the MLP: fewer saved tensors per layer (triton_kernel_parts)
     triton_kernels: bool = False
+    # the families whose step Unsloth's FastLanguageModel patches with those kernels; the others it loads through
+    # FastModel, where transformers' own modules run under its compiler (triton_kernels_apply). Empty: every family
+    kernel_families: tuple[str, ...] = ()
+    # Unsloth's 4-bit load quantises an MoE's experts too (NF4, as the linears): transformers' bitsandbytes
+    # integration packs nn.Linear only and leaves the fused 3-D experts 16-bit (quantized_expert_params)
+    quantized_experts: bool = False
+    # an image-text model's vision tower and projector packed with the rest by a 4-bit load (transformers'
+    # quantizer skips neither); Unsloth's skips them (llm_int8_skip_modules: vision_tower, multi_modal_projector)
+    quantized_vision: bool = True
+    # LoRA on an MoE's experts added beside the base's grouped matmul, ((x A) B) per expert, instead of peft's
+    # W + B A materialised for the layer (Unsloth's default: unsloth_zoo temporary_patches/moe_utils.py @ ce232d6c,
+    # _should_use_separated_lora l. 1095-1097, forward_native_grouped_mm l. 1619-1680): no merged weight is kept
+    # (merged_expert_bytes); the N k x r products it saves are not counted (read from the source, not traced)
+    separated_expert_lora: bool = False
+
+
+def triton_kernels_apply(spec: ModelSpec, runtime: Runtime) -> bool:
+    """Unsloth's Triton kernels run only in the families FastLanguageModel patches (Runtime.kernel_families); an
+    image-text model is its own model_type (mistral3, qwen2_5_vl), which it loads through FastModel."""
+    if not runtime.kernel_families:
+        return runtime.triton_kernels
+    return runtime.triton_kernels and spec.vision is None and spec.architecture in runtime.kernel_families
+
+
+def quantized_expert_params(spec: ModelSpec, settings: Settings, runtime: Runtime) -> int:
+    """The MoE expert weights a 4-bit load packs beside the linears: none under transformers' integration, every
+    layer's under Unsloth's (unsloth_zoo temporary_patches/moe_utils_bnb4bit.py @ ce232d6c: the fused 3-D experts
+    made Params4bit, l. 197-255, 257-312; gpt-oss's -unsloth-bnb-4bit repo holds one bnb Linear4bit per expert,
+    gpt_oss.py GptOssExpertsBnb4bit l. 812-836)."""
+    if settings.quant == "none" or not runtime.quantized_experts:
+        return 0
+    return spec.expert_params * spec.num_hidden_layers
+
+
+def packed_params(spec: ModelSpec, settings: Settings, runtime: Runtime) -> int:
+    """The weights a 4-bit load packs: the decoder's linears (and the vision tower's, unless the load skips it,
+    unsloth_zoo/peft_utils.py @ ce232d6c SKIP_QUANTIZATION_MODULES l. 35-52), and the experts where it packs them."""
+    vision = 0 if runtime.quantized_vision or not spec.vision else spec.vision.linear_params(spec.hidden_size)
+    return spec.quantized_linear_params - vision + quantized_expert_params(spec, settings, runtime)
 
 
 def stack_runtime(settings: Settings, **overrides: Any) -> Runtime:
@@ -173,7 +212,7 @@ def _base_weights_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -
     head_copy = spec.embedding_params if runtime.untied_head and spec.tie_word_embeddings else 0
     if settings.quant == "none":
         return (spec.num_params + head_copy) * c
-    linear = spec.quantized_linear_params
+    linear = packed_params(spec, settings, runtime)
     rest = spec.num_params - linear
     if runtime.quantized_head:
         # the head quantised like the layers; the embeddings stay in the compute dtype
@@ -394,7 +433,7 @@ def activation_parts_per_token(
         parts["qk_norms"] = width * (q + kv) + 4 * (heads + kv_heads) + extra
     if keeps_bnb_inputs(settings, runtime):
         parts["bnb_inputs"] = bnb_input_bytes_per_token(spec, settings, input_requires_grad)
-    if runtime.triton_kernels and not full:
+    if triton_kernels_apply(spec, runtime) and not full:
         parts |= triton_kernel_parts(spec, settings, lora_names, input_requires_grad)
     return parts
 
@@ -493,7 +532,8 @@ def activation_bytes_per_layer(
 ) -> float:
     """Saved bytes of one decoder layer for one micro-batch, without checkpointing."""
     parts = activation_parts_per_token(spec, settings, runtime, input_requires_grad)
-    return sum(parts.values()) * settings.tokens_per_micro_batch + merged_expert_bytes(spec, settings)
+    merged = 0.0 if runtime.separated_expert_lora else merged_expert_bytes(spec, settings)
+    return sum(parts.values()) * settings.tokens_per_micro_batch + merged
 
 
 def merged_expert_bytes(spec: ModelSpec, settings: Settings) -> float:
@@ -852,7 +892,7 @@ def recompute_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> fl
         in_flight = grad_buffer_bytes(spec, settings)
     elif compute_dtype_adapters_under_autocast(settings, runtime):
         in_flight = 4 * c * spec.hidden_size * settings.tokens_per_micro_batch
-    elif runtime.triton_kernels:
+    elif triton_kernels_apply(spec, runtime):
         # Unsloth's LoRA_MLP.backward (fast_lora.py @ 015bdef0, l. 116-200): down_proj's input gradient DW
         # (c x I; matmul_lora adds the LoRA product in place), the SwiGLU backward in place into DW, e and g, and
         # the hidden-sized gradients (4c x h); read from the source, not traced
@@ -867,7 +907,23 @@ def dequant_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime = Runtim
     if settings.quant == "none":
         return 0.0
     largest = max(fan_in * fan_out for _, fan_in, fan_out, _ in spec.layer_linears())
-    return largest * DTYPE_BYTES[settings.precision] * runtime.dequant_copies
+    return (
+        max(largest * runtime.dequant_copies, expert_stack_params(spec, settings, runtime))
+        * DTYPE_BYTES[settings.precision]
+    )
+
+
+def expert_stack_params(spec: ModelSpec, settings: Settings, runtime: Runtime) -> int:
+    """4-bit experts (quantized_expert_params) run as grouped matmuls over one dequantised stack of every expert of
+    the layer: gpt-oss pins its gate_up and down stacks through a checkpointed layer's backward (gpt_oss.py
+    _forward_grouped_bnb4bit, l. 920-1000; moe_utils.py _moe_recompute_default, l. 412-447), Qwen3-MoE rebuilds
+    them one at a time (moe_utils_bnb4bit.py forward_moe_backend_bnb4bit, l. 128-195). Counted as one layer's
+    experts, both stacks: exact for gpt-oss, a third over for Qwen3-MoE, and over for gpt-oss where it loops over
+    its experts instead: with LoRA on them, or without torch._grouped_mm (T4; torch 2.8 below Hopper) (l. 1018-1023;
+    read from the source, not traced)."""
+    if not quantized_expert_params(spec, settings, runtime):
+        return 0
+    return spec.expert_params
 
 
 def optimizer_step_temp_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
@@ -920,7 +976,7 @@ def quant_state_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> 
     not a parameter, so ZeRO-3 and FSDP neither shard it nor offload it; every GPU keeps all of it."""
     if settings.quant != "nf4":
         return 0.0
-    linear = spec.quantized_linear_params
+    linear = packed_params(spec, settings, runtime)
     if runtime.quantized_head:
         linear += spec.lm_head_params
     return quantized_weight_bytes(linear, settings) - 0.5 * linear

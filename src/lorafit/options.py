@@ -4,11 +4,12 @@ the others.
 The settings are the typed fields of three classes: `Inputs` (what to fine-tune, on what) and `Settings` (the
 knobs of one training step) below, and `RunOptions` (lorafit.run_options: the whole job, data, schedule, chat,
 export, serve and the command switches). Each field is declared once, with its bounds (`Field`) and what people
-are told about it (`About`, lorafit.declaration). Everything else is derived from those fields: the table `OPTIONS` (one `Option` row per field), the
-`estimate`, `plan`, `train` and `chat` command-line options (`lorafit.cli.derived_options`), the `train` config
-file and its commented starter (`TrainConfig`, `starter_yaml`), the web form (`as_dicts`), and the validation of
-all of them (`validate`), so that a combination is accepted or refused the same way, with the same one-line
-message, from flags, from a YAML file and from the page. Pure Python: no torch here.
+are told about it (`About`, lorafit.declaration). Everything else is derived from those fields: the table
+`OPTIONS` (one `Option` row per field), the `estimate`, `plan`, `train` and `chat` command-line options
+(`lorafit.cli.derived_options`), the `train` config file and its commented starter (`TrainConfig`,
+`starter_yaml`), the web form (`as_dicts`), and the validation of all of them (`validate`), so that a
+combination is accepted or refused the same way, with the same one-line message, from flags, from a YAML file
+and from the page. Pure Python: no torch here.
 
 `None` as a value means "not set": the command then uses the default, or, where `auto` says so, decides (the
 planner searches micro-batch, accumulation, checkpointing and the optimizer; some defaults follow from the model,
@@ -433,9 +434,12 @@ def step_defaults(
         filled["double_quant"] = stored.double_quant
     if values.get("lora_alpha") is None:
         filled["lora_alpha"] = 2 * (values.get("lora_r") or BY_NAME["lora_r"].default)
-    if values.get("attn") is None and spec is not None and "sdpa" not in spec.attention_implementations:
-        filled["attn"] = spec.attention_implementations[0]
     stack = stacks.catalog().get(values.get("stack") or BY_NAME["stack"].default)
+    own_attn = stack.family_attn.get(spec.architecture) if stack and spec is not None else None
+    if values.get("attn") is None and own_attn:  # e.g. Unsloth's flex attention for gpt-oss
+        filled["attn"] = own_attn
+    elif values.get("attn") is None and spec is not None and "sdpa" not in spec.attention_implementations:
+        filled["attn"] = spec.attention_implementations[0]
     for name, value in (stack.defaults if stack else {}).items():  # e.g. Unsloth's lora_dropout 0
         if values.get(name) is None:
             filled[name] = value
@@ -456,7 +460,8 @@ def check_against(
     attn, precision = values.get("attn"), values.get("precision")
     if spec is not None:
         stack = values.get("stack") or BY_NAME["stack"].default
-        stacks.past_positions(stack, values.get("seq_len"), spec.name, spec.max_position_embeddings)
+        model_type = spec.vision.family if spec.vision else family  # an image-text model loads as its own type
+        stacks.past_positions(stack, values.get("seq_len"), spec.name, spec.max_position_embeddings, model_type)
         if values.get("liger"):
             stacks.check_liger_model(spec.arch.model_types, spec.name)
     if spec is not None and spec.prequantized is not None:

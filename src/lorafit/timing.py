@@ -211,7 +211,8 @@ def dequant_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     and reads it back: DOUBLE_QUANT_BYTES per weight more."""
     if settings.quant == "none":
         return 0.0
-    weights = quantized_params(spec)
+    # Unsloth's 4-bit experts: every expert's stack is dequantised for each grouped matmul, routed tokens or not
+    weights = quantized_params(spec) + memory.quantized_expert_params(spec, settings, memory.stack_runtime(settings))
     per_pass = memory.quantized_weight_bytes(weights, settings) + weights * DTYPE_BYTES[settings.precision]
     if nested_absmax(settings):
         per_pass += weights * DOUBLE_QUANT_BYTES
