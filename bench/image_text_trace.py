@@ -41,6 +41,7 @@ ROWS: tuple[tuple[str, dict], ...] = (
     ("qwen2.5-vl-3b", QLORA_2048),
     ("gemma-3-4b", dict(method="lora", quant="none", micro_batch=1, seq_len=2048, grad_ckpt=True)),
     ("gemma-3-4b", dict(method="full", quant="none", micro_batch=1, seq_len=1024, grad_ckpt=True)),
+    ("qwen3-vl-4b", dict(method="lora", quant="none", micro_batch=1, seq_len=2048, grad_ckpt=True)),
     ("qwen2.5-vl-7b", dict(method="qlora", quant="nf4", micro_batch=2, seq_len=1024, grad_ckpt=False)),
     ("mistral-small-3.1-24b", QLORA_2048 | {"lora_targets": "qv"}),
 )
