@@ -81,31 +81,23 @@ _SAME_NAMES = {
         "num_channels",
     )
 }
+_QWEN_VL_NAMES = {
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_hidden_layers": "depth",
+    "num_attention_heads": "num_heads",
+    "patch_size": "patch_size",
+    "num_channels": "in_channels",
+    "temporal_patch_size": "temporal_patch_size",
+    "spatial_merge_size": "spatial_merge_size",
+}
 _KEYS: dict[str, dict[str, str]] = {
     "gemma3": _SAME_NAMES,
     "mistral3": _SAME_NAMES,
-    "qwen2_5_vl": {
-        "hidden_size": "hidden_size",
-        "intermediate_size": "intermediate_size",
-        "num_hidden_layers": "depth",
-        "num_attention_heads": "num_heads",
-        "patch_size": "patch_size",
-        "num_channels": "in_channels",
-        "temporal_patch_size": "temporal_patch_size",
-        "spatial_merge_size": "spatial_merge_size",
-    },
-    "qwen3_vl": {
-        "hidden_size": "hidden_size",
-        "intermediate_size": "intermediate_size",
-        "num_hidden_layers": "depth",
-        "num_attention_heads": "num_heads",
-        "patch_size": "patch_size",
-        "num_channels": "in_channels",
-        "temporal_patch_size": "temporal_patch_size",
-        "spatial_merge_size": "spatial_merge_size",
-        "num_position_embeddings": "num_position_embeddings",
-        "deepstack_visual_indexes": "deepstack_visual_indexes",
-    },
+    "qwen2_5_vl": _QWEN_VL_NAMES,
+    # Qwen3-VL's tower adds a learned position table and the layers its deepstack mergers read
+    "qwen3_vl": _QWEN_VL_NAMES
+    | {"num_position_embeddings": "num_position_embeddings", "deepstack_visual_indexes": "deepstack_visual_indexes"},
     "qwen2_vl": {  # the MLP width is embed_dim x mlp_ratio; vision_config's hidden_size is the merger's output
         "hidden_size": "embed_dim",
         "num_hidden_layers": "depth",
