@@ -161,8 +161,11 @@ def test_train_adapts_the_attention_and_exports_merged_but_not_gguf(
     assert set(adapter["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
 
     code, _, err = run_cli(["export", str(run), "--to", "gguf", "-o", str(tmp_path / "gguf")], capsys)
-    assert code == 2 and err.count("\n") == 1
-    assert "cannot write" in err and "--to merged" in err and "convert_hf_to_gguf.py" in err
+    if name == "qwen3-30b-a3b":  # written and checked in llama.cpp (tests/test_export_gguf_moe.py)
+        assert code == 0, err
+    else:
+        assert code == 2 and err.count("\n") == 1
+        assert "cannot write" in err and "--to merged" in err and "convert_hf_to_gguf.py" in err
     code, _, err = run_cli(["export", str(run), "--to", "merged", "-o", str(tmp_path / "merged")], capsys)
     assert code == 0, err
     assert (tmp_path / "merged" / "model.safetensors").is_file()

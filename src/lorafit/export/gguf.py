@@ -2,7 +2,8 @@
 
 The tensors stream: each is read from its memory-mapped safetensors shard, reshaped for llama.cpp (the q/k rows
 of Llama-style models go back to interleaved rotary pairs), converted to the file's type and written before the
-next is read, so the peak memory is one weight matrix, not the model. f32, f16, bf16 and q8_0 are written here
+next is read, so the peak memory is one weight matrix, not the model (for an MoE, one projection of one layer's
+experts, which llama.cpp holds stacked as one tensor). f32, f16, bf16 and q8_0 are written here
 (q8_0 by gguf-py's quantizer, the one llama.cpp's own converter uses); the K-quants come from llama.cpp's
 quantizer run on the 16-bit file (`quantize`), since their block search lives only there.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -93,6 +95,11 @@ class Architecture:
         return int(self.config["num_hidden_layers"])
 
     @property
+    def experts(self) -> int:
+        """The experts per MoE layer (0 for a dense model), under the name each family's config uses."""
+        return int(self.config.get("num_experts") or self.config.get("num_local_experts") or 0)
+
+    @property
     def tied(self) -> bool:
         return bool(self.config.get("tie_word_embeddings", False))
 
@@ -121,6 +128,12 @@ def architecture(model_dir: Path) -> Architecture:
     entry = known[model_type]
     if config.get("quantization_config"):
         raise ExportError(f"{model_dir} holds quantised weights; export --to gguf reads a 16-bit merged folder")
+    for key, expected in entry.get("requires", {}).items():
+        if config.get(key, expected) != expected:
+            raise ExportError(
+                f"llama.cpp's {entry['arch']} computes {model_type} models with {key} = {json.dumps(expected)}, and "
+                f"this one has {json.dumps(config.get(key))}: its GGUF would answer differently; export --to merged"
+            )
     return Architecture(model_type, entry["arch"], entry["permute_qk"], float(entry.get("norm_offset", 0.0)), config)
 
 
@@ -160,8 +173,9 @@ class TensorPlan:
     name: str  # GGUF name
     source: str  # safetensors name ("" for a tensor made here, such as rope_freqs)
     shard: Path | None
-    shape: tuple[int, ...]  # numpy order (rows, columns)
+    shape: tuple[int, ...]  # numpy order (rows, columns; experts first for a stacked tensor)
     ggml_type: str  # F32, F16, BF16, Q8_0
+    experts: tuple[str, ...] = ()  # an MoE's per-expert tensors (in `shard`), stacked in this order as `name`
 
 
 def _ggml_type_for(name: str, shape: tuple[int, ...], file_type: GgufType) -> str:
@@ -174,12 +188,19 @@ def _ggml_type_for(name: str, shape: tuple[int, ...], file_type: GgufType) -> st
     return "BF16" if file_type == "bf16" else "F16"
 
 
+# transformers saves an MoE's experts one tensor per expert and projection (Qwen3-MoE's mlp.experts.N.gate_proj,
+# Mixtral's block_sparse_moe.experts.N.w1); llama.cpp holds each projection as one experts x rows x columns tensor,
+# named in gguf-py's map by the path without the expert's number (mlp.experts.gate_proj -> blk.N.ffn_gate_exps).
+PER_EXPERT = re.compile(r"^(?P<owner>.+\.experts)\.(?P<expert>\d+)\.(?P<part>.+)$")
+
+
 def tensor_plans(model_dir: Path, arch: Architecture, file_type: GgufType) -> list[TensorPlan]:
     import gguf
 
     arch_enum = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch.arch)
     names = gguf.get_tensor_name_map(arch_enum, arch.layers)
     plans = []
+    stacks: dict[str, dict[int, tuple[str, Path, tuple[int, ...]]]] = {}
     for shard in weight_files(model_dir):
         header = safetensors_header(shard)
         for source in sorted(header, key=lambda key: header[key]["data_offsets"][0]):
@@ -187,15 +208,42 @@ def tensor_plans(model_dir: Path, arch: Architecture, file_type: GgufType) -> li
                 continue  # llama.cpp reuses token_embd for the output when there is no output.weight
             if source.endswith(".rotary_emb.inv_freq"):
                 continue
+            shape = tuple(header[source]["shape"])
+            if match := PER_EXPERT.match(source):
+                stacked = f"{match['owner']}.{match['part']}"
+                stacks.setdefault(stacked, {})[int(match["expert"])] = (source, shard, shape)
+                continue
             name = names.get_name(source, try_suffixes=(".weight", ".bias"))
             if name is None:
                 raise ExportError(f"{shard.name}: no GGUF name for tensor {source} of a {arch.model_type} model")
-            shape = tuple(header[source]["shape"])
             plans.append(TensorPlan(name, source, shard, shape, _ggml_type_for(name, shape, file_type)))
+    plans += [_stacked_plan(stacked, members, arch, names, file_type) for stacked, members in stacks.items()]
     _, divisors = rope_scaling(arch)
     if divisors is not None:
         plans.append(TensorPlan("rope_freqs.weight", "", None, (len(divisors),), "F32"))
     return plans
+
+
+def _stacked_plan(
+    stacked: str,
+    members: dict[int, tuple[str, Path, tuple[int, ...]]],
+    arch: Architecture,
+    names: Any,
+    file_type: GgufType,
+) -> TensorPlan:
+    """One experts x rows x columns tensor from the per-expert tensors saved for it, all of them, in one shard."""
+    name = names.get_name(stacked, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise ExportError(f"no GGUF name for the experts' tensor {stacked} of a {arch.model_type} model")
+    if sorted(members) != list(range(arch.experts)):
+        raise ExportError(f"{stacked} is saved for experts {sorted(members)}, the config has {arch.experts}")
+    sources = [members[expert] for expert in range(arch.experts)]
+    if len({shard for _, shard, _ in sources}) > 1 or len({shape for _, _, shape in sources}) > 1:
+        raise ExportError(f"the experts of {stacked} are split over shards or differ in shape; cannot stack them")
+    _, shard, shape = sources[0]
+    full = (arch.experts, *shape)
+    experts = tuple(source for source, _, _ in sources)
+    return TensorPlan(name, experts[0], shard, full, _ggml_type_for(name, full, file_type), experts)
 
 
 def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -216,7 +264,10 @@ def tensor_data(plan: TensorPlan, arch: Architecture) -> np.ndarray:
         _, divisors = rope_scaling(arch)
         return np.asarray(divisors, dtype=np.float32)
     with safe_open(plan.shard, framework="pt") as handle:
-        weight = handle.get_tensor(plan.source)
+        if plan.experts:
+            weight = torch.stack([handle.get_tensor(source) for source in plan.experts])
+        else:
+            weight = handle.get_tensor(plan.source)
     if arch.permute_qk and plan.name.endswith(("attn_q.weight", "attn_q.bias")):
         weight = _unpermute(weight, arch.heads)
     elif arch.permute_qk and plan.name.endswith(("attn_k.weight", "attn_k.bias")):
@@ -483,6 +534,11 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
         writer.add_key_length(arch.head_dim)
         writer.add_value_length(arch.head_dim)
     writer.add_vocab_size(len(vocabulary.tokens))
+    if arch.experts:
+        writer.add_expert_count(arch.experts)
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+        if config.get("moe_intermediate_size"):  # Qwen3-MoE's expert width; Mixtral's is intermediate_size
+            writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
     scaling, _ = rope_scaling(arch)
     if scaling.get("type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)

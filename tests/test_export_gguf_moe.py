@@ -1,0 +1,136 @@
+"""GGUF export of mixture-of-experts families (Qwen3-MoE as llama.cpp's qwen3moe, Mixtral as its llama with
+experts): the per-expert tensors transformers saves, stacked as llama.cpp reads them, give llama.cpp the logits of
+transformers; a trained run exports end to end through the export's own check; a router llama.cpp cannot compute
+is one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import run_cli
+from lorafit.errors import ExportError
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is the [gguf] extra")
+
+from test_export_gguf import TEXT, hf_logits, llama_cpp_logits, tiny_model  # noqa: E402
+
+MOE: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "norm_topk_prob": True},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from lorafit.train import demo
+
+    return demo.build_tokenizer(demo.corpus(), vocab_size=1024)
+
+
+def moe_model(folder: Path, tokenizer: Any, model_type: str) -> Any:
+    """A tiny random MoE whose router picks clearly (weights far from zero), so that both runtimes route alike."""
+    model = tiny_model(folder, tokenizer, model_type, **MOE[model_type])
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                parameter.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_moe_families_give_llama_cpp_the_logits_of_transformers(
+    model_type: str, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gguf import GGUFReader
+
+    from lorafit.export import gguf
+
+    folder = tmp_path / "model"
+    model = moe_model(folder, tokenizer, model_type)
+    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
+    ids = tokenizer(TEXT)["input_ids"]
+    reference = hf_logits(model, ids)
+    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-3 * np.abs(reference).max()
+    reader = GGUFReader(written.path)
+    tensors = {tensor.name: tuple(int(n) for n in tensor.shape) for tensor in reader.tensors}
+    assert tensors["blk.1.ffn_gate_exps.weight"][-1] == 4  # ggml order: columns, rows, experts
+    assert not any(".experts." in name or name.endswith(("ffn_gate.weight", "ffn_up.weight")) for name in tensors)
+
+    # the comparison can fail: the same experts stacked in another order route tokens to the wrong weights
+    plans = gguf.tensor_plans
+    monkeypatch.setattr(
+        gguf,
+        "tensor_plans",
+        lambda *args: [
+            gguf.TensorPlan(**(vars(plan) | {"experts": plan.experts[::-1]})) if plan.experts else plan
+            for plan in plans(*args)
+        ],
+    )
+    wrong = gguf.write_gguf(folder, tmp_path / "wrong.gguf", "f32")
+    assert np.abs(llama_cpp_logits(wrong.path, ids) - reference).max() > 1e-2 * np.abs(reference).max()
+
+
+def test_a_router_llama_cpp_computes_otherwise_is_one_line(tmp_path: Path) -> None:
+    from lorafit.export import gguf
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = {"model_type": "qwen3_moe", "num_experts": 4, "norm_topk_prob": False}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="norm_topk_prob = true.*this one has false.*--to merged"):
+        gguf.architecture(folder)
+    (folder / "config.json").write_text(json.dumps(config | {"norm_topk_prob": True, "mlp_only_layers": [1]}))
+    with pytest.raises(ExportError, match="mlp_only_layers"):
+        gguf.architecture(folder)
+
+
+def test_a_trained_qwen3_moe_run_exports_to_checked_gguf(
+    tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lorafit train --lora-targets experts` on a tiny Qwen3-MoE, its adapter's B made random (a real update of
+    every expert), then `export --to gguf` f16 and q4_k_m: the export's own check loads each file in llama.cpp
+    and compares it with the merged model in transformers (logits and greedy tokens for f16)."""
+    from safetensors.torch import load_file, save_file
+
+    from lorafit.train.demo import build_model, build_tokenizer, corpus
+    from test_moe import tiny_moe
+
+    small = build_tokenizer(corpus(), vocab_size=512)
+    build_model(tmp_path / "model", small, tiny_moe("qwen3-30b-a3b", len(small)), seed=0)
+    base = load_file(tmp_path / "model" / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for key, tensor in base.items():  # a decisive router, as moe_model's: f16 rounding must not flip a choice
+        if key.endswith("mlp.gate.weight"):
+            base[key] = torch.randn(tensor.shape, generator=generator) * 0.5
+    save_file(base, tmp_path / "model" / "model.safetensors", metadata={"format": "pt"})
+    data = tmp_path / "data.jsonl"
+    data.write_text(
+        "".join(json.dumps({"instruction": "hi", "input": "", "output": "yo " * n}) + "\n" for n in range(1, 9))
+    )
+    run = tmp_path / "run"
+    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
+    args += ["--max-steps", "1", "--micro-batch", "2", "--lora-targets", "experts", "--lora-dropout", "0"]
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    weights = load_file(run / "adapter_model.safetensors")
+    for key, tensor in weights.items():
+        if ".lora_B." in key:
+            weights[key] = torch.randn(tensor.shape, generator=generator) * 0.05
+    save_file(weights, run / "adapter_model.safetensors", metadata={"format": "pt"})
+
+    output = tmp_path / "gguf"
+    args = ["export", str(run), "--to", "gguf", "-o", str(output), "--quant", "f16", "--quant", "q4_k_m", "--json"]
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    f16 = report["verify"]["f16"]
+    assert f16["greedy_match"] is True and f16["max_abs_logit_diff"] <= f16["logit_tolerance"]
+    assert f16["tokenizer_match"] is True and report["verify"]["q4_k_m"]["top1_agreement"] > 0.5
+    assert sorted(path.name for path in output.glob("*.gguf")) == ["run-f16.gguf", "run-q4_k_m.gguf"]
