@@ -76,7 +76,8 @@ class Architecture:
     arch: str
     permute_qk: bool
     norm_offset: float
-    config: dict[str, Any]
+    config: dict[str, Any]  # the language model's (an image-text model's text_config, its defaults filled in)
+    entry: dict[str, Any] = field(default_factory=dict)  # the family's entry in catalog/gguf.toml
 
     @property
     def heads(self) -> int:
@@ -105,8 +106,27 @@ class Architecture:
 
     @property
     def rope(self) -> dict[str, Any]:
-        """The rope settings wherever the config keeps them (transformers 5: rope_parameters; 4: rope_scaling)."""
-        return dict(self.config.get("rope_parameters") or self.config.get("rope_scaling") or {})
+        """The rope settings wherever the config keeps them (transformers 5: rope_parameters; 4: rope_scaling);
+        for a model with settings per layer type (Gemma 3), the full-attention layers', as llama.cpp reads them."""
+        rope = dict(self.config.get("rope_parameters") or self.config.get("rope_scaling") or {})
+        return dict(rope.get("full_attention", rope))
+
+    @property
+    def sliding_rope_theta(self) -> float | None:
+        """The rope base of the sliding-window layers where it is their own (Gemma 3's local base)."""
+        sliding = (self.config.get("rope_parameters") or {}).get("sliding_attention") or {}
+        theta = sliding.get("rope_theta") or self.config.get("rope_local_base_freq")
+        return None if theta is None else float(theta)
+
+    def renamed(self, source: str) -> str | None:
+        """The name gguf-py's map knows a saved tensor by: an image-text model's language model under its
+        text-only name, None for the tensors of the vision tower and projector (not written)."""
+        if source.startswith(tuple(self.entry.get("skip", ()))):
+            return None
+        for saved, text_only in self.entry.get("rename", ()):
+            if source.startswith(saved):
+                return text_only + source.removeprefix(saved)
+        return source
 
     @property
     def rope_theta(self) -> float:
@@ -118,23 +138,60 @@ def architecture(model_dir: Path) -> Architecture:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         raise ExportError(f"{model_dir} has no readable config.json") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"{model_dir}/config.json is not a JSON object")
     model_type = config.get("model_type", "?")
     known = _catalog()["architectures"]
     if model_type not in known:
+        reason = _catalog().get("refused", {}).get(model_type, {}).get("reason")
         raise ExportError(
-            f"lorafit cannot write {model_type!r} models as GGUF yet (it writes: {', '.join(known)}); "
-            "export --to merged and convert that folder with llama.cpp's convert_hf_to_gguf.py"
+            f"lorafit cannot write {model_type!r} models as GGUF"
+            + (f": {reason}; " if reason else f" yet (it writes: {', '.join(known)}); ")
+            + "export --to merged and convert that folder with llama.cpp's convert_hf_to_gguf.py"
         )
     entry = known[model_type]
     if config.get("quantization_config"):
         raise ExportError(f"{model_dir} holds quantised weights; export --to gguf reads a 16-bit merged folder")
+    if entry.get("text_config"):
+        config = _text_config(model_dir)
     for key, expected in entry.get("requires", {}).items():
         if config.get(key, expected) != expected:
             raise ExportError(
                 f"llama.cpp's {entry['arch']} computes {model_type} models with {key} = {json.dumps(expected)}, and "
                 f"this one has {json.dumps(config.get(key))}: its GGUF would answer differently; export --to merged"
             )
-    return Architecture(model_type, entry["arch"], entry["permute_qk"], float(entry.get("norm_offset", 0.0)), config)
+    arch = Architecture(model_type, entry["arch"], entry["permute_qk"], float(entry.get("norm_offset", 0.0)), config)
+    if entry.get("query_scale"):
+        _check_query_scale(arch)
+    return Architecture(**(vars(arch) | {"entry": entry}))
+
+
+def _text_config(model_dir: Path) -> dict[str, Any]:
+    """An image-text model's language-model config as transformers fills it (Gemma 3's first config.json files
+    name few text keys and leave the rest to Gemma3TextConfig's defaults), with the tie the whole model uses."""
+    from transformers import AutoConfig
+
+    try:
+        whole = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise ExportError(f"transformers cannot read {model_dir}/config.json: {str(error).splitlines()[0]}") from None
+    text = whole.get_text_config()
+    tied = getattr(whole, "tie_word_embeddings", None)
+    return text.to_dict() | {"tie_word_embeddings": bool(text.tie_word_embeddings if tied is None else tied)}
+
+
+def _check_query_scale(arch: Architecture) -> None:
+    """llama.cpp's gemma3 scales queries by 1 / sqrt(head_dim), or 1 / sqrt(hidden / heads) for its 62-layer 27B
+    (src/models/gemma3.cpp, from gemma_pytorch's config); transformers by query_pre_attn_scalar ** -0.5."""
+    config = arch.config
+    basis = config["hidden_size"] // arch.heads if arch.layers == 62 else arch.head_dim
+    scalar = config.get("query_pre_attn_scalar", basis)
+    if scalar != basis or config.get("attn_logit_softcapping") is not None:
+        raise ExportError(
+            f"llama.cpp's {arch.arch} scales attention by 1/sqrt({basis}) without soft-capping, this model by "
+            f"1/sqrt({scalar}) (attn_logit_softcapping {config.get('attn_logit_softcapping')}): its GGUF would "
+            "answer differently; export --to merged"
+        )
 
 
 def rope_scaling(arch: Architecture) -> tuple[dict[str, Any], list[float] | None]:
@@ -204,16 +261,17 @@ def tensor_plans(model_dir: Path, arch: Architecture, file_type: GgufType) -> li
     for shard in weight_files(model_dir):
         header = safetensors_header(shard)
         for source in sorted(header, key=lambda key: header[key]["data_offsets"][0]):
-            if source == "lm_head.weight" and arch.tied:
-                continue  # llama.cpp reuses token_embd for the output when there is no output.weight
-            if source.endswith(".rotary_emb.inv_freq"):
+            known = arch.renamed(source)
+            if known is None or known.endswith(".rotary_emb.inv_freq"):
                 continue
+            if known == "lm_head.weight" and arch.tied:
+                continue  # llama.cpp reuses token_embd for the output when there is no output.weight
             shape = tuple(header[source]["shape"])
             if match := PER_EXPERT.match(source):
                 stacked = f"{match['owner']}.{match['part']}"
                 stacks.setdefault(stacked, {})[int(match["expert"])] = (source, shard, shape)
                 continue
-            name = names.get_name(source, try_suffixes=(".weight", ".bias"))
+            name = names.get_name(known, try_suffixes=(".weight", ".bias"))
             if name is None:
                 raise ExportError(f"{shard.name}: no GGUF name for tensor {source} of a {arch.model_type} model")
             plans.append(TensorPlan(name, source, shard, shape, _ggml_type_for(name, shape, file_type)))
@@ -232,7 +290,7 @@ def _stacked_plan(
     file_type: GgufType,
 ) -> TensorPlan:
     """One experts x rows x columns tensor from the per-expert tensors saved for it, all of them, in one shard."""
-    name = names.get_name(stacked, try_suffixes=(".weight", ".bias"))
+    name = names.get_name(arch.renamed(stacked) or stacked, try_suffixes=(".weight", ".bias"))
     if name is None:
         raise ExportError(f"no GGUF name for the experts' tensor {stacked} of a {arch.model_type} model")
     if sorted(members) != list(range(arch.experts)):
@@ -534,6 +592,7 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
         writer.add_key_length(arch.head_dim)
         writer.add_value_length(arch.head_dim)
     writer.add_vocab_size(len(vocabulary.tokens))
+    _write_attention_layout(writer, arch)
     if arch.experts:
         writer.add_expert_count(arch.experts)
         writer.add_expert_used_count(int(config["num_experts_per_tok"]))
@@ -571,6 +630,20 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
         writer.add_add_space_prefix(vocabulary.add_space_prefix)
     if vocabulary.chat_template:
         writer.add_chat_template(vocabulary.chat_template)
+
+
+def _write_attention_layout(writer: Any, arch: Architecture) -> None:
+    """Sliding-window layers (which, how wide, their own rope base) for the architectures whose llama.cpp graph
+    reads them (catalog: sliding_window), and Gemma's final logit soft-capping where the config has one."""
+    config = arch.config
+    layer_types = config.get("layer_types") or []
+    if arch.entry.get("sliding_window") and "sliding_attention" in layer_types:
+        writer.add_sliding_window(int(config["sliding_window"]))
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in layer_types])
+        if arch.sliding_rope_theta is not None:
+            writer.add_rope_freq_base_swa(arch.sliding_rope_theta)
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
 
 
 # --- K-quants through llama.cpp -----------------------------------------------------------------------------

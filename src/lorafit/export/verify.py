@@ -260,7 +260,8 @@ def verify(
     tokenizer = AutoTokenizer.from_pretrained(merged_dir, local_files_only=True)
     model = reference_model(merged_dir)
     conversations = conversations or []
-    ids = heldout_ids(tokenizer, conversations, limit=min(512, int(model.config.max_position_embeddings) - 1))
+    positions = model.config.get_text_config().max_position_embeddings  # an image-text model: its text part's
+    ids = heldout_ids(tokenizer, conversations, limit=min(512, int(positions) - 1))
     users = [next((m["content"] for m in c if m.get("role") == "user"), None) for c in conversations]
     questions = [u for u in users if u][:3] or list(GENERIC_PROMPTS)
     with torch.no_grad():
