@@ -1,7 +1,7 @@
 """GGUF export of mixture-of-experts families (Qwen3-MoE as llama.cpp's qwen3moe, Mixtral as its llama with
-experts): the per-expert tensors transformers saves, stacked as llama.cpp reads them, give llama.cpp the logits of
-transformers; a trained run exports end to end through the export's own check; a router llama.cpp cannot compute
-is one line."""
+experts, gpt-oss with 16-bit experts as its gpt-oss): the experts transformers saves (per expert, or fused and
+transposed), written as llama.cpp reads them, give llama.cpp the logits of transformers; a trained run exports end
+to end through the export's own check; a router llama.cpp cannot compute is one line."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from test_export_gguf import TEXT, hf_logits, llama_cpp_logits, tiny_model  # no
 MOE: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "norm_topk_prob": True},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    # a sliding window narrower than the text, on every other layer as gpt-oss's layer_types say
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8},
 }
 
 
@@ -38,8 +40,10 @@ def moe_model(folder: Path, tokenizer: Any, model_type: str) -> Any:
     model = tiny_model(folder, tokenizer, model_type, **MOE[model_type])
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")):
                 parameter.normal_(0.0, 0.5)
+            elif name.endswith("_bias"):  # gpt-oss's expert biases, gate and up interleaved
+                parameter.normal_(0.0, 0.1)
     model.save_pretrained(folder)
     return model
 
@@ -63,16 +67,20 @@ def test_moe_families_give_llama_cpp_the_logits_of_transformers(
     assert tensors["blk.1.ffn_gate_exps.weight"][-1] == 4  # ggml order: columns, rows, experts
     assert not any(".experts." in name or name.endswith(("ffn_gate.weight", "ffn_up.weight")) for name in tensors)
 
-    # the comparison can fail: the same experts stacked in another order route tokens to the wrong weights
+    # the comparison can fail: experts stacked in another order, or gate and up rows taken as halves rather than
+    # interleaved, compute with the wrong weights
     plans = gguf.tensor_plans
-    monkeypatch.setattr(
-        gguf,
-        "tensor_plans",
-        lambda *args: [
-            gguf.TensorPlan(**(vars(plan) | {"experts": plan.experts[::-1]})) if plan.experts else plan
-            for plan in plans(*args)
-        ],
-    )
+
+    def wrong_plan(plan: Any) -> Any:
+        if plan.experts:
+            return gguf.TensorPlan(**(vars(plan) | {"experts": plan.experts[::-1]}))
+        if plan.part is not None:
+            start, stop, step = plan.part
+            halves = (0, stop // 2, 1) if start == 0 else (stop // 2, stop, 1)
+            return gguf.TensorPlan(**(vars(plan) | {"part": halves}))
+        return plan
+
+    monkeypatch.setattr(gguf, "tensor_plans", lambda *args: [wrong_plan(plan) for plan in plans(*args)])
     wrong = gguf.write_gguf(folder, tmp_path / "wrong.gguf", "f32")
     assert np.abs(llama_cpp_logits(wrong.path, ids) - reference).max() > 1e-2 * np.abs(reference).max()
 
@@ -91,23 +99,24 @@ def test_a_router_llama_cpp_computes_otherwise_is_one_line(tmp_path: Path) -> No
         gguf.architecture(folder)
 
 
-def test_a_trained_qwen3_moe_run_exports_to_checked_gguf(
-    tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b"])
+def test_a_trained_moe_run_exports_to_checked_gguf(
+    name: str, tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`lorafit train --lora-targets experts` on a tiny Qwen3-MoE, its adapter's B made random (a real update of
-    every expert), then `export --to gguf` f16 and q4_k_m: the export's own check loads each file in llama.cpp
-    and compares it with the merged model in transformers (logits and greedy tokens for f16)."""
+    """`lorafit train --lora-targets experts` on a tiny model of the family, its adapter's B made random (a real
+    update of every expert), then `export --to gguf` f16 and q4_k_m: the export's own check loads each file in
+    llama.cpp and compares it with the merged model in transformers (logits and greedy tokens for f16)."""
     from safetensors.torch import load_file, save_file
 
     from lorafit.train.demo import build_model, build_tokenizer, corpus
     from test_moe import tiny_moe
 
     small = build_tokenizer(corpus(), vocab_size=512)
-    build_model(tmp_path / "model", small, tiny_moe("qwen3-30b-a3b", len(small)), seed=0)
+    build_model(tmp_path / "model", small, tiny_moe(name, len(small)), seed=0)
     base = load_file(tmp_path / "model" / "model.safetensors")
     generator = torch.Generator().manual_seed(0)
     for key, tensor in base.items():  # a decisive router, as moe_model's: f16 rounding must not flip a choice
-        if key.endswith("mlp.gate.weight"):
+        if key.endswith(("mlp.gate.weight", "mlp.router.weight")):
             base[key] = torch.randn(tensor.shape, generator=generator) * 0.5
     save_file(base, tmp_path / "model" / "model.safetensors", metadata={"format": "pt"})
     data = tmp_path / "data.jsonl"

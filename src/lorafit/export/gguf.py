@@ -233,12 +233,14 @@ class TensorPlan:
     shape: tuple[int, ...]  # numpy order (rows, columns; experts first for a stacked tensor)
     ggml_type: str  # F32, F16, BF16, Q8_0
     experts: tuple[str, ...] = ()  # an MoE's per-expert tensors (in `shard`), stacked in this order as `name`
+    transpose: bool = False  # fused experts stored experts x in x out (gpt-oss): the last two axes swapped
+    part: tuple[int, int, int] | None = None  # (start, stop, step) of the output rows taken: gate or up of gate_up
 
 
 def _ggml_type_for(name: str, shape: tuple[int, ...], file_type: GgufType) -> str:
-    """Norms, biases and other 1-D tensors stay f32 (as llama.cpp keeps them); a matrix whose rows are not whole
-    q8_0 blocks falls back to f16."""
-    if len(shape) == 1 or file_type == "f32":
+    """Norms, biases, other 1-D tensors and an MoE's router stay f32 (as llama.cpp's converter keeps them); a matrix
+    whose rows are not whole q8_0 blocks falls back to f16."""
+    if len(shape) == 1 or file_type == "f32" or not name.endswith(".weight") or ".ffn_gate_inp." in name:
         return "F32"
     if file_type == "q8_0":
         return "Q8_0" if shape[-1] % 32 == 0 else "F16"
@@ -249,6 +251,9 @@ def _ggml_type_for(name: str, shape: tuple[int, ...], file_type: GgufType) -> st
 # Mixtral's block_sparse_moe.experts.N.w1); llama.cpp holds each projection as one experts x rows x columns tensor,
 # named in gguf-py's map by the path without the expert's number (mlp.experts.gate_proj -> blk.N.ffn_gate_exps).
 PER_EXPERT = re.compile(r"^(?P<owner>.+\.experts)\.(?P<expert>\d+)\.(?P<part>.+)$")
+# Fused experts, one tensor per projection (gpt-oss: experts x in x out, gate and up interleaved in gate_up_proj's
+# output axis, biases as gate_up_proj_bias); llama.cpp's gate and up are separate tensors.
+FUSED_EXPERTS = re.compile(r"^(?P<owner>.+\.experts)\.(?P<part>gate_up_proj|down_proj)(?P<bias>_bias)?$")
 
 
 def tensor_plans(model_dir: Path, arch: Architecture, file_type: GgufType) -> list[TensorPlan]:
@@ -271,7 +276,10 @@ def tensor_plans(model_dir: Path, arch: Architecture, file_type: GgufType) -> li
                 stacked = f"{match['owner']}.{match['part']}"
                 stacks.setdefault(stacked, {})[int(match["expert"])] = (source, shard, shape)
                 continue
-            name = names.get_name(known, try_suffixes=(".weight", ".bias"))
+            if (match := FUSED_EXPERTS.match(known)) and arch.entry.get("fused_experts"):
+                plans += _fused_plans(match, source, shard, shape, arch, names, file_type)
+                continue
+            name = _gguf_name(names, known)
             if name is None:
                 raise ExportError(f"{shard.name}: no GGUF name for tensor {source} of a {arch.model_type} model")
             plans.append(TensorPlan(name, source, shard, shape, _ggml_type_for(name, shape, file_type)))
@@ -279,6 +287,48 @@ def tensor_plans(model_dir: Path, arch: Architecture, file_type: GgufType) -> li
     _, divisors = rope_scaling(arch)
     if divisors is not None:
         plans.append(TensorPlan("rope_freqs.weight", "", None, (len(divisors),), "F32"))
+    return plans
+
+
+def _gguf_name(names: Any, known: str) -> str | None:
+    """gguf-py's name for a tensor; a bare parameter (gpt-oss's self_attn.sinks) is a `.weight`, as llama.cpp
+    names it."""
+    name = names.get_name(known, try_suffixes=(".weight", ".bias"))
+    return name if name is None or name.endswith((".weight", ".bias")) else name + ".weight"
+
+
+def _fused_plans(
+    match: re.Match[str],
+    source: str,
+    shard: Path,
+    shape: tuple[int, ...],
+    arch: Architecture,
+    names: Any,
+    file_type: GgufType,
+) -> list[TensorPlan]:
+    """A fused experts tensor as llama.cpp's: transposed to experts x out x in, gate_up split into gate and up."""
+    layout = arch.entry["fused_experts"]
+    bias = bool(match["bias"])
+    transpose = layout["transposed"] and not bias
+    shape = (*shape[:-2], shape[-1], shape[-2]) if transpose else shape
+    axis = -1 if bias else -2
+    suffix = ".bias" if bias else ".weight"
+    if match["part"] == "down_proj":
+        parts = {"down_proj": None}
+    else:
+        rows = shape[axis]
+        interleaved = layout["gate_up"] == "interleaved"
+        gate, up = ((0, rows, 2), (1, rows, 2)) if interleaved else ((0, rows // 2, 1), (rows // 2, rows, 1))
+        parts = {"gate_proj": gate, "up_proj": up}
+    plans = []
+    for projection, part in parts.items():
+        name = _gguf_name(names, f"{match['owner']}.{projection}{suffix}")
+        if name is None:
+            raise ExportError(f"no GGUF name for the experts' tensor {source} of a {arch.model_type} model")
+        size = list(shape)
+        size[axis] = shape[axis] if part is None else len(range(*part))
+        ggml = _ggml_type_for(name, tuple(size), file_type)
+        plans.append(TensorPlan(name, source, shard, tuple(size), ggml, transpose=transpose, part=part))
     return plans
 
 
@@ -290,7 +340,7 @@ def _stacked_plan(
     file_type: GgufType,
 ) -> TensorPlan:
     """One experts x rows x columns tensor from the per-expert tensors saved for it, all of them, in one shard."""
-    name = names.get_name(arch.renamed(stacked) or stacked, try_suffixes=(".weight", ".bias"))
+    name = _gguf_name(names, arch.renamed(stacked) or stacked)
     if name is None:
         raise ExportError(f"no GGUF name for the experts' tensor {stacked} of a {arch.model_type} model")
     if sorted(members) != list(range(arch.experts)):
@@ -326,6 +376,11 @@ def tensor_data(plan: TensorPlan, arch: Architecture) -> np.ndarray:
             weight = torch.stack([handle.get_tensor(source) for source in plan.experts])
         else:
             weight = handle.get_tensor(plan.source)
+    if plan.transpose:
+        weight = weight.transpose(-1, -2)
+    if plan.part is not None:
+        rows = slice(*plan.part)
+        weight = (weight[..., rows, :] if weight.dim() == 3 else weight[..., rows]).contiguous()
     if arch.permute_qk and plan.name.endswith(("attn_q.weight", "attn_q.bias")):
         weight = _unpermute(weight, arch.heads)
     elif arch.permute_qk and plan.name.endswith(("attn_k.weight", "attn_k.bias")):
@@ -596,8 +651,9 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
     if arch.experts:
         writer.add_expert_count(arch.experts)
         writer.add_expert_used_count(int(config["num_experts_per_tok"]))
-        if config.get("moe_intermediate_size"):  # Qwen3-MoE's expert width; Mixtral's is intermediate_size
-            writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+        width = config.get(arch.entry.get("expert_width", "moe_intermediate_size"))
+        if width:  # Qwen3-MoE's moe_intermediate_size, gpt-oss's intermediate_size; Mixtral's is the FFN length
+            writer.add_expert_feed_forward_length(int(width))
     scaling, _ = rope_scaling(arch)
     if scaling.get("type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
