@@ -143,3 +143,27 @@ def test_a_trained_moe_run_exports_to_checked_gguf(
     assert f16["greedy_match"] is True and f16["max_abs_logit_diff"] <= f16["logit_tolerance"]
     assert f16["tokenizer_match"] is True and report["verify"]["q4_k_m"]["top1_agreement"] > 0.5
     assert sorted(path.name for path in output.glob("*.gguf")) == ["run-f16.gguf", "run-q4_k_m.gguf"]
+
+
+def test_a_run_on_the_mxfp4_gpt_oss_the_hub_ships_exports_to_checked_gguf(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """openai/gpt-oss-* store their experts in MXFP4: `export --to gguf` of a LoRA run on such a base
+    dequantises it (transformers' loader) into the merged folder and writes 16-bit experts, checked in llama.cpp;
+    before, the base's quantization_config refused it."""
+    from lorafit.train.demo import build_model, build_tokenizer, corpus
+    from test_moe import save_mxfp4_experts, tiny_moe
+
+    small = build_tokenizer(corpus(), vocab_size=512)
+    build_model(tmp_path / "model", small, tiny_moe("gpt-oss-20b", len(small)), seed=0, dtype="bfloat16")
+    save_mxfp4_experts(tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"instruction": "hi", "input": "", "output": "hello"}) + "\n" for _ in range(8)))
+    run = tmp_path / "run"
+    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
+    code, _, err = run_cli([*args, "--method", "lora", "--max-steps", "1", "--micro-batch", "2"], capsys)
+    assert code == 0, err
+    code, out, err = run_cli(["export", str(run), "--to", "gguf", "-o", str(tmp_path / "gguf"), "--json"], capsys)
+    assert code == 0, err
+    f16 = json.loads(out)["verify"]["f16"]
+    assert f16["greedy_match"] is True and f16["max_abs_logit_diff"] <= f16["logit_tolerance"]

@@ -133,7 +133,9 @@ class Architecture:
         return float(self.config.get("rope_theta") or self.rope.get("rope_theta") or 10000.0)
 
 
-def architecture(model_dir: Path) -> Architecture:
+def architecture(model_dir: Path, *, dequantised: bool = False) -> Architecture:
+    """The family's llama.cpp architecture and the config it is written from; `dequantised`: the folder is a base
+    the export dequantises into a 16-bit merged folder first, so its stored quantisation is no reason to refuse."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
@@ -150,7 +152,7 @@ def architecture(model_dir: Path) -> Architecture:
             + "export --to merged and convert that folder with llama.cpp's convert_hf_to_gguf.py"
         )
     entry = known[model_type]
-    if config.get("quantization_config"):
+    if config.get("quantization_config") and not dequantised:
         raise ExportError(f"{model_dir} holds quantised weights; export --to gguf reads a 16-bit merged folder")
     if entry.get("text_config"):
         config = _text_config(model_dir)

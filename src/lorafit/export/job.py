@@ -84,7 +84,8 @@ def export_gguf(
     types = list(dict.fromkeys(types or ["f16"]))
     output = Path(output).expanduser()
     source = open_run(run_dir)
-    arch = gguf_writer.architecture(source.model_dir)  # an unsupported family fails here, before the merge
+    # an unsupported family fails here, before the merge
+    arch = gguf_writer.architecture(source.model_dir, dequantised=source.quantized_base)
     k_quants = [t for t in types if t not in gguf_writer.DIRECT]
     have_llama_cpp = verify.llama_cpp_available() if k_quants or check else False
     if k_quants and not have_llama_cpp:
