@@ -207,7 +207,8 @@ def rope_scaling(arch: Architecture) -> tuple[dict[str, Any], list[float] | None
         return {"type": "linear", "factor": float(rope["factor"])}, None
     if kind == "yarn":
         original = rope.get("original_max_position_embeddings") or arch.config.get("max_position_embeddings")
-        return {"type": "yarn", "factor": float(rope["factor"]), "original_context": int(original)}, None
+        betas = {key: float(rope[key]) for key in ("beta_fast", "beta_slow") if rope.get(key) is not None}
+        return {"type": "yarn", "factor": float(rope["factor"]), "original_context": int(original)} | betas, None
     if kind == "llama3":
         factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
         original = float(rope["original_max_position_embeddings"])
@@ -664,6 +665,10 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling["factor"])
         writer.add_rope_scaling_orig_ctx_len(scaling["original_context"])
+        if "beta_fast" in scaling:
+            writer.add_rope_scaling_yarn_beta_fast(scaling["beta_fast"])
+        if "beta_slow" in scaling:
+            writer.add_rope_scaling_yarn_beta_slow(scaling["beta_slow"])
     writer.add_tokenizer_model(vocabulary.model)
     if vocabulary.pre:
         writer.add_tokenizer_pre(vocabulary.pre)
