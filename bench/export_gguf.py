@@ -19,8 +19,9 @@
    if tensors differ.
 
 With --family, another catalog model's shape (--tiny only): Qwen3-MoE, Mixtral and gpt-oss with 4 experts (2 a
-token), Gemma 3 and Mistral Small 3.1 with a 2-layer vision tower (lorafit writes their language model; llama.cpp's
-converter, given the same folder, writes the text model too) - the same tensor and metadata comparison.
+token), Gemma 3, Mistral Small 3.1 and Qwen2.5-VL with a 2-layer vision tower (lorafit writes their language
+model; llama.cpp's converter, given the same folder, writes the text model too) - the same tensor and metadata
+comparison.
 
     python bench/export_gguf.py [--tiny] [--family PRESET] [--json FILE] [--workdir DIR] [--keep]
                                 [--llama-cpp-version V]
@@ -52,7 +53,8 @@ OUT = ROOT / "bench" / "out"
 RESULT = ROOT / "bench" / "results" / "export-gguf.json"
 CATALOG_MODEL = "tinyllama-1.1b"
 # --family: the GGUF families beyond the dense ones, each at the --tiny shape
-FAMILIES = (CATALOG_MODEL, "qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b", "gemma-3-4b", "mistral-small-3.1-24b")
+MOE_FAMILIES = ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b")
+FAMILIES = (CATALOG_MODEL, *MOE_FAMILIES, "gemma-3-4b", "mistral-small-3.1-24b", "qwen2.5-vl-7b")
 TINY_EXPERTS = {"num_local_experts": 4, "num_experts_per_tok": 2}
 TINY_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                "image_size": 28}  # fmt: skip

@@ -145,11 +145,9 @@ def architecture(model_dir: Path, *, dequantised: bool = False) -> Architecture:
     model_type = config.get("model_type", "?")
     known = _catalog()["architectures"]
     if model_type not in known:
-        reason = _catalog().get("refused", {}).get(model_type, {}).get("reason")
         raise ExportError(
-            f"lorafit cannot write {model_type!r} models as GGUF"
-            + (f": {reason}; " if reason else f" yet (it writes: {', '.join(known)}); ")
-            + "export --to merged and convert that folder with llama.cpp's convert_hf_to_gguf.py"
+            f"lorafit cannot write {model_type!r} models as GGUF yet (it writes: {', '.join(known)}); "
+            "export --to merged and convert that folder with llama.cpp's convert_hf_to_gguf.py"
         )
     entry = known[model_type]
     if config.get("quantization_config") and not dequantised:
@@ -696,8 +694,9 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
 
 
 def _write_attention_layout(writer: Any, arch: Architecture) -> None:
-    """Sliding-window layers (which, how wide, their own rope base) for the architectures whose llama.cpp graph
-    reads them (catalog: sliding_window), and Gemma's final logit soft-capping where the config has one."""
+    """Sliding-window layers (which, how wide, their own rope base) and multi-axis rope sections for the
+    architectures whose llama.cpp graph reads them (catalog: sliding_window, rope_sections), and Gemma's final
+    logit soft-capping where the config has one."""
     config = arch.config
     layer_types = config.get("layer_types") or []
     if arch.entry.get("sliding_window") and "sliding_attention" in layer_types:
@@ -705,6 +704,13 @@ def _write_attention_layout(writer: Any, arch: Architecture) -> None:
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in layer_types])
         if arch.sliding_rope_theta is not None:
             writer.add_rope_freq_base_swa(arch.sliding_rope_theta)
+    if arch.entry.get("rope_sections"):
+        sections = list(arch.rope.get("mrope_section") or [])
+        if not sections:
+            raise ExportError(
+                f"{arch.model_type}: the config has no mrope_section, which llama.cpp's {arch.arch} reads"
+            )
+        writer.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])  # time, height, width, unused
     if config.get("final_logit_softcapping"):
         writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
 
