@@ -34,8 +34,9 @@ def tokenizer() -> Any:
 
 def image_text_model(folder: Path, tokenizer: Any, family: str) -> None:
     """A tiny random image-text model of the family. Gemma 3's text part gets a sliding window narrower than the
-    test text on its first layer only, with the query scale of the real models (query_pre_attn_scalar = head_dim),
-    so that the window, the per-layer pattern and both rope bases all show in the logits."""
+    test text on its first layer only, the real models' query scale (query_pre_attn_scalar = head_dim) and rope
+    (linear x 8 on full-attention layers), so that the window, the per-layer pattern, both rope bases and the
+    scaling that applies to one kind of layer all show in the logits."""
     from lorafit.train.demo import build_model
 
     build_model(folder, tokenizer, tiny(ONE_PER_FAMILY[family], vocab_size=len(tokenizer)), seed=0)
@@ -44,6 +45,8 @@ def image_text_model(folder: Path, tokenizer: Any, family: str) -> None:
     if family == "gemma3":
         text |= {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
         text["query_pre_attn_scalar"] = text["head_dim"]
+        # Gemma 3 4B/12B/27B's rope: linear scaling by 8 on the full-attention layers only
+        text["rope_parameters"]["full_attention"] |= {"rope_type": "linear", "factor": 8.0}
     if family.startswith("qwen2"):  # llama.cpp 0.3.36's qwen2vl normalises with eps 0 (catalog/gguf.toml)
         text["rms_norm_eps"] = 1e-12
     (folder / "config.json").write_text(json.dumps(config))
