@@ -36,6 +36,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {}),
     "gemma": ("gemma", {"tie_word_embeddings": True}),
+    # Gemma 3 1B's text-only model: the real models' query scale (1/sqrt(head_dim)), a window narrower than TEXT
+    "gemma3-text": (
+        "gemma3_text",
+        {"query_pre_attn_scalar": 64, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
     "phi": ("phi3", {"pad_token_id": None}),
 }
 
