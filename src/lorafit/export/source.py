@@ -178,27 +178,41 @@ def lora_delta_shape(a_shape: tuple[int, ...], b_shape: tuple[int, ...], base: t
 
 
 EXPERT_PARTS = {"gate_up_proj": (("gate_proj", 0), ("up_proj", 1)), "down_proj": (("down_proj", -1),)}
+# The layouts transformers 5.25 saves fused experts in, one tensor per expert and part: (the experts' module path
+# as loaded -> as saved, the parts) - the inverse of conversion_mapping.py's "qwen2_moe" (which Qwen3-MoE uses) and
+# "mixtral" (block_sparse_moe renamed to mlp, w1 and w3 concatenated into gate_up_proj, w2 into down_proj).
+SAVED_EXPERTS: tuple[tuple[tuple[str, str], dict[str, tuple[tuple[str, int], ...]]], ...] = (
+    ((".mlp.experts", ".mlp.experts"), EXPERT_PARTS),
+    (
+        (".mlp.experts", ".block_sparse_moe.experts"),
+        {"gate_up_proj": (("w1", 0), ("w3", 1)), "down_proj": (("w2", -1),)},
+    ),
+)
 
 
 def per_expert_tensors(adapter: Adapter, base_shapes: dict[str, tuple[int, ...]]) -> Adapter:
     """An adapter of fused experts re-keyed to the per-expert tensors the base is saved as, where it is."""
     pairs, scales, slices = dict(adapter.pairs), dict(adapter.scales), dict(adapter.expert_slices)
     for fused, pair in adapter.pairs.items():
-        owner, name = fused.rsplit(".", 1)
+        loaded_owner, name = fused.rsplit(".", 1)
         if fused in base_shapes or name not in EXPERT_PARTS:
             continue
-        suffix = f".{EXPERT_PARTS[name][0][0]}.weight"
-        experts = sum(
-            tensor.startswith(owner + ".")
-            and tensor.endswith(suffix)
-            and tensor[len(owner) + 1 : -len(suffix)].isdigit()
-            for tensor in base_shapes
-        )
-        for expert in range(experts):
-            for saved, part in EXPERT_PARTS[name]:
-                tensor = f"{owner}.{expert}.{saved}.weight"
-                pairs[tensor], scales[tensor] = pair, scales[fused]
-                slices[tensor] = (fused, expert, part, experts)
+        for (loaded, saved_path), parts in SAVED_EXPERTS:
+            if not loaded_owner.endswith(loaded):
+                continue
+            owner = loaded_owner.removesuffix(loaded) + saved_path
+            suffix = f".{parts[name][0][0]}.weight"
+            experts = sum(
+                tensor.startswith(owner + ".")
+                and tensor.endswith(suffix)
+                and tensor[len(owner) + 1 : -len(suffix)].isdigit()
+                for tensor in base_shapes
+            )
+            for expert in range(experts):
+                for saved, part in parts[name]:
+                    tensor = f"{owner}.{expert}.{saved}.weight"
+                    pairs[tensor], scales[tensor] = pair, scales[fused]
+                    slices[tensor] = (fused, expert, part, experts)
         if any(value[0] == fused for value in slices.values()):
             del pairs[fused], scales[fused]
     return Adapter(adapter.path, adapter.config, pairs, scales, adapter.shapes, slices)
