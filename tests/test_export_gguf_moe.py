@@ -154,7 +154,8 @@ def test_a_run_on_the_mxfp4_gpt_oss_the_hub_ships_exports_to_checked_gguf(
     from test_moe import save_mxfp4_experts, tiny_moe
 
     small = build_tokenizer(corpus(), vocab_size=512)
-    build_model(tmp_path / "model", small, tiny_moe("gpt-oss-20b", len(small)), seed=0, dtype="bfloat16")
+    spec = tiny_moe("gpt-oss-20b", len(small)).scaled(num_experts_per_tok=4)  # every expert: see above
+    build_model(tmp_path / "model", small, spec, seed=0, dtype="bfloat16")
     save_mxfp4_experts(tmp_path / "model")
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"instruction": "hi", "input": "", "output": "hello"}) + "\n" for _ in range(8)))
