@@ -47,6 +47,9 @@ def image_text_model(folder: Path, tokenizer: Any, family: str) -> None:
         text["query_pre_attn_scalar"] = text["head_dim"]
         # Gemma 3 4B/12B/27B's rope: linear scaling by 8 on the full-attention layers only
         text["rope_parameters"]["full_attention"] |= {"rope_type": "linear", "factor": 8.0}
+    if family == "mistral3":  # as Mistral Small 3.1's config.json: no tie (Mistral3Config: True), an lm_head saved
+        config.pop("tie_word_embeddings", None)
+        text.pop("tie_word_embeddings", None)
     if family.startswith("qwen2"):  # llama.cpp 0.3.36's qwen2vl normalises with eps 0 (catalog/gguf.toml)
         text["rms_norm_eps"] = 1e-12
     (folder / "config.json").write_text(json.dumps(config))

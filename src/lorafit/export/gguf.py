@@ -168,16 +168,16 @@ def architecture(model_dir: Path, *, dequantised: bool = False) -> Architecture:
 
 def _text_config(model_dir: Path) -> dict[str, Any]:
     """An image-text model's language-model config as transformers fills it (Gemma 3's first config.json files
-    name few text keys and leave the rest to Gemma3TextConfig's defaults), with the tie the whole model uses."""
+    name few text keys and leave the rest to Gemma3TextConfig's defaults). Its tie is not read: Mistral3Config
+    says tied by default while Mistral Small's checkpoints hold an lm_head, which transformers then keeps untied
+    (modeling_utils' tie_weights: both saved and different); a saved lm_head is written, as transformers uses it."""
     from transformers import AutoConfig
 
     try:
         whole = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
         raise ExportError(f"transformers cannot read {model_dir}/config.json: {str(error).splitlines()[0]}") from None
-    text = whole.get_text_config()
-    tied = getattr(whole, "tie_word_embeddings", None)
-    return text.to_dict() | {"tie_word_embeddings": bool(text.tie_word_embeddings if tied is None else tied)}
+    return dict(whole.get_text_config().to_dict())
 
 
 def _check_query_scale(arch: Architecture) -> None:
@@ -270,7 +270,7 @@ def tensor_plans(model_dir: Path, arch: Architecture, file_type: GgufType) -> li
             known = arch.renamed(source)
             if known is None or known.endswith(".rotary_emb.inv_freq"):
                 continue
-            if known == "lm_head.weight" and arch.tied:
+            if known == "lm_head.weight" and arch.tied and not arch.entry.get("text_config"):
                 continue  # llama.cpp reuses token_embd for the output when there is no output.weight
             shape = tuple(header[source]["shape"])
             if match := PER_EXPERT.match(source):
