@@ -36,7 +36,8 @@ def tokenizer() -> Any:
 
 
 def moe_model(folder: Path, tokenizer: Any, model_type: str) -> Any:
-    """A tiny random MoE whose router picks clearly (weights far from zero), so that both runtimes route alike."""
+    """A tiny random MoE whose router picks clearly (weights far from zero), so that both runtimes route alike,
+    saved in two shards with the odd experts in the second, as checkpoints sharded by size can split a layer's."""
     model = tiny_model(folder, tokenizer, model_type, **MOE[model_type])
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -45,7 +46,21 @@ def moe_model(folder: Path, tokenizer: Any, model_type: str) -> Any:
             elif name.endswith("_bias"):  # gpt-oss's expert biases, gate and up interleaved
                 parameter.normal_(0.0, 0.1)
     model.save_pretrained(folder)
+    split_experts(folder)
     return model
+
+
+def split_experts(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    odd = {name for name in tensors if (part := name.split(".experts.")[-1].split(".")[0]).isdigit() and int(part) % 2}
+    shards = {"model-00001-of-00002.safetensors": set(tensors) - odd, "model-00002-of-00002.safetensors": odd}
+    for shard, names in shards.items():
+        save_file({name: tensors[name] for name in names}, folder / shard, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {name: shard for shard, names in shards.items() for name in names}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    (folder / "model.safetensors").unlink()
 
 
 @pytest.mark.parametrize("model_type", MOE)
@@ -65,6 +80,8 @@ def test_moe_families_give_llama_cpp_the_logits_of_transformers(
     reader = GGUFReader(written.path)
     tensors = {tensor.name: tuple(int(n) for n in tensor.shape) for tensor in reader.tensors}
     assert tensors["blk.1.ffn_gate_exps.weight"][-1] == 4  # ggml order: columns, rows, experts
+    plans = [plan for plan in gguf.tensor_plans(folder, gguf.architecture(folder), "f32") if plan.experts]
+    assert model_type == "gpt_oss" or any(len({shard for _, shard in plan.experts}) > 1 for plan in plans)
     assert not any(".experts." in name or name.endswith(("ffn_gate.weight", "ffn_up.weight")) for name in tensors)
 
     # the comparison can fail: experts stacked in another order, or gate and up rows taken as halves rather than

@@ -233,7 +233,7 @@ class TensorPlan:
     shard: Path | None
     shape: tuple[int, ...]  # numpy order (rows, columns; experts first for a stacked tensor)
     ggml_type: str  # F32, F16, BF16, Q8_0
-    experts: tuple[str, ...] = ()  # an MoE's per-expert tensors (in `shard`), stacked in this order as `name`
+    experts: tuple[tuple[str, Path], ...] = ()  # an MoE's per-expert tensors and shards, stacked in this order
     transpose: bool = False  # fused experts stored experts x in x out (gpt-oss): the last two axes swapped
     part: tuple[int, int, int] | None = None  # (start, stop, step) of the output rows taken: gate or up of gate_up
 
@@ -340,19 +340,29 @@ def _stacked_plan(
     names: Any,
     file_type: GgufType,
 ) -> TensorPlan:
-    """One experts x rows x columns tensor from the per-expert tensors saved for it, all of them, in one shard."""
+    """One experts x rows x columns tensor from the per-expert tensors saved for it (in any shards)."""
     name = _gguf_name(names, arch.renamed(stacked) or stacked)
     if name is None:
         raise ExportError(f"no GGUF name for the experts' tensor {stacked} of a {arch.model_type} model")
     if sorted(members) != list(range(arch.experts)):
-        raise ExportError(f"{stacked} is saved for experts {sorted(members)}, the config has {arch.experts}")
+        raise ExportError(
+            f"{stacked} is saved for experts {sorted(members)} and the config has {arch.experts}: the folder "
+            "is not a whole model"
+        )
     sources = [members[expert] for expert in range(arch.experts)]
-    if len({shard for _, shard, _ in sources}) > 1 or len({shape for _, _, shape in sources}) > 1:
-        raise ExportError(f"the experts of {stacked} are split over shards or differ in shape; cannot stack them")
-    _, shard, shape = sources[0]
+    if len({shape for _, _, shape in sources}) > 1:
+        raise ExportError(f"the experts of {stacked} differ in shape; llama.cpp stacks experts of one shape")
+    source, shard, shape = sources[0]
     full = (arch.experts, *shape)
-    experts = tuple(source for source, _, _ in sources)
-    return TensorPlan(name, experts[0], shard, full, _ggml_type_for(name, full, file_type), experts)
+    experts = tuple((name_, path) for name_, path, _ in sources)
+    return TensorPlan(name, source, shard, full, _ggml_type_for(name, full, file_type), experts)
+
+
+def _read(shard: Path | None, source: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(shard, framework="pt") as handle:
+        return handle.get_tensor(source)
 
 
 def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -367,16 +377,14 @@ def tensor_data(plan: TensorPlan, arch: Architecture) -> np.ndarray:
     import gguf
     import numpy as np
     import torch
-    from safetensors import safe_open
 
     if plan.source == "":
         _, divisors = rope_scaling(arch)
         return np.asarray(divisors, dtype=np.float32)
-    with safe_open(plan.shard, framework="pt") as handle:
-        if plan.experts:
-            weight = torch.stack([handle.get_tensor(source) for source in plan.experts])
-        else:
-            weight = handle.get_tensor(plan.source)
+    if plan.experts:
+        weight = torch.stack([_read(shard, source) for source, shard in plan.experts])
+    else:
+        weight = _read(plan.shard, plan.source)
     if plan.transpose:
         weight = weight.transpose(-1, -2)
     if plan.part is not None:
@@ -708,7 +716,8 @@ def _write_attention_layout(writer: Any, arch: Architecture) -> None:
         sections = list(arch.rope.get("mrope_section") or [])
         if not sections:
             raise ExportError(
-                f"{arch.model_type}: the config has no mrope_section, which llama.cpp's {arch.arch} reads"
+                f"{arch.model_type}: the config has no mrope_section, which llama.cpp's {arch.arch} reads; "
+                "export --to merged"
             )
         writer.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])  # time, height, width, unused
     if config.get("final_logit_softcapping"):
