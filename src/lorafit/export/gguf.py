@@ -358,11 +358,15 @@ def _stacked_plan(
     return TensorPlan(name, source, shard, full, _ggml_type_for(name, full, file_type), experts)
 
 
-def _read(shard: Path | None, source: str) -> torch.Tensor:
+def _read(tensors: list[tuple[str, Path | None]]) -> list[torch.Tensor]:
+    """The tensors, each shard opened once (a header of a real MoE's shard names thousands of tensors)."""
     from safetensors import safe_open
 
-    with safe_open(shard, framework="pt") as handle:
-        return handle.get_tensor(source)
+    loaded = {}
+    for shard in dict.fromkeys(shard for _, shard in tensors):
+        with safe_open(shard, framework="pt") as handle:
+            loaded |= {(name, shard): handle.get_tensor(name) for name, where in tensors if where == shard}
+    return [loaded[key] for key in tensors]
 
 
 def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -382,9 +386,9 @@ def tensor_data(plan: TensorPlan, arch: Architecture) -> np.ndarray:
         _, divisors = rope_scaling(arch)
         return np.asarray(divisors, dtype=np.float32)
     if plan.experts:
-        weight = torch.stack([_read(shard, source) for source, shard in plan.experts])
+        weight = torch.stack(_read(list(plan.experts)))
     else:
-        weight = _read(plan.shard, plan.source)
+        (weight,) = _read([(plan.source, plan.shard)])
     if plan.transpose:
         weight = weight.transpose(-1, -2)
     if plan.part is not None:
