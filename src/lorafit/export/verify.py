@@ -79,11 +79,24 @@ def llama_cpp_available() -> bool:
 
 @contextlib.contextmanager
 def llama(path: Path, n_ctx: int) -> Iterator[Any]:
+    """The file in llama.cpp with an f32 KV cache (GGML_TYPE_F32 = 0), so that the check measures the file, not the
+    cache: the default f16 cache alone moves a tiny Llama's logits by 3e-4 of the largest, an f32 cache by under
+    1e-5 (tests/test_export_gguf.py), and in an MoE it can flip an expert choice (measured once: a tiny Mixtral's
+    logits 0.066 apart at one position of 120, where two router logits were 7e-4 apart; with the f32 cache 2e-6)."""
     import llama_cpp
 
+    f32 = 0
     with quiet_stderr():
         model = llama_cpp.Llama(
-            str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False, seed=0, n_threads=os.cpu_count()
+            str(path),
+            n_ctx=n_ctx,
+            n_batch=n_ctx,
+            logits_all=True,
+            verbose=False,
+            seed=0,
+            n_threads=os.cpu_count(),
+            type_k=f32,
+            type_v=f32,
         )
     try:
         yield model
