@@ -160,10 +160,11 @@ def architecture(model_dir: Path, *, dequantised: bool = False) -> Architecture:
                 f"llama.cpp's {entry['arch']} computes {model_type} models with {key} = {json.dumps(expected)}, and "
                 f"this one has {json.dumps(config.get(key))}: its GGUF would answer differently; export --to merged"
             )
-    arch = Architecture(model_type, entry["arch"], entry["permute_qk"], float(entry.get("norm_offset", 0.0)), config)
+    offset = float(entry.get("norm_offset", 0.0))
+    arch = Architecture(model_type, entry["arch"], entry["permute_qk"], offset, config, entry)
     if entry.get("query_scale"):
         _check_query_scale(arch)
-    return Architecture(**(vars(arch) | {"entry": entry}))
+    return arch
 
 
 def _text_config(model_dir: Path) -> dict[str, Any]:
