@@ -119,7 +119,7 @@ bench-moe: $(STAMP)
 bench-exact: $(STAMP)
 	$(BIN)/python bench/exact_speed.py
 
-# image-text models fine-tuned on text (Gemma 3, Mistral Small 3.x, Qwen2.5-VL): the estimate beside the --exact
+# image-text models fine-tuned on text (Gemma 3, Mistral Small 3.x, Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the estimate beside the --exact
 # trace at the real shapes; writes bench/results/image-text-trace.json
 bench-image-text: $(STAMP)
 	$(BIN)/python bench/image_text_trace.py

@@ -1,8 +1,9 @@
 """`make bench-image-text`: lorafit's estimate beside the `--exact` trace for image-text models fine-tuned on text.
 
 Each row traces the real transformers step of the full-size model (Gemma3ForConditionalGeneration,
-Mistral3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration, with their
-vision towers packed by transformers' bitsandbytes quantizer) on fake tensors at the real shapes, a text-only batch,
+Mistral3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration,
+Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration, with their vision towers packed by
+transformers' bitsandbytes quantizer) on fake tensors at the real shapes, a text-only batch,
 and prints the traced peak beside `memory.estimate` for the same settings. These are check rows: nothing here was
 fitted.
 
@@ -35,8 +36,12 @@ ROWS: tuple[tuple[str, dict], ...] = (
     ("gemma-3-27b", QLORA_2048),
     ("qwen2.5-vl-7b", QLORA_2048),
     ("qwen2-vl-7b", QLORA_2048),
+    ("Qwen/Qwen3-VL-8B-Instruct", QLORA_2048),
+    ("Qwen/Qwen3-VL-30B-A3B-Instruct", QLORA_2048),
+    ("qwen2.5-vl-3b", QLORA_2048),
     ("gemma-3-4b", dict(method="lora", quant="none", micro_batch=1, seq_len=2048, grad_ckpt=True)),
     ("gemma-3-4b", dict(method="full", quant="none", micro_batch=1, seq_len=1024, grad_ckpt=True)),
+    ("qwen3-vl-4b", dict(method="lora", quant="none", micro_batch=1, seq_len=2048, grad_ckpt=True)),
     ("qwen2.5-vl-7b", dict(method="qlora", quant="nf4", micro_batch=2, seq_len=1024, grad_ckpt=False)),
     ("mistral-small-3.1-24b", QLORA_2048 | {"lora_targets": "qv"}),
 )

@@ -574,6 +574,7 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
         notes=["transformers 4.48 holds Mixtral's experts as nn.Linear modules, quantised by bnb"],
     ),
     **{f"USC-{n:02d}": dict(settings=dict(grad_accum=1)) for n in range(1, 10)},
+    "USM-02": dict(settings=dict(grad_accum=1)),  # Unsloth's gpt-oss-120b notebook: gradient accumulation 1
     # Unsloth context-length table, HF + FA2 columns (kind = estimate): shown beside their bound, not scored
     "US-09": dict(settings=dict(lora_dropout=0.0, grad_accum=1, grad_ckpt=True)),
     "US-11": dict(settings=dict(lora_dropout=0.0, grad_accum=1, grad_ckpt=True)),
@@ -589,6 +590,8 @@ COMPILED = (
 
 # Rows whose settings are known but whose figure lorafit does not model: shown with lorafit's figures, not scored.
 UNSCORED = {
+    "USM-04": "Unsloth forces float32 for Gemma 3 on a card without bf16 (loader.py FORCE_FLOAT32 @ 015bdef0), "
+    "which lorafit does not model; the notebook's cells are from different runs (an RTX 3060 banner, a T4 figure)",
     "TT-01": COMPILED,
     **{f"TT-{n}": COMPILED for n in range(20, 26)},
     "TTD-05": "the reserved figure was set while loading: 9.13 GB reserved after model init vs 9.29 GB in training "

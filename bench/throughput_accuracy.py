@@ -30,6 +30,10 @@ CALIBRATION = Path(__file__).resolve().parent / "calibration" / "measured_memory
 # from the config the source ran at its commit; the row's split (fit / check) is the CSV's. `stack` is set only
 # for the stacks lorafit offers (`lorafit stacks`); torchtune rows run on the default.
 FMS = dict(seq_len=4096, grad_ckpt=True, attn="flash", lora_r=16, lora_targets="attn", grad_accum=1, stack="trl")
+# its full-finetuning and standard-peft scenarios set torch_dtype bfloat16 without the bf16 flag (scenarios.yaml at
+# both commits): the Trainer runs no autocast, so peft 0.13.2's fp32 adapters (autocast_adapter_dtype) run their
+# matmuls in fp32; the bnb and gptq scenarios set bf16/fp16 True
+FMS_PURE = dict(FMS, autocast=False)
 # torchtune README @0217d44 table ('Batch Size = 4, Seq Length = 2048'; unpacked alpaca recipes, padding not
 # stated): the configs of that commit give the rest.
 TT_0217 = dict(micro_batch=4, seq_len=2048)
@@ -57,26 +61,50 @@ PM = dict(
 PS = dict(method="qlora", seq_len=1024, grad_ckpt=True, attn="flash", lora_r=16, lora_targets="all", stack="trl")
 # fms-acceleration l40_40gb.csv @8af8fa7d: the A100 file's scenario (FMS above) with torch_dtype float16
 FL = dict(FMS, precision="fp16")
+# its standard-peft scenario sets torch_dtype float16 without the fp16 flag: the Trainer runs no autocast, and the
+# peft of that date (the commit pins transformers < 4.40, peft unpinned: 0.10, 2024-03) made new adapters in the
+# base weight's dtype (fp16); peft casts them to fp32 only from 0.12 (autocast_adapter_dtype, huggingface/peft#1706)
+FL_LORA = dict(FL, method="lora", quant="none", autocast=False, fp32_adapters=False)
 # AnswerDotAI/fsdp_qlora benchmarks_03_2024.md: train.py's template command and defaults (2024-03): dummy rows filled
 # to the context length, reentrant checkpointing, grad accum 1, pure bf16, AdamW, LoRA r64 on q,k,v,gate,up,down
 # (lorafit's 'all' adds o), sdpa, 2 GPUs with FSDP FULL_SHARD ('ddp' rows: replicated, shard none; 'CPU offload'
-# rows: FSDP parameter offload, offload params). Its own loop: no lorafit stack.
+# rows: FSDP parameter offload, offload params). Its own loop: no lorafit stack. Pure bf16 (train.py's precision
+# "bf16"): no autocast (nullcontext), and the adapters in bf16 - peft casts new adapters to the base weight's
+# dtype (Linear4bit's quant_storage is bf16) and FSDP without a mixed-precision policy flattens every parameter of
+# a wrapped block into one bf16 FlatParameter.
 AQ = dict(
-    seq_len=2048, grad_ckpt=True, attn="sdpa", lora_r=64, lora_targets="all", grad_accum=1, n_gpus=2, shard="fsdp"
+    seq_len=2048,
+    grad_ckpt=True,
+    attn="sdpa",
+    lora_r=64,
+    lora_targets="all",
+    grad_accum=1,
+    n_gpus=2,
+    shard="fsdp",
+    autocast=False,
+    fp32_adapters=False,
+)
+# pytorch/torchtitan docs/performance.md @157a12c5 (64 A100 80GB): train_configs and train.py of that commit: FSDP2
+# fully_shard over 8 nodes of 8, no TP/PP, grad accum 1, AdamW(foreach=True), F.scaled_dot_product_attention, compile
+# off, the full-vocabulary cross-entropy; every row seq_len tokens (C4 streamed into contiguous windows)
+TI = dict(
+    method="full",
+    quant="none",
+    precision="bf16",
+    grad_accum=1,
+    attn="sdpa",
+    fused_optimizer=False,
+    n_gpus=8,
+    nodes=8,
+    shard="fsdp",
 )
 ROWS: dict[str, tuple[str, str, dict]] = {
-    "FMS-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="full", quant="none", micro_batch=4)),
-    "FMS-03": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="lora", quant="none", micro_batch=4)),
-    "FMS-04": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="lora", quant="none", micro_batch=8)),
+    "FMS-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS_PURE, method="full", quant="none", micro_batch=4)),
+    "FMS-03": ("mistral-7b-v0.1", "A100 80GB", dict(FMS_PURE, method="lora", quant="none", micro_batch=4)),
+    "FMS-04": ("mistral-7b-v0.1", "A100 80GB", dict(FMS_PURE, method="lora", quant="none", micro_batch=8)),
     "FMS-06": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=4)),
     "FMS-07": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=8)),
     "FMS-10": ("llama-2-70b", "A100 80GB", dict(FMS, method="qlora", micro_batch=4)),
-    # fms-acceleration a100_80gb.csv line 102: accelerated-peft-autogptq, GPTQ 4-bit Mistral-7B, fp16, batch 4 x
-    # 4096 packed, checkpointing, flash attention (lorafit times a 4-bit base as bitsandbytes nf4)
-    "FMS-08": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", precision="fp16", micro_batch=4)),
-    # fms-acceleration a100_80gb.csv line 62: baseline-peft-bnb, Mixtral-8x7B nf4, bf16, batch 4 x 4096 packed,
-    # checkpointing, flash attention (transformers 4.48 runs the experts as a loop of nn.Linear)
-    "FMS-11": ("mixtral-8x7b", "A100 80GB", dict(FMS, method="qlora", micro_batch=4)),
     "TT-12": (
         "llama-3.1-8b",
         "RTX 4090",
@@ -272,24 +300,21 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     "TP-PM-06": ("llama-3.2-3b", "L40S", dict(PM, method="lora", lora_r=64)),
     # fms-acceleration on L40s (@8af8fa7d): LoRA r16 q,k,v,o in fp16 weights, packed 4096, checkpointing, flash
     # attention; 2 GPUs under accelerate's FSDP FULL_SHARD
-    "TP-FL-01": ("mistral-7b-v0.1", "L40", dict(FL, method="lora", quant="none", micro_batch=4)),
-    "TP-FL-02": ("mistral-7b-v0.1", "L40", dict(FL, method="lora", quant="none", micro_batch=8)),
+    "TP-FL-01": ("mistral-7b-v0.1", "L40", dict(FL_LORA, micro_batch=4)),
+    "TP-FL-02": ("mistral-7b-v0.1", "L40", dict(FL_LORA, micro_batch=8)),
     "TP-FL-03": (
         "mistral-7b-v0.1",
         "L40",
-        dict(FL, method="lora", quant="none", micro_batch=2, n_gpus=2, shard="fsdp"),
+        dict(FL_LORA, micro_batch=2, n_gpus=2, shard="fsdp"),
     ),
     "TP-FL-04": (
         "mistral-7b-v0.1",
         "L40",
-        dict(FL, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+        dict(FL_LORA, micro_batch=4, n_gpus=2, shard="fsdp"),
     ),
     # accelerated-peft-bnb: bitsandbytes nf4 through the fms plugin, fp16=True
     "TP-FL-05": ("mistral-7b-v0.1", "L40", dict(FL, method="qlora", micro_batch=4)),
     "TP-FL-06": ("mistral-7b-v0.1", "L40", dict(FL, method="qlora", micro_batch=8)),
-    # accelerated-peft-autogptq: GPTQ 4-bit Mistral-7B (lorafit times a 4-bit base as bitsandbytes nf4, as FMS-08)
-    "TP-FL-07": ("mistral-7b-v0.1", "L40", dict(FL, method="qlora", micro_batch=4)),
-    "TP-FL-08": ("mixtral-8x7b", "L40", dict(FL, method="qlora", micro_batch=4)),
     # full fine-tuning (pure fp16 weights and AdamW states) on 2 GPUs, FSDP FULL_SHARD
     "TP-FL-09": (
         "mistral-7b-v0.1",
@@ -303,32 +328,29 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     ),
     # fms-acceleration a100_80gb.csv @24bdadb lines the FMS rows do not use: the same scenario (FMS), bf16; 2 GPUs
     # under accelerate's FSDP FULL_SHARD; baseline-peft-bnb is HF's bitsandbytes nf4
-    "TP-FA-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="full", quant="none", micro_batch=8)),
+    "TP-FA-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS_PURE, method="full", quant="none", micro_batch=8)),
     "TP-FA-02": (
         "mistral-7b-v0.1",
         "A100 80GB",
-        dict(FMS, method="full", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+        dict(FMS_PURE, method="full", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
     ),
     "TP-FA-03": (
         "mistral-7b-v0.1",
         "A100 80GB",
-        dict(FMS, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+        dict(FMS_PURE, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
     ),
     "TP-FA-04": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=2, n_gpus=2, shard="fsdp")),
     "TP-FA-05": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=4, n_gpus=2, shard="fsdp")),
     "TP-FA-06": (
         "mixtral-8x7b",
         "A100 80GB",
-        dict(FMS, method="lora", quant="none", micro_batch=2, n_gpus=2, shard="fsdp"),
+        dict(FMS_PURE, method="lora", quant="none", micro_batch=2, n_gpus=2, shard="fsdp"),
     ),
     "TP-FA-07": (
         "mixtral-8x7b",
         "A100 80GB",
-        dict(FMS, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
+        dict(FMS_PURE, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
     ),
-    "TP-FA-08": ("mixtral-8x7b", "A100 80GB", dict(FMS, method="qlora", micro_batch=2, n_gpus=2, shard="fsdp")),
-    "TP-FA-09": ("mixtral-8x7b", "A100 80GB", dict(FMS, method="qlora", micro_batch=8)),
-    "TP-FA-10": ("mixtral-8x7b", "A100 80GB", dict(FMS, method="qlora", micro_batch=4, n_gpus=2, shard="fsdp")),
     # fsdp_qlora on two RTX 3090s (power limited to 280 W, older PCIe: the catalog's 3090 is the 350 W card)
     "TP-AQ-01": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=1, seq_len=512)),
     "TP-AQ-02": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=1)),
@@ -355,6 +377,32 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     "TP-AQ-22": ("llama-2-70b", "RTX 4090", dict(AQ, method="qlora", micro_batch=2, offload="params")),
     # Mistral-7B-v0.2 base: v0.1's shapes (no sliding window; irrelevant at 2048)
     "TP-AQ-23": ("mistral-7b-v0.1", "RTX 4090", dict(AQ, method="qlora", micro_batch=12, offload="params")),
+    # torchtitan @157a12c5 on 64 A100s (8 nodes of 8): pre-training, every weight trained (lorafit's full step), FSDP2
+    # with bf16 compute over fp32 master weights, foreach AdamW, sdpa, no compile, contiguous C4 windows; the
+    # table's local batch; its own loop (no lorafit stack)
+    "TP-TI-03": ("llama-3-70b", "A100 80GB", dict(TI, micro_batch=1, seq_len=8192, grad_ckpt=True)),
+    "TP-TI-04": ("llama-2-13b", "A100 80GB", dict(TI, micro_batch=2, seq_len=4096, grad_ckpt=False)),
+    "TP-TI-08": ("llama-2-70b", "A100 80GB", dict(TI, micro_batch=2, seq_len=4096, grad_ckpt=True)),
+    # Unsloth 2024.1 on a Colab T4: TinyLlama QLoRA r32 on all seven projections, packed 4096-token rows (RoPE scaled
+    # 2x past its 2048), batch 2 x accum 4, no checkpointing, adamw_8bit, fp16, xformers attention (timed as sdpa)
+    "TP-UT-01": (
+        "tinyllama-1.1b",
+        "T4",
+        dict(
+            method="qlora",
+            stack="unsloth",
+            precision="fp16",
+            micro_batch=2,
+            grad_accum=4,
+            seq_len=4096,
+            grad_ckpt=False,
+            lora_r=32,
+            lora_targets="all",
+            lora_dropout=0.0,
+            optimizer="adamw_8bit",
+            attn="sdpa",
+        ),
+    ),
 }
 
 # Rows run under torch.compile (their notes say so): timed with the torch_compile facet, and summarised apart.
@@ -400,6 +448,23 @@ SKIPPED = {
         for n in range(25, 34)
     },
     "TP-PS-01": "not packed: the tokens of a step are not stated (the row has a step time only)",
+    # the rows bench/memory_accuracy.py excludes for the same reason: a step lorafit does not model
+    **{
+        row_id: "QLoRA of Mixtral under transformers 4.48 (the row's stack), which holds the experts as nn.Linear "
+        "modules that bitsandbytes quantises and runs them one expert at a time; lorafit models transformers 5, "
+        "whose fused 3-D expert parameters stay 16-bit and run grouped (as bench/memory_accuracy.py excludes FMS-11)"
+        for row_id in ("FMS-11", "TP-FA-08", "TP-FA-09", "TP-FA-10", "TP-FL-08")
+    },
+    **{
+        row_id: "GPTQ 4-bit weights (auto-gptq's kernels): lorafit models bitsandbytes nf4/int8 (as "
+        "bench/memory_accuracy.py excludes FMS-08)"
+        for row_id in ("FMS-08", "TP-FL-07")
+    },
+    **{
+        f"TP-TI-{n:02d}": "selective activation checkpointing (every N-th layer, N not stated, or torchtitan's "
+        "per-op policy): lorafit's checkpointing is all layers or none"
+        for n in (1, 2, 5, 6, 7)
+    },
 }
 
 

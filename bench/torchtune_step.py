@@ -18,8 +18,10 @@ they change in place of memory's while it runs. With the flags off every term is
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Literal
 
 from lorafit import memory
@@ -40,6 +42,8 @@ _PRODUCT = {
         "logits_bytes",
     )
 }
+# lorafit.memory's modules, where its terms call one another
+MEMORY_MODULES = ("runtime", "weights", "activations", "loss", "host", "allocator")
 TORCHTUNE_LOSS_CHUNK_TOKENS = 1024  # the most tokens one of CEWithChunkedOutputLoss's chunks holds in this model
 
 
@@ -107,17 +111,26 @@ TERMS: dict[str, Callable[..., float]] = {
 }
 
 
+def _binding_modules(name: str) -> list[ModuleType]:
+    """lorafit.memory and each of its modules that holds `name`: its functions call one another by the names
+    their own module holds."""
+    modules = [memory, *(importlib.import_module(f"lorafit.memory.{part}") for part in MEMORY_MODULES)]
+    return [module for module in modules if hasattr(module, name)]
+
+
 @contextmanager
 def torchtune_terms() -> Iterator[None]:
-    """memory's terms replaced by the ones above while an estimate runs (memory's functions call each other by
-    their module names), memory's own restored after."""
+    """memory's terms replaced by the ones above while an estimate runs, in every module of lorafit.memory that
+    calls them; memory's own restored after."""
     for name, term in TERMS.items():
-        setattr(memory, name, term)
+        for module in _binding_modules(name):
+            setattr(module, name, term)
     try:
         yield
     finally:
         for name, term in _PRODUCT.items():
-            setattr(memory, name, term)
+            for module in _binding_modules(name):
+                setattr(module, name, term)
 
 
 def estimate(

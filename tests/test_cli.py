@@ -488,6 +488,7 @@ def test_lorafit_stacks_lists_every_stack_and_says_which_are_not_offered(capsys:
         (["--stack", "axolotl"], "stack axolotl: not offered"),
         (["--stack", "trl", "--loss", "chunked"], "loss: stack trl has no such switch"),
         (["--stack", "litgpt", "--kbit-prep"], "kbit_prep: stack litgpt does not build its adapters with peft"),
+        (["--stack", "litgpt", "--no-fp32-adapters"], "fp32_adapters: stack litgpt does not build its adapters"),
         (["--method", "lora", "--kbit-prep"], "kbit_prep prepares a quantised base"),
         (["--stack", "trl", "--exact"], "--exact traces lorafit's own training step"),
         (["--autocast", "maybe"], ""),

@@ -618,7 +618,6 @@ def test_close_names_are_suggested() -> None:
     [
         ("meta-llama/Llama-3.2-11B-Vision-Instruct", "Llama 3.2 Vision (mllama", "llama-3.1-8b"),
         ("meta-llama/Llama-3.2-90B-Vision", "Llama 3.2 Vision (mllama", "llama-3.1-70b"),
-        ("Qwen/Qwen3-VL-8B-Instruct", "Qwen3-VL (image-text", "qwen2.5-vl-7b"),
         ("deepseek-ai/DeepSeek-V3", "(deepseek_v2)", "mixtral-8x7b"),
         ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "Llama 4", "llama-3.1-70b"),
         ("tiiuae/falcon-7b", "Falcon", "mistral-7b-v0.1"),

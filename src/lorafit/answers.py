@@ -128,6 +128,7 @@ class PlanAnswer:
     note: str | None = None  # said before the plan when lorafit chose the GPU (none detected)
     max_price_hour: float | None = None
     source: FromConfig | None = None
+    stacks: list[list[planner.StackRow]] | None = None  # with --stack all: each plan's job under every stack
 
     @property
     def cheapest(self) -> Plan | None:
@@ -139,9 +140,11 @@ class PlanAnswer:
 
     def to_json(self) -> Any:
         source = {"from": self.source.to_json()} if self.source else {}
-        if self.kind == "one":
-            return self.plans[0].model_dump(mode="json") | source
         dumped = [p.model_dump(mode="json") for p in self.plans]
+        for plan, rows in zip(dumped, self.stacks or [], strict=False):
+            plan["stacks"] = [row.to_json() for row in rows]
+        if self.kind == "one":
+            return dumped[0] | source
         if self.kind == "embedded":
             return dumped
         best_any, best_under = self.cheapest, self.cheapest_under_price
@@ -206,12 +209,23 @@ def plan(
     card: GpuSpec | None = None,
     device: Device | None = None,
     skip_bad_rows: bool = False,
+    every_stack: bool = False,
 ) -> PlanAnswer:
     """`lorafit plan` for the settings that were set (over those of the config file `from_config`: the run it
     describes, its step settings pinned). `data_path` turns the `data` setting into the file to profile (the
     web server maps it into its upload folder). `card` and `device`: the card to plan for in place of --gpu,
     --vram or the detected one, and where the run happens (`lorafit measure`: this machine's GPU or CPU).
-    `skip_bad_rows`: plan the dataset's sound rows where some have errors (the page's uploads)."""
+    `skip_bad_rows`: plan the dataset's sound rows where some have errors (the page's uploads). `every_stack`
+    (`--stack all`): each plan for the default stack, with the job under every offered stack beside it."""
+    if every_stack and (compare or from_config):
+        flag = "--compare" if compare else "--from"
+        why = "compares the GPUs for one stack" if compare else "reads one trainer's config, run by one stack"
+        raise LorafitError(f"--stack all compares the stacks on one GPU; {flag} {why}: drop one of them")
+    if every_stack and (facets := [name for name in planner.STACK_FACETS if name in given]):
+        raise LorafitError(
+            f"--stack all compares the stacks as each runs; {options.BY_NAME[facets[0]].flag} is a switch of one "
+            "stack's step: drop it, or name the stack (--stack NAME)"
+        )
     request, asked, source, truncated = plan_request(
         given,
         compare=compare,
@@ -223,21 +237,21 @@ def plan(
     if compare:
         return PlanAnswer("compare", planner.compare(request), max_price_hour=asked.max_price_hour, source=source)
     target = card or target_gpu(asked.gpu, asked.vram)
-    if target is None and asked.model is None and source is None:
-        return PlanAnswer(
-            "embedded",
-            [
-                planner.make_plan(request.model_copy(update={"gpu": hardware.resolve(name)}), truncated)
-                for name in EMBEDDED_GPUS
-            ],
-        )
     note = None
-    if target is None:
-        target = hardware.resolve(EMBEDDED_GPUS[0])
-        note = f"no GPU detected: planning for {target.name} (pass --gpu or --vram)"
-    return PlanAnswer(
-        "one", [planner.make_plan(request.model_copy(update={"gpu": target}), truncated)], note, source=source
-    )
+    kind: Literal["one", "embedded"] = "one"
+    if target is None and asked.model is None and source is None:
+        kind, cards = "embedded", [hardware.resolve(name) for name in EMBEDDED_GPUS]
+    else:
+        if target is None:
+            target = hardware.resolve(EMBEDDED_GPUS[0])
+            note = f"no GPU detected: planning for {target.name} (pass --gpu or --vram)"
+        cards = [target]
+    requests = [request.model_copy(update={"gpu": gpu}) for gpu in cards]
+    plans = [planner.make_plan(one, truncated) for one in requests]
+    if not every_stack:
+        return PlanAnswer(kind, plans, note, source=source)
+    rows = [planner.under_every_stack(*pair, truncated) for pair in zip(requests, plans, strict=True)]
+    return PlanAnswer(kind, plans, note, source=source, stacks=rows)
 
 
 # --- the run that carries a plan out --------------------------------------------------------------------------

@@ -32,11 +32,15 @@ app = typer.Typer(
 # --- options, derived from lorafit.options -----------------------------------------------------------------
 SWITCHES = {option.name for option in options.OPTIONS if not option.config}
 METAVARS = {int: "INTEGER", float: "NUMBER", str: "TEXT", dict: "FIELD=COLUMN,..."}
+# Choices a command's flag takes beyond the setting's own, and what they mean: a Plan's stack is always one stack
+EVERY = "all"
+WIDER = {("plan", "stack"): (EVERY, "; all: the plan for the default stack and the same job under every offered stack")}
 
 
-def _parameter(option: options.Option) -> inspect.Parameter:
+def _parameter(option: options.Option, command: options.Command | None = None) -> inspect.Parameter:
     """One typer option. Values arrive as text and are checked by `options.validate`, so that a flag, a YAML
     key and a form field are refused with the same message."""
+    wider, meaning = WIDER.get((command or "", option.name), ("", ""))
     if option.is_bool:
         off = option.off_flag or "--no-" + option.flag.removeprefix("--")
         declarations = [option.flag] if not option.config else [f"{option.flag}/{off}"]
@@ -44,9 +48,13 @@ def _parameter(option: options.Option) -> inspect.Parameter:
     else:
         declarations = [option.flag]
         default, annotation = None, list[str] | None if option.many else str | None
-        metavar = "|".join(option.choices) if option.choices else METAVARS.get(option.type, "TEXT")
+        metavar = (
+            "|".join(option.choices + ((wider,) if wider else ()))
+            if option.choices
+            else METAVARS.get(option.type, "TEXT")
+        )
     declarations += list(option.flags)
-    info = typer.Option(default, *declarations, help=option.help_text(), metavar=metavar, show_default=False)
+    info = typer.Option(default, *declarations, help=option.help_text() + meaning, metavar=metavar, show_default=False)
     return inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=annotation)
 
 
@@ -55,7 +63,7 @@ def derived_options(command: options.Command) -> Callable[[Callable[..., None]],
 
     def attach(function: Callable[..., None]) -> Callable[..., None]:
         own = [p for p in inspect.signature(function).parameters.values() if p.kind is not p.VAR_KEYWORD]
-        function.__signature__ = inspect.Signature(own + [_parameter(o) for o in options.for_command(command)])  # type: ignore[attr-defined]
+        function.__signature__ = inspect.Signature(own + [_parameter(o, command) for o in options.for_command(command)])  # type: ignore[attr-defined]
         return function
 
     return attach
@@ -85,8 +93,11 @@ def estimate(**values: Any) -> None:
 @derived_options("plan")
 def plan(**values: Any) -> None:
     """Will it fit, with which settings, how long, at what cost: the fastest configuration that fits."""
-    given, switches = split(values)
-    answer = answers.plan(given, compare=switches["compare"], from_config=switches["from_config"])
+    every_stack = values["stack"] == EVERY
+    given, switches = split(values | {"stack": None} if every_stack else values)
+    answer = answers.plan(
+        given, compare=switches["compare"], from_config=switches["from_config"], every_stack=every_stack
+    )
     render.warn_about(answer.source)
     if switches["json"]:
         render.print_json(answer.to_json())
@@ -95,8 +106,10 @@ def plan(**values: Any) -> None:
     else:
         if answer.note:
             render.console.print(answer.note)
-        for result in answer.plans:
+        for result, rows in zip(answer.plans, answer.stacks or [[]] * len(answer.plans), strict=True):
             render.show_plan(result)
+            if rows:
+                render.show_stacks_for(result, rows)
 
 
 @app.command()
@@ -131,7 +144,8 @@ def list_models(**values: Any) -> None:
 @app.command("stacks")
 @derived_options("stacks")
 def list_stacks(**values: Any) -> None:
-    """The trainers `--stack` estimates: the pinned versions and what each keeps alive differently."""
+    """The trainers `--stack` estimates: the pinned versions and what each keeps alive differently. To compare
+    them for one job: lorafit plan --model MODEL --gpu GPU --stack all."""
     listed = list(stacks.catalog().values())
     if values["json"]:
         render.print_json([stack.model_dump(mode="json") for stack in listed])

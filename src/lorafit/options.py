@@ -1,14 +1,15 @@
 """Every setting of lorafit, declared once: its type, choices, default, unit, help and the rules that tie it to
 the others.
 
-The settings are the typed fields of three classes below: `Inputs` (what to fine-tune, on what), `Settings` (the
-knobs of one training step) and `RunOptions` (the rest: the whole job, data, schedule, chat, export, serve and the
-command switches). Each field is declared once, with its bounds (`Field`) and what people are told about it
-(`About`). Everything else is derived from those fields: the table `OPTIONS` (one `Option` row per field), the
-`estimate`, `plan`, `train` and `chat` command-line options (`lorafit.cli.derived_options`), the `train` config
-file and its commented starter (`TrainConfig`, `starter_yaml`), the web form (`as_dicts`), and the validation of
-all of them (`validate`), so that a combination is accepted or refused the same way, with the same one-line
-message, from flags, from a YAML file and from the page. Pure Python: no torch here.
+The settings are the typed fields of three classes: `Inputs` (what to fine-tune, on what) and `Settings` (the
+knobs of one training step) below, and `RunOptions` (lorafit.run_options: the whole job, data, schedule, chat,
+export, serve and the command switches). Each field is declared once, with its bounds (`Field`) and what people
+are told about it (`About`, lorafit.declaration). Everything else is derived from those fields: the table
+`OPTIONS` (one `Option` row per field), the `estimate`, `plan`, `train` and `chat` command-line options
+(`lorafit.cli.derived_options`), the `train` config file and its commented starter (`TrainConfig`,
+`starter_yaml`), the web form (`as_dicts`), and the validation of all of them (`validate`), so that a
+combination is accepted or refused the same way, with the same one-line message, from flags, from a YAML file
+and from the page. Pure Python: no torch here.
 
 `None` as a value means "not set": the command then uses the default, or, where `auto` says so, decides (the
 planner searches micro-batch, accumulation, checkpointing and the optimizer; some defaults follow from the model,
@@ -20,15 +21,12 @@ from __future__ import annotations
 import difflib
 import math
 import textwrap
-import types
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar, cast
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model, model_validator
-from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
 from lorafit import stacks
@@ -52,124 +50,19 @@ from lorafit.choices import (  # noqa: F401 (the choices are part of the declara
     Stack,
     default_quant,
 )
+from lorafit.declaration import (
+    ESTIMATE_PLAN_TRAIN,
+    About,
+    Option,
+    RuledModel,
+    batch_size_of,
+    option_rows,
+)
 from lorafit.errors import InvalidConfig
 from lorafit.hardware import MAX_VRAM_GB, GpuSpec
 from lorafit.messages import say
 from lorafit.models import LoraTargets, ModelSpec
-from lorafit.rules import broken_rule
-
-ESTIMATE_PLAN_TRAIN: tuple[Command, ...] = ("estimate", "plan", "train")
-# The most tokens one epoch can hold: about 30 times the largest published pre-training runs (Llama 3: 15T in
-# all), and 10^13 tokens a GPU-century at any throughput lorafit knows
-MAX_TOKENS_PER_EPOCH = 10**13
-# The most optimizer steps of one run: a second per step runs for 30 years
-MAX_STEPS = 10**9
-
-
-@dataclass(frozen=True)
-class About:
-    """What people are told about a setting, beside its type, default and bounds: its help, the commands that take
-    it and the group it is shown in. It rides in the setting's `Annotated[...]` declaration."""
-
-    help: str
-    commands: tuple[Command, ...]
-    group: str
-    auto: str = ""  # what "not set" means where it is not simply the default
-    unit: str = ""
-    flags: tuple[str, ...] = ()  # more spellings, e.g. "-m", "--lr"
-    off_flag: str = ""  # a bool's "false" flag; default --no-NAME
-    config: bool = True  # False: a command switch (--json, --exact), not a setting a file can hold
-    flag_name: str = ""  # the flag where it is not --name-with-dashes
-
-
-@dataclass(frozen=True)
-class Option:
-    """One setting, as the table row derived from its declaration. `name` is the config key and the Python name;
-    the flag is `--name-with-dashes`."""
-
-    name: str
-    type: Any  # int, float, bool, str, dict, or a Literal of the choices
-    help: str
-    commands: tuple[Command, ...]
-    group: str
-    default: Any = None
-    auto: str = ""  # what "not set" means where it is not simply `default`
-    unit: str = ""
-    gt: float | None = None
-    ge: float | None = None
-    lt: float | None = None
-    le: float | None = None
-    flags: tuple[str, ...] = ()  # more spellings, e.g. "-m", "--lr"
-    off_flag: str = ""  # a bool's "false" flag; default --no-NAME
-    step: bool = False  # a field of `Settings`, the knobs of one training step
-    config: bool = True  # False: a command switch (--json, --exact), not a setting a file can hold
-    many: bool = False  # the flag may be given several times; the value is a list
-    flag_name: str = ""  # the flag where it is not --name-with-dashes
-
-    @property
-    def flag(self) -> str:
-        return self.flag_name or "--" + self.name.replace("_", "-")
-
-    @property
-    def choices(self) -> tuple[str, ...]:
-        return get_args(self.type) if get_origin(self.type) is Literal else ()
-
-    @property
-    def is_bool(self) -> bool:
-        return self.type is bool
-
-    def describe_default(self) -> str:
-        if self.auto:
-            return self.auto
-        if self.default is None:
-            return "not set"
-        if self.is_bool:
-            return "on" if self.default else "off"
-        return f"{self.default:g}" if isinstance(self.default, float) else str(self.default)
-
-    def help_text(self) -> str:
-        """What `--help` says: the help, the unit and the default (the choices are the flag's metavar)."""
-        text = self.help + (f", in {self.unit}" if self.unit else "")
-        default = self.describe_default()
-        return text if default == "not set" else f"{text} [default: {default}]"
-
-    def field_info(self, *, optional: bool) -> tuple[Any, Any]:
-        """(annotation, pydantic Field) of this option in a model; `optional`: None means not set."""
-        bounds: dict[str, Any] = {
-            key: getattr(self, key) for key in ("gt", "ge", "lt", "le") if getattr(self, key) is not None
-        }
-        if self.type is float:
-            bounds["allow_inf_nan"] = False
-        if self.type is str:
-            bounds["min_length"] = 1
-        # a step setting whose default is "the stack's" is None in Settings until the stack fills it
-        annotation = self.type | None if optional or (self.step and self.default is None) else self.type
-        if self.many:
-            annotation = list[self.type] | None if optional else list[self.type]  # type: ignore[name-defined]
-        default = None if optional else self.default
-        if self.type is dict:
-            annotation = dict[str, str] | None if optional else dict[str, str]
-            return annotation, Field(default_factory=dict) if not optional else Field(default=None)
-        return annotation, Field(default=default, description=self.help_text(), **bounds)
-
-
-# --- the declaration --------------------------------------------------------------------------------------------
-class _Declared(Frozen):
-    """A model whose fields are declared settings: floats finite, text not empty."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, str_min_length=1)
-
-
-class _RuledModel(_Declared):
-    @model_validator(mode="after")
-    def _rules(self) -> _RuledModel:
-        values = dict(self.__dict__)
-        if "batch_size" in type(self).model_fields:
-            values["batch_size"] = batch_size_of(values)  # the rules check the batch the run will have
-        problem = broken_rule(values)
-        if problem:
-            raise ValueError(problem)
-        return self
+from lorafit.run_options import RunOptions
 
 
 class Inputs:
@@ -221,7 +114,7 @@ class Inputs:
     ] = 0.1
 
 
-class Settings(_RuledModel):
+class Settings(RuledModel):
     """Every knob of one training step. memory.estimate() and the trainer read the same object. Each field is
     the declaration of its setting; quant and lora_alpha follow from method and rank when not set."""
 
@@ -387,6 +280,17 @@ class Settings(_RuledModel):
             auto="the stack's",
         ),
     ] = None
+    fp32_adapters: Annotated[
+        bool | None,
+        About(
+            "the LoRA adapters are held in fp32 (peft's autocast_adapter_dtype, its default since 0.12); off: in the "
+            "compute dtype, as older peft made them and as a loop that casts the whole model (FSDP without mixed "
+            "precision) runs them",
+            ("estimate", "plan"),
+            "stack",
+            auto="the stack's",
+        ),
+    ] = None
     fused_optimizer: Annotated[
         bool | None,
         About(
@@ -477,326 +381,10 @@ def _field_check(name: str) -> TypeAdapter[Any]:
     )
 
 
-class RunOptions:
-    """The rest of what the commands take: the whole job, data, schedule, checkpoints, chat, export, serve, and
-    the command switches."""
-
-    # several nodes
-    node_rank: Annotated[
-        int | None,
-        Field(ge=0),
-        About("this machine's rank among the nodes (0 is the main one)", ("train",), "gpus", auto="0"),
-    ] = None
-    main_address: Annotated[
-        str | None,
-        About(
-            "address of node 0 that every node connects to (several nodes)",
-            ("train",),
-            "gpus",
-            auto="127.0.0.1 on one node",
-        ),
-    ] = None
-    main_port: Annotated[int, Field(gt=0, le=65535), About("port on node 0 for the rendezvous", ("train",), "gpus")] = (
-        29500
-    )
-    # the whole job
-    batch_size: Annotated[
-        int | None,
-        Field(gt=0, le=1 << 20),
-        About(
-            "effective batch in sequences: micro_batch x grad_accum x n_gpus",
-            ("plan", "train"),
-            "job",
-            auto="16, or micro_batch x grad_accum (x n_gpus) when both are set",
-            flags=("--target-batch",),
-        ),
-    ] = None
-    epochs: Annotated[float, Field(gt=0, le=10000), About("passes over the data", ("plan", "train"), "job")] = 3.0
-    max_steps: Annotated[
-        int | None, Field(gt=0, le=MAX_STEPS), About("optimizer steps; overrides epochs", ("train",), "job")
-    ] = None
-    tokens_per_epoch: Annotated[
-        int | None,
-        Field(gt=0, le=MAX_TOKENS_PER_EPOCH),
-        About(
-            "training tokens per epoch",
-            ("plan",),
-            "job",
-            auto="the data's, else an Alpaca-sized 15M",
-            flags=("--tokens",),
-        ),
-    ] = None
-    rent_price: Annotated[
-        float | None,
-        Field(gt=0, le=1000),
-        About(
-            "what renting the GPU costs you, for the rented cost (not with --compare, which prices each card)",
-            ("plan",),
-            "job",
-            auto="the catalog's price of the GPU",
-            unit="USD per GPU-hour",
-        ),
-    ] = None
-    kwh_price: Annotated[
-        float,
-        Field(ge=0, le=100),
-        About("electricity price for the own-card cost", ("plan",), "job", unit="USD per kWh"),
-    ] = 0.3
-    max_price_hour: Annotated[
-        float | None,
-        Field(ge=0),
-        About(
-            "a cap on the rental price: `gpus` lists only the GPUs under it, `plan --compare` also names the cheapest "
-            "under it",
-            ("plan", "gpus"),
-            "job",
-            auto="no cap",
-            unit="USD per GPU-hour",
-        ),
-    ] = None
-    min_vram: Annotated[
-        float | None,
-        Field(ge=0, le=4096),
-        About(
-            "only GPUs with at least this much memory, as sold (a '24 GB' card counts as 24)",
-            ("gpus",),
-            "job",
-            auto="no minimum",
-            unit="GB as sold",
-        ),
-    ] = None
-    # serving the merged model
-    serve_context: Annotated[
-        int,
-        Field(gt=0, le=1 << 22),
-        About(
-            "context length to size the serving memory of the merged model at (KV cache)",
-            ("plan",),
-            "serving",
-            auto="4096, or the model's maximum when that is shorter",
-            unit="tokens",
-        ),
-    ] = 4096
-    # data for training
-    data_format: Annotated[
-        DataFormat | None, About("format of the data", ("train",), "data", auto="detected from the first rows")
-    ] = None
-    data_mapping: Annotated[
-        dict[str, str] | None,
-        About(
-            "read a field from another column: FIELD=COLUMN[,FIELD=COLUMN...]", ("train",), "data", auto="no renames"
-        ),
-    ] = None
-    eval_data: Annotated[
-        str | None, About("held-out dataset for the eval loss", ("train",), "data", auto="eval_split of the data")
-    ] = None
-    eval_split: Annotated[
-        float,
-        Field(ge=0),
-        About("rows held out for the eval loss: a share below 1, or a whole number of rows", ("train",), "data"),
-    ] = 0.05
-    output_dir: Annotated[str, About("where the adapter, metrics, plan and checkpoints go", ("train",), "data")] = (
-        "runs/lorafit"
-    )
-    # schedule
-    learning_rate: Annotated[
-        float, Field(gt=0, le=10), About("peak learning rate", ("train",), "schedule", flags=("--lr",))
-    ] = 0.0002
-    lr_scheduler: Annotated[Scheduler, About("learning-rate schedule", ("train",), "schedule")] = "cosine"
-    warmup_ratio: Annotated[
-        float, Field(ge=0, lt=1), About("share of the steps spent warming up", ("train",), "schedule")
-    ] = 0.03
-    weight_decay: Annotated[float, Field(ge=0), About("AdamW weight decay", ("train",), "schedule")] = 0.0
-    max_grad_norm: Annotated[float, Field(ge=0), About("gradient clipping norm (0: off)", ("train",), "schedule")] = 1.0
-    seed: Annotated[
-        int, Field(ge=0, lt=2**32), About("seed for data order, adapters and dropout", ("train",), "schedule")
-    ] = 42
-    # loss and batching
-    train_on_prompt: Annotated[
-        bool, About("loss on every token, or on the answers only", ("train",), "loss", off_flag="--answer-only")
-    ] = False
-    batching: Annotated[
-        Batching,
-        About(
-            "how rows are batched (auto: padding_free with flash attention, else length_grouped)", ("train",), "loss"
-        ),
-    ] = "auto"
-    # logging, evaluation, checkpoints
-    logging_steps: Annotated[
-        int, Field(gt=0), About("steps between metrics.jsonl lines", ("train",), "checkpoints")
-    ] = 1
-    eval_steps: Annotated[
-        int | None,
-        Field(gt=0),
-        About("steps between eval-loss measurements", ("train",), "checkpoints", auto="at every checkpoint"),
-    ] = None
-    save_steps: Annotated[
-        int,
-        Field(gt=0),
-        About("steps between checkpoints (atomic; rerun the command to resume)", ("train",), "checkpoints"),
-    ] = 50
-    save_total_limit: Annotated[int, Field(gt=0), About("newest checkpoints kept", ("train",), "checkpoints")] = 2
-    # safety
-    allow_pickle: Annotated[
-        bool, About("load .bin (pickle) weights, which can run code", ("train", "chat"), "safety")
-    ] = False
-    trust_remote_code: Annotated[bool, About("run a model's own Python code", ("train", "chat"), "safety")] = False
-    # chat
-    prompt: Annotated[str | None, About("the user message", ("chat",), "chat", flags=("-p",))] = None
-    max_new_tokens: Annotated[int, Field(gt=0, le=32768), About("longest answer", ("chat",), "chat", unit="tokens")] = (
-        64
-    )
-    temperature: Annotated[
-        float,
-        Field(ge=0, le=100),
-        About("sampling temperature; 0 is greedy (the same answer every time)", ("chat",), "chat"),
-    ] = 0.0
-    # export
-    to: Annotated[
-        ExportTarget | None,
-        About(
-            "what to write: a merged transformers model folder, or GGUF files for llama.cpp / Ollama / LM Studio",
-            ("export",),
-            "export",
-        ),
-    ] = None
-    gguf_types: Annotated[
-        list[GgufType] | None,
-        About(
-            "GGUF type to write; repeat for several (K-quants come from llama.cpp's quantizer)",
-            ("export",),
-            "export",
-            auto="f16",
-            flag_name="--quant",
-        ),
-    ] = None
-    output: Annotated[str | None, About("the folder to write", ("export",), "export", flags=("-o",))] = None
-    ollama: Annotated[
-        bool, About("also write an Ollama Modelfile beside the GGUF", ("export",), "switch", config=False)
-    ] = False
-    no_verify: Annotated[
-        bool,
-        About(
-            "skip loading each GGUF in llama.cpp and comparing it with the merged model",
-            ("export",),
-            "switch",
-            config=False,
-        ),
-    ] = False
-    # serve
-    host: Annotated[
-        str,
-        About(
-            "address to listen on; the default answers this machine only (0.0.0.0: every network)", ("serve",), "serve"
-        ),
-    ] = "127.0.0.1"
-    port: Annotated[int, Field(ge=1, le=65535), About("port to listen on", ("serve",), "serve")] = 8765
-    open: Annotated[bool, About("open the page in the default browser", ("serve",), "switch", config=False)] = False
-    # command switches: what to do, not what to train
-    exact: Annotated[
-        bool, About("trace the real training step on fake tensors", ("estimate",), "switch", config=False)
-    ] = False
-    compare: Annotated[bool, About("rank the catalog GPUs for this job", ("plan",), "switch", config=False)] = False
-    from_config: Annotated[
-        str | None,
-        About(
-            "answer for the run this training config describes: an axolotl or LLaMA-Factory YAML, TRL/transformers "
-            "training arguments (JSON or YAML), a torchtune or litgpt config, or a lorafit YAML; flags override it",
-            ("estimate", "plan"),
-            "switch",
-            config=False,
-            flag_name="--from",
-        ),
-    ] = None
-    dry_run: Annotated[
-        bool,
-        About(
-            "check everything, resolve every automatic choice, print the plan and the resolved config, write nothing",
-            ("train",),
-            "switch",
-            config=False,
-        ),
-    ] = False
-    demo: Annotated[
-        bool, About("build a tiny model and fine-tune it on bundled data (CPU)", ("train",), "switch", config=False)
-    ] = False
-    resume: Annotated[
-        bool, About("continue the run in output_dir from its checkpoint", ("train",), "switch", config=False)
-    ] = False
-    overwrite: Annotated[
-        bool,
-        About(
-            "train: delete the run in output_dir and start over; export: replace the output",
-            ("train", "export"),
-            "switch",
-            config=False,
-        ),
-    ] = False
-    json: Annotated[
-        bool,
-        About(
-            "print one JSON object for programs",
-            ("estimate", "plan", "export", "gpus", "models", "stacks", "detect"),
-            "switch",
-            config=False,
-        ),
-    ] = False
-
-
-# --- the table, derived from the declaration --------------------------------------------------------------------
-def _declared_fields(declaration: type) -> dict[str, FieldInfo]:
-    """The fields of a declaration class, as pydantic reads them (a plain class's through the same reader)."""
-    if issubclass(declaration, BaseModel):
-        return dict(declaration.model_fields)
-    hints = get_type_hints(declaration, include_extras=True)
-    return {name: FieldInfo.from_annotated_attribute(hint, getattr(declaration, name)) for name, hint in hints.items()}
-
-
-def _plain_type(annotation: Any) -> tuple[Any, bool]:
-    """(the value type without None, whether the setting is a list of it): `list[GgufType] | None` -> GgufType."""
-    if get_origin(annotation) in (Union, types.UnionType):
-        (annotation,) = (arg for arg in get_args(annotation) if arg is not type(None))
-    if get_origin(annotation) is list:
-        return get_args(annotation)[0], True
-    return (dict if get_origin(annotation) is dict else annotation), False
-
-
-def option_rows(declaration: type, *, step: bool = False) -> tuple[Option, ...]:
-    """One table row per field of a declaration class: its `About`, its bounds, its type and its default."""
-    rows = []
-    for name, field in _declared_fields(declaration).items():
-        about = next(item for item in field.metadata if isinstance(item, About))
-        bounds = {
-            key: getattr(item, key) for item in field.metadata for key in ("gt", "ge", "lt", "le") if hasattr(item, key)
-        }
-        kind, many = _plain_type(field.annotation)
-        rows.append(
-            Option(
-                name,
-                kind,
-                about.help,
-                about.commands,
-                about.group,
-                field.default,
-                about.auto,
-                about.unit,
-                flags=about.flags,
-                off_flag=about.off_flag,
-                step=step,
-                config=about.config,
-                many=many,
-                flag_name=about.flag_name,
-                **bounds,
-            )  # fmt: skip
-        )
-    return tuple(rows)
-
-
 OPTIONS: tuple[Option, ...] = option_rows(Inputs) + option_rows(Settings, step=True) + option_rows(RunOptions)
 BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
 STEP_KEYS: tuple[str, ...] = tuple(Settings.model_fields)
 SEARCHED = ("micro_batch", "grad_accum", "grad_ckpt", "optimizer", *SAVER_ON)  # what the planner chooses when not set
-DEFAULT_BATCH_SIZE = 16
 DEFAULT_HEADROOM: float = BY_NAME["headroom"].default
 DEFAULT_SEQ_LEN: int = BY_NAME["seq_len"].default
 
@@ -846,9 +434,12 @@ def step_defaults(
         filled["double_quant"] = stored.double_quant
     if values.get("lora_alpha") is None:
         filled["lora_alpha"] = 2 * (values.get("lora_r") or BY_NAME["lora_r"].default)
-    if values.get("attn") is None and spec is not None and "sdpa" not in spec.attention_implementations:
-        filled["attn"] = spec.attention_implementations[0]
     stack = stacks.catalog().get(values.get("stack") or BY_NAME["stack"].default)
+    own_attn = stack.family_attn.get(spec.architecture) if stack and spec is not None else None
+    if values.get("attn") is None and own_attn:  # e.g. Unsloth's flex attention for gpt-oss
+        filled["attn"] = own_attn
+    elif values.get("attn") is None and spec is not None and "sdpa" not in spec.attention_implementations:
+        filled["attn"] = spec.attention_implementations[0]
     for name, value in (stack.defaults if stack else {}).items():  # e.g. Unsloth's lora_dropout 0
         if values.get(name) is None:
             filled[name] = value
@@ -869,7 +460,8 @@ def check_against(
     attn, precision = values.get("attn"), values.get("precision")
     if spec is not None:
         stack = values.get("stack") or BY_NAME["stack"].default
-        stacks.past_positions(stack, values.get("seq_len"), spec.name, spec.max_position_embeddings)
+        model_type = spec.vision.family if spec.vision else family  # an image-text model loads as its own type
+        stacks.past_positions(stack, values.get("seq_len"), spec.name, spec.max_position_embeddings, model_type)
         if values.get("liger"):
             stacks.check_liger_model(spec.arch.model_types, spec.name)
     if spec is not None and spec.prequantized is not None:
@@ -922,15 +514,6 @@ def resolve_batching(batching: Batching, attn: str) -> Batching:
     return "padding_free" if attn == "flash" else "length_grouped"
 
 
-def batch_size_of(values: Mapping[str, Any]) -> int:
-    """The effective batch: as set, else micro_batch x grad_accum (x n_gpus) when both are set, else 16."""
-    if values.get("batch_size") is not None:
-        return values["batch_size"]
-    if values.get("micro_batch") is not None and values.get("grad_accum") is not None:
-        return values["micro_batch"] * values["grad_accum"] * (values.get("n_gpus") or 1)
-    return DEFAULT_BATCH_SIZE
-
-
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -947,7 +530,7 @@ def with_settings_of(command: Command) -> Callable[[type[M]], type[M]]:
 
 
 @with_settings_of("train")
-class TrainConfig(_RuledModel):
+class TrainConfig(RuledModel):
     """What `lorafit train` runs: the keys of its YAML file and, with dashes, its flags; a field for every train
     setting of the declaration (`for_command("train")`). A step setting left out (None) comes from `lorafit
     plan` for this machine."""
@@ -984,7 +567,7 @@ def command_model(command: Command) -> type[BaseModel]:
     """The flat model of one command's settings, None where not set: what `validate` checks values with."""
     if command == "train":
         return TrainConfig
-    return create_model(f"{command.title()}Options", __base__=_RuledModel, **_command_fields(command))
+    return create_model(f"{command.title()}Options", __base__=RuledModel, **_command_fields(command))
 
 
 # --- validation with one-line messages ----------------------------------------------------------------------

@@ -8,6 +8,8 @@ it says so and finds the smallest changes that do.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from lorafit import hardware, memory, options, rules, serving, stacks
 from lorafit.costs import time_and_cost
@@ -400,7 +402,7 @@ def under_other_trainers(request: PlanRequest, chosen: Settings, gpu: GpuSpec) -
             chosen.seq_len > request.model.max_position_embeddings and not stack.rope_scaling
         ):
             continue  # (a trainer that does not scale RoPE cannot run past the model's positions)
-        lacks = {saver for saver in SAVERS if saver not in stack.savers} | {"kbit_prep"}
+        lacks = {saver for saver in SAVERS if saver not in stack.savers} | {"kbit_prep", "fp32_adapters"}
         lacks |= set() if stack.liger_runtime else {"liger"}
         given = {name: value for name, value in request.given.items() if name not in lacks}
         try:
@@ -415,6 +417,78 @@ def under_other_trainers(request: PlanRequest, chosen: Settings, gpu: GpuSpec) -
             TrainerFit(stack=stack.name, peak_device_gib=pick.estimate.peak_device_gib, fits=pick.estimate.fits)
         )
     return found
+
+
+# The settings that say how one stack's step runs (`--autocast`, `--liger`, ...): a facet of one stack, not a job's.
+STACK_FACETS = tuple(o.name for o in options.OPTIONS if o.group == "stack" and o.name != "stack")
+
+
+@dataclass(frozen=True)
+class StackRow:
+    """The job under one offered stack (`plan --stack all`): the plan `plan --stack NAME` makes, and the
+    settings its search chose differently from the plan it is compared with; or the line that refuses the job."""
+
+    stack: stacks.StackSpec
+    plan: Plan | None
+    changes: dict[str, Any]
+    refused: str | None = None
+    lacks: tuple[str, ...] = ()  # the savers the compared plan turned on that this stack has no switch for
+
+    def to_json(self) -> dict[str, Any]:
+        """As `plan --stack all --json` lists it: the speed and hours only where the job fits, the plan's first
+        change that fits where it does not."""
+        plan = self.plan
+        if plan is None:  # the same keys, for programs
+            unsaid = dict.fromkeys(("peak_device_gib", "fits", "tokens_per_s", "hours", "settings"))
+            return (
+                {"stack": self.stack.name, "pinned": self.stack.pinned, "verdict": "refused", "refused": self.refused}
+                | unsaid
+                | {"changes": {}, "lacks_savers": [], "smallest_change": None}
+            )
+        fits = plan.fits and plan.gpu is not None
+        first = plan.suggestions[0] if plan.suggestions and not plan.fits else None
+        return {
+            "stack": self.stack.name,
+            "pinned": self.stack.pinned,
+            "verdict": plan.verdict,
+            "refused": None,
+            "peak_device_gib": plan.estimate.peak_device_gib,
+            "fits": plan.estimate.fits,
+            "tokens_per_s": plan.tokens_per_s if fits else None,
+            "hours": plan.hours if fits else None,
+            "settings": plan.settings.model_dump(mode="json"),
+            "changes": self.changes,
+            "lacks_savers": list(self.lacks),
+            "smallest_change": None
+            if first is None
+            else {"change": first.change, "gpu": first.gpu, "peak_device_gib": first.estimate.peak_device_gib},
+        }
+
+
+def under_every_stack(request: PlanRequest, chosen: Plan, truncated_rows: int | None = None) -> list[StackRow]:
+    """The job planned with each offered stack pinned, as `plan --stack NAME` plans it (without the other
+    trainers' line), beside `chosen`, the plan of the stack the request names; a stack whose refusals (its bases,
+    methods, model families, positions) rule the job out gets its one-line reason instead of a plan. A row's
+    `changes`: the settings its search chose otherwise than `chosen`'s, the savers the stack lacks left out."""
+    rows = []
+    for stack in stacks.offered():
+        if stack.name == chosen.settings.stack:
+            rows.append(StackRow(stack, chosen, {}))
+            continue
+        try:
+            there = make_plan(request.fixing(stack=stack.name), truncated_rows, details=False)
+        except LorafitError as error:
+            rows.append(StackRow(stack, None, {}, str(error).splitlines()[0]))
+            continue
+        mine, theirs = chosen.settings.model_dump(mode="json"), there.settings.model_dump(mode="json")
+        lacks = {saver for saver in SAVERS if saver not in stack.savers}  # off by necessity, not by choice
+        changes = {
+            name: value
+            for name, value in theirs.items()
+            if name not in (*STACK_FACETS, "stack", *lacks) and value != mine.get(name)
+        }
+        rows.append(StackRow(stack, there, changes, lacks=tuple(s for s in savers_on(chosen.settings) if s in lacks)))
+    return rows
 
 
 def searched(request: PlanRequest) -> tuple[int, GpuSpec | None, list[Candidate]]:

@@ -11,11 +11,11 @@ from rich.console import Console, JustifyMethod
 from rich.markup import escape
 from rich.table import Table
 
-from lorafit import costs
+from lorafit import costs, options
 from lorafit.configs import KIND_TITLES
 from lorafit.hardware import GpuSpec, LocalMachine
 from lorafit.models import ModelSpec, variants
-from lorafit.plan import DEFAULT_TOKENS_PER_EPOCH
+from lorafit.plan import DEFAULT_TOKENS_PER_EPOCH, StackRow
 from lorafit.schema import TIGHT_SHARE, Estimate, Plan, Settings, TokenProfile
 from lorafit.serving import Serving
 
@@ -71,6 +71,7 @@ def stack_words(settings: Settings) -> str:
         for name, on in (
             ("autocast", settings.autocast),
             ("kbit preparation", settings.kbit_prep),
+            ("fp32 adapters", settings.fp32_adapters),
             ("fused AdamW", settings.fused_optimizer),
             ("torch.compile", settings.torch_compile),
             ("Liger kernels", settings.liger),
@@ -334,6 +335,69 @@ def show_compare(plans: list[Plan], cheapest: Plan | None, cheapest_under: Plan 
             )
 
 
+VERDICT_WORDS = {"fits": "fits", "tight": "tight", "no": "no", None: "-"}
+
+
+def show_stacks_for(plan: Plan, rows: list[StackRow]) -> None:
+    """`plan --stack all`: the job under each offered stack, one row each, as `plan --stack NAME` plans it; then
+    one line per other stack: the settings its search chose otherwise than the plan above, or why it cannot run
+    the job."""
+    headers = ("stack", "version", "device GiB", "fits", "tokens/s", "time")
+    cells = []
+    for row in rows:
+        version = row.stack.pinned.split(" (")[0].split(",")[0]
+        if row.plan is None:
+            cells.append((row.stack.name, version, "-", "cannot", "-", "-"))
+            continue
+        fits = row.plan.fits and row.plan.gpu is not None
+        cells.append(
+            (
+                row.stack.name,
+                version,
+                f"{row.plan.estimate.peak_device_gib:.2f}",
+                VERDICT_WORDS[row.plan.verdict],
+                f"{row.plan.tokens_per_s:,.0f}" if fits else "-",
+                _hours(row.plan.hours) if fits else "-",
+            )
+        )
+    gpu = plan.gpu.name if plan.gpu else "no GPU"
+    title = f"{plan.model.name} on {gpu}: the same job under each stack"
+    table, dropped = fitted_table(title, headers, cells, ("version",), right=("device GiB", "tokens/s", "time"))
+    console.print(table)
+    if dropped:
+        console.print(f"left out to fit {console.width} columns: {', '.join(dropped)} (all of them: --json)")
+    for row in rows:
+        if row.plan is not plan:
+            said = stack_choices(row, plan) if row.plan else f"cannot run this job: {row.refused}"
+            console.print(escape(f"  - {row.stack.name}: {said}"))
+
+
+def stack_choices(row: StackRow, plan: Plan) -> str:
+    """What a row's plan sets differently from `plan`, as the flags that set it, and the savers of `plan` the
+    stack has no switch for; for a stack the job does not fit, its leanest step and the plan's first change
+    that fits."""
+    parts = [", ".join(flag_words(name, value) for name, value in row.changes.items())] if row.changes else []
+    if row.lacks:
+        lacking = ", ".join("loss chunked" if name == "loss" else name for name in row.lacks)
+        parts.append(f"without {lacking} ({row.stack.name} has none)")
+    changed = "; ".join(parts) or "the same settings"
+    if row.plan is None or row.plan.fits or row.plan.gpu is None:
+        return changed
+    line = f"does not fit at these settings; its leanest: {changed}"
+    if row.plan.suggestions:
+        first = row.plan.suggestions[0]
+        line += f"; fits with {first.change}, {first.estimate.peak_device_gib:.2f} GiB"
+    return line
+
+
+def flag_words(name: str, value: Any) -> str:
+    """A setting as the flag that sets it: `--micro-batch 2`, `--no-grad-ckpt`."""
+    option = options.BY_NAME[name]
+    if isinstance(value, bool):
+        return option.flag if value else option.off_flag or "--no-" + option.flag.removeprefix("--")
+    return f"{option.flag} {value}"
+
+
 def show_gpus(gpus: list[GpuSpec]) -> None:
     """The catalog; on a narrow terminal the columns a choice needs least (kind, nvidia-smi's figure, power,
     bandwidth, price) are left out, one at a time, so that each card stays on one line."""
@@ -374,6 +438,7 @@ def show_stacks(listed: list[StackSpec]) -> None:
         console.print(f"  traced: {stack.traced}", highlight=False)
         if stack.nearest:
             console.print(f"  its config files (--from) are answered for stack {stack.nearest}", highlight=False)
+    console.print("to compare the offered stacks for one job: lorafit plan --model MODEL --gpu GPU --stack all")
 
 
 def liger_words(stack: StackSpec) -> str:

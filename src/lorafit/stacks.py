@@ -47,6 +47,11 @@ class StackSpec(BaseModel):
     liger_runtime: dict[str, Any] = Field(default_factory=dict)  # what use_liger_kernel adds; {}: no such switch
     rope_scaling: bool = False  # trains past the model's trained context by scaling RoPE
     rope_scaling_source: str = ""
+    rope_scaling_families: tuple[str, ...] = ()  # the families whose load scales RoPE; empty: every family
+    # the attention a family trains with under this stack where it replaces transformers' kernel, as the lorafit
+    # kernel that keeps the same tensors (the default where --attn is not given)
+    family_attn: dict[str, str] = Field(default_factory=dict)
+
     keeps: tuple[str, ...]
     sources: tuple[str, ...] = ()
     traced: str
@@ -59,6 +64,10 @@ class StackSpec(BaseModel):
         """The Runtime fields of this stack's step over a quantised or a 16-bit base, with Liger's kernels or not."""
         facts = self.runtime | (self.qlora_runtime if quantized else self.lora_runtime)
         return facts | self.liger_runtime if liger else facts
+
+    def scales_rope(self, family: str | None) -> bool:
+        """Trains past the trained context for this family (None: not known, taken as any of them)."""
+        return self.rope_scaling and (not self.rope_scaling_families or family in (None, *self.rope_scaling_families))
 
     @property
     def liger_fuses_loss(self) -> bool:
@@ -147,6 +156,8 @@ def check(values: Mapping[str, Any], family: str | None = None) -> None:
             raise InvalidConfig(say("error.stack_saver", setting="stack", **said))
     if values.get("liger"):
         check_liger(stack, values)
+    if values.get("fp32_adapters") is not None and not stack.peft:
+        raise InvalidConfig(say("error.kbit_peft", setting_kbit="fp32_adapters", setting="stack", stack=stack.name))
     if values.get("kbit_prep") is not None:
         if not stack.peft:
             raise InvalidConfig(say("error.kbit_peft", setting_kbit="kbit_prep", setting="stack", stack=stack.name))
@@ -179,14 +190,17 @@ def rope_factor(seq_len: int, positions: int) -> int:
     return math.ceil(seq_len / positions)
 
 
-def past_positions(stack_name: str, seq_len: int | None, model: str, positions: int) -> str | None:
-    """A sequence past the model's trained positions: for a stack that scales RoPE, the plan line that says by
-    what factor; for another, refused in one line naming the stacks that scale. None within the positions."""
+def past_positions(
+    stack_name: str, seq_len: int | None, model: str, positions: int, family: str | None = None
+) -> str | None:
+    """A sequence past the model's trained positions: for a stack that scales RoPE (for the model's `family`,
+    where known), the plan line that says by what factor; for another, refused in one line naming the stacks that
+    scale. None within the positions."""
     if seq_len is None or seq_len <= positions:
         return None
     stack = resolve(stack_name)
-    scaling = [s.name for s in offered() if s.rope_scaling]
-    if not stack.rope_scaling:
+    scaling = [s.name for s in offered() if s.scales_rope(family)]
+    if not stack.scales_rope(family):
         raise InvalidConfig(
             say(
                 "error.seq_len_no_rope",

@@ -1,18 +1,20 @@
 """The vision tower and projector of an image-text model fine-tuned on text (Gemma 3, Mistral Small 3.1 / 3.2,
-Qwen2.5-VL): weights that are loaded, stored (and quantised) with the language model but never trained and, for
-text-only rows, never run.
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL): weights that are loaded, stored (and quantised) with the language model but never
+trained and, for text-only rows, never run.
 
 A `VisionTower` holds the vision_config keys that set the tower's weights, named as transformers names them, and
 the image-text family (the config.json's top-level `model_type`) whose projector joins it to the language model.
 The counts are the shapes of the real modules (transformers 5.25: models/siglip/modeling_siglip.py and
 models/gemma3/modeling_gemma3.py Gemma3MultiModalProjector; models/pixtral/modeling_pixtral.py and
 models/mistral3/modeling_mistral3.py Mistral3MultiModalProjector, Mistral3PatchMerger;
-models/qwen2_5_vl/modeling_qwen2_5_vl.py Qwen2_5_VisionTransformerPretrainedModel), checked against the meta-device
-build in tests/test_vision.py.
+models/qwen2_5_vl/modeling_qwen2_5_vl.py Qwen2_5_VisionTransformerPretrainedModel;
+models/qwen3_vl/modeling_qwen3_vl.py Qwen3VLVisionModel, whose deepstack mergers are copies of the merger that add
+the image's features to the first text layers, so with no image they add nothing: Qwen3VLTextModel adds them only
+when `deepstack_visual_embeds` is given), checked against the meta-device build in tests/test_vision.py.
 
 What bitsandbytes does with them: transformers' quantizer replaces every `nn.Linear` outside
 `get_keys_to_not_convert` (the tied embeddings, the LM head, the last module; quantizers/base.py) and the model's
-`_keep_in_fp32_modules` (none for these three families), so the tower's and projector's linears are stored in 4 bit
+`_keep_in_fp32_modules` (none for these families), so the tower's and projector's linears are stored in 4 bit
 like the language model's; convolutions, norms, biases, position tables and Gemma 3's projection matrix (an
 `nn.Parameter`, not a Linear) stay in the compute dtype.
 """
@@ -25,19 +27,31 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lorafit.errors import InvalidConfig
 
-ImageTextFamily = Literal["gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl"]
+ImageTextFamily = Literal["gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe"]
 
 # The language model each image-text family wraps: the lorafit architecture, and the `tie_word_embeddings` that
 # transformers 5.25 uses when the config.json does not say (Gemma3Config and Mistral3Config default True,
-# Qwen2_5_VLConfig False; configuration_gemma3.py, configuration_mistral3.py, configuration_qwen2_5_vl.py).
-IMAGE_TEXT_FAMILIES: tuple[str, ...] = ("gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl")
+# Qwen2_5_VLConfig, Qwen3VLConfig and Qwen3VLMoeConfig False; configuration_gemma3.py, configuration_mistral3.py,
+# configuration_qwen2_5_vl.py, configuration_qwen3_vl.py, configuration_qwen3_vl_moe.py). Qwen3-VL's text model is
+# Qwen3 (q/k norms), Qwen3-VL-MoE's Qwen3-MoE (Qwen3VLMoeTextExperts: fused 3-D experts, as Qwen3MoeExperts).
+IMAGE_TEXT_FAMILIES: tuple[str, ...] = ("gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
 TEXT_ARCHITECTURE: dict[str, str] = {
     "gemma3": "gemma3",
     "mistral3": "mistral",
     "qwen2_5_vl": "qwen2",
     "qwen2_vl": "qwen2",
+    "qwen3_vl": "qwen3",
+    "qwen3_vl_moe": "qwen3_moe",
 }
-TIED_BY_DEFAULT: dict[str, bool] = {"gemma3": True, "mistral3": True, "qwen2_5_vl": False, "qwen2_vl": False}
+TIED_BY_DEFAULT: dict[str, bool] = {
+    "gemma3": True,
+    "mistral3": True,
+    "qwen2_5_vl": False,
+    "qwen2_vl": False,
+    "qwen3_vl": False,
+    "qwen3_vl_moe": False,
+}
+QWEN3_VL_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 # Gemma 3's first config.json files name few text keys and let Gemma3TextConfig's defaults fill the rest
 # (configuration_gemma3.py): the defaults, for a text_config that leaves them out
 TEXT_DEFAULTS: dict[str, dict[str, int]] = {
@@ -80,6 +94,18 @@ _KEYS: dict[str, dict[str, str]] = {
         "temporal_patch_size": "temporal_patch_size",
         "spatial_merge_size": "spatial_merge_size",
     },
+    "qwen3_vl": {
+        "hidden_size": "hidden_size",
+        "intermediate_size": "intermediate_size",
+        "num_hidden_layers": "depth",
+        "num_attention_heads": "num_heads",
+        "patch_size": "patch_size",
+        "num_channels": "in_channels",
+        "temporal_patch_size": "temporal_patch_size",
+        "spatial_merge_size": "spatial_merge_size",
+        "num_position_embeddings": "num_position_embeddings",
+        "deepstack_visual_indexes": "deepstack_visual_indexes",
+    },
     "qwen2_vl": {  # the MLP width is embed_dim x mlp_ratio; vision_config's hidden_size is the merger's output
         "hidden_size": "embed_dim",
         "num_hidden_layers": "depth",
@@ -90,7 +116,7 @@ _KEYS: dict[str, dict[str, str]] = {
         "spatial_merge_size": "spatial_merge_size",
     },
 }
-_DEFAULTS: dict[str, dict[str, int]] = {
+_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3": {  # SiglipVisionConfig
         "hidden_size": 768,
         "intermediate_size": 3072,
@@ -120,6 +146,18 @@ _DEFAULTS: dict[str, dict[str, int]] = {
         "temporal_patch_size": 2,
         "spatial_merge_size": 2,
     },
+    "qwen3_vl": {  # Qwen3VLVisionConfig (Qwen3VLMoeVisionConfig has the same defaults)
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "patch_size": 16,
+        "num_channels": 3,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "num_position_embeddings": 2304,
+        "deepstack_visual_indexes": (8, 16, 24),
+    },
     "qwen2_vl": {  # Qwen2VLVisionConfig (mlp_ratio 4)
         "hidden_size": 1280,
         "intermediate_size": 4 * 1280,
@@ -131,6 +169,7 @@ _DEFAULTS: dict[str, dict[str, int]] = {
         "spatial_merge_size": 2,
     },
 }
+_KEYS["qwen3_vl_moe"], _DEFAULTS["qwen3_vl_moe"] = _KEYS["qwen3_vl"], _DEFAULTS["qwen3_vl"]
 
 
 class VisionTower(BaseModel):
@@ -148,6 +187,8 @@ class VisionTower(BaseModel):
     num_channels: int = Field(default=3, gt=0, le=64)
     spatial_merge_size: int = Field(default=2, gt=0, le=64)  # Pixtral's patch merger, Qwen's merger
     temporal_patch_size: int = Field(default=2, gt=0, le=64)  # Qwen's 3-D patch embedding
+    num_position_embeddings: int = Field(default=2304, gt=0, le=1 << 20)  # Qwen3-VL's learned position table
+    deepstack_visual_indexes: tuple[int, ...] = Field(default=(), max_length=1024)  # Qwen3-VL: a merger for each
 
     def linear_params(self, text_hidden: int) -> int:
         """Weights of the tower's and projector's `nn.Linear` layers (biases excluded): what bitsandbytes packs."""
@@ -160,6 +201,8 @@ class VisionTower(BaseModel):
         merger = merged * merged + merged * text_hidden  # Qwen's merger: a two-layer MLP
         if self.family == "qwen2_vl":  # fused qkv (d x 3d), proj, fc1, fc2
             return n * (4 * d * d + 2 * d * i) + merger
+        if self.family in QWEN3_VL_FAMILIES:  # qkv, proj, linear_fc1, linear_fc2; the merger and its deepstack copies
+            return n * (4 * d * d + 2 * d * i) + (1 + len(self.deepstack_visual_indexes)) * merger
         return n * (4 * d * d + 3 * d * i) + merger  # Qwen2.5-VL: qkv, proj, gate, up, down
 
     def other_params(self, text_hidden: int) -> int:
@@ -183,6 +226,12 @@ class VisionTower(BaseModel):
             embeddings = c * p * p * d + d  # conv without bias, ln_pre
             return embeddings + n * 2 * d + d  # attention_norm, ffn_norm; the projector's norm
         patch_embed = c * self.temporal_patch_size * p * p * d  # Conv3d without bias
+        if self.family in QWEN3_VL_FAMILIES:  # a biased Conv3d and a learned position table (an nn.Embedding)
+            embeddings = patch_embed + d + self.num_position_embeddings * d
+            per_layer = 3 * d + d + i + d + 2 * 2 * d  # qkv, proj, fc1, fc2 biases; two LayerNorms
+            # the merger's LayerNorm is d wide, each deepstack merger's merged-wide (use_postshuffle_norm)
+            deepstack = len(self.deepstack_visual_indexes) * (2 * merged + merged + text_hidden)
+            return embeddings + n * per_layer + 2 * d + merged + text_hidden + deepstack
         if self.family == "qwen2_vl":  # biases of qkv, proj, fc1, fc2; two LayerNorms; ln_q (a LayerNorm too)
             return patch_embed + n * (3 * d + d + i + d + 2 * 2 * d) + 2 * d + merged + text_hidden
         per_layer = 3 * d + d + 2 * i + d + 2 * d  # qkv, proj, gate, up, down biases; two RMSNorms
@@ -196,7 +245,9 @@ class VisionTower(BaseModel):
         """The vision_config transformers builds this tower from."""
         keys = _KEYS[self.family]
         config: dict[str, Any] = {key: getattr(self, field) for field, key in keys.items()}
-        if self.family == "qwen2_5_vl":
+        if "deepstack_visual_indexes" in config:
+            config["deepstack_visual_indexes"] = list(self.deepstack_visual_indexes)
+        if self.family == "qwen2_5_vl" or self.family in QWEN3_VL_FAMILIES:
             config["out_hidden_size"] = text_hidden  # the merger's output feeds the language model
         elif self.family == "qwen2_vl":
             config |= {"hidden_size": text_hidden, "mlp_ratio": self.intermediate_size // self.hidden_size}
@@ -209,10 +260,15 @@ class VisionTower(BaseModel):
     def text_keys(self, head_size: int) -> dict[str, Any]:
         """Keys the language model's config needs beside the shapes: Qwen2.5-VL's multimodal rotary embedding
         splits each head's rotary half into [16, 24, 24] (time, height, width) for its 128-wide heads
-        (Qwen2_5_VLRotaryEmbedding's default); a narrower head (a tiny test model) gets the same proportions."""
+        (Qwen2_5_VLRotaryEmbedding's default), Qwen3-VL's into [24, 20, 20], interleaved (its checkpoints'
+        rope_scaling); a narrower head (a tiny test model) gets the same proportions."""
+        half = head_size // 2
+        if self.family in QWEN3_VL_FAMILIES:
+            time, height = half * 24 // 64, half * 20 // 64
+            section = [time, height, half - time - height]
+            return {"rope_parameters": {"rope_type": "default", "mrope_section": section, "mrope_interleaved": True}}
         if self.family not in ("qwen2_5_vl", "qwen2_vl"):
             return {}
-        half = head_size // 2
         time, height = half * 16 // 64, half * 24 // 64
         return {"rope_parameters": {"rope_type": "default", "mrope_section": [time, height, half - time - height]}}
 
@@ -252,9 +308,14 @@ def read_vision(config: dict[str, Any], file: object) -> VisionTower | None:
         fields["intermediate_size"] = int(fields["hidden_size"] * ratio) if type(fields["hidden_size"]) is int else 0
     if family == "mistral3" and config.get("spatial_merge_size") is not None:
         fields["spatial_merge_size"] = config["spatial_merge_size"]
+    stacked = fields.pop("deepstack_visual_indexes", ())
+    if not isinstance(stacked, (list, tuple)) or any(type(index) is not int for index in stacked):
+        raise InvalidConfig(f"{file}: vision_config.deepstack_visual_indexes must be a list of layer numbers")
     for field, value in fields.items():
         if field != "family" and type(value) is not int:
             raise InvalidConfig(f"{file}: vision_config.{_KEYS[family].get(field, field)} must be a whole number")
+    if family in QWEN3_VL_FAMILIES:
+        fields["deepstack_visual_indexes"] = tuple(stacked)
     try:
         return VisionTower.model_validate(fields)
     except ValueError as error:

@@ -371,8 +371,14 @@ def create_app(upload_dir: Path | None = None, host: str = "127.0.0.1", port: in
             given = uploads.model(given)
             result: answers.PlanAnswer | answers.EstimateAnswer
             if command == "plan":
+                # stack=all: `plan --stack all` (a run, one stack: the value is refused as any other)
+                every_stack = not run and given.get("stack") == "all"
                 result = answers.plan(
-                    given, compare=on["compare"], data_path=lambda v: uploads.path(v, "data"), skip_bad_rows=True
+                    {key: value for key, value in given.items() if not (every_stack and key == "stack")},
+                    compare=on["compare"],
+                    data_path=lambda v: uploads.path(v, "data"),
+                    skip_bad_rows=True,
+                    every_stack=every_stack,
                 )
             else:
                 result = answers.estimate(given, exact=on["exact"])

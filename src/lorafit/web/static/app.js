@@ -476,6 +476,24 @@ function trainersLine(plan) {
   return t("ui.trainers_line", { fit: fitting.join(", ") || "–", no: failing.join(", ") });
 }
 
+function renderStacks(plan) {
+  // the job under each offered trainer (plan.trainers, as `lorafit plan --stack all` tables it): its peak, whether it fits
+  const box = document.getElementById("stacks-box");
+  const others = plan.gpu ? plan.trainers || [] : [];
+  box.hidden = others.length === 0;
+  const own = { stack: plan.settings.stack, peak_device_gib: plan.estimate.peak_device_gib, verdict: plan.verdict };
+  const rows = [own, ...others.map((row) => ({ ...row, verdict: row.fits ? "fits" : "no" }))];
+  box.querySelector("tbody").replaceChildren(...rows.map((row) => {
+    const line = document.createElement("tr");
+    line.dataset.stack = row.stack;
+    line.dataset.verdict = row.verdict;
+    for (const text of [row.stack, gib(row.peak_device_gib), t(`ui.verdict_${row.verdict}`)]) {
+      line.append(Object.assign(document.createElement("td"), { textContent: text }));
+    }
+    return line;
+  }));
+}
+
 function renderPlan() {
   const plan = page.plan;
   const verdict = document.getElementById("verdict");
@@ -503,6 +521,7 @@ function renderPlan() {
   const trainers = document.getElementById("trainers-line");
   trainers.textContent = trainersLine(plan);
   trainers.hidden = !trainers.textContent;
+  renderStacks(plan);
   const savers = saversOf(plan.settings);
   const saversLine = document.getElementById("savers-line");
   saversLine.hidden = savers.length === 0;
