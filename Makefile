@@ -141,7 +141,8 @@ bench-allocator: $(STAMP)
 # imports.
 bench-export: $(STAMP) $(BENCH_STAMP)
 	$(BIN)/python bench/export_gguf.py
-	for family in qwen3-30b-a3b mixtral-8x7b gpt-oss-20b gemma-3-4b mistral-small-3.1-24b qwen2.5-vl-7b; do \
+	for family in qwen3-30b-a3b mixtral-8x7b gpt-oss-20b gemma-3-4b mistral-small-3.1-24b qwen2.5-vl-7b \
+		qwen3-vl-8b; do \
 		$(BIN)/python bench/export_gguf.py --tiny --repeat 1 --family $$family || exit 1; done
 
 # Each memory saver's effect on 7-8B QLoRA at 2048 tokens, estimate and --exact side by side, against an 8 GB card;

@@ -54,7 +54,7 @@ RESULT = ROOT / "bench" / "results" / "export-gguf.json"
 CATALOG_MODEL = "tinyllama-1.1b"
 # --family: the GGUF families beyond the dense ones, each at the --tiny shape
 MOE_FAMILIES = ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b")
-FAMILIES = (CATALOG_MODEL, *MOE_FAMILIES, "gemma-3-4b", "mistral-small-3.1-24b", "qwen2.5-vl-7b")
+FAMILIES = (CATALOG_MODEL, *MOE_FAMILIES, "gemma-3-4b", "mistral-small-3.1-24b", "qwen2.5-vl-7b", "qwen3-vl-8b")
 TINY_EXPERTS = {"num_local_experts": 4, "num_experts_per_tok": 2}
 TINY_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
                "image_size": 28}  # fmt: skip

@@ -1,7 +1,8 @@
 """GGUF export of image-text models' language model (Gemma 3 as llama.cpp's gemma3, Mistral Small 3.x as its
-mistral3, Qwen2-VL / Qwen2.5-VL as its qwen2vl): transformers saves it as language_model.model.* or model.*, the
-adapter names it model.language_model.*; the text model is written without the vision tower and projector, gives
-llama.cpp the logits of transformers, and a trained run exports end to end through the export's own check."""
+mistral3, Qwen2-VL / Qwen2.5-VL as its qwen2vl, Qwen3-VL as its qwen3vl): transformers saves it as
+language_model.model.* or model.*, the adapter names it model.language_model.*; the text model is written without
+the vision tower and projector, gives llama.cpp the logits of transformers, and a trained run exports end to end
+through the export's own check."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is the [gguf] extra")
 from test_export_gguf import TEXT, llama_cpp_logits  # noqa: E402
 from test_vision import ONE_PER_FAMILY, tiny  # noqa: E402
 
-WRITTEN = ("gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl")
+WRITTEN = ("gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,7 @@ def test_a_query_scale_llama_cpp_does_not_use_is_one_line(tokenizer: Any, tmp_pa
         gguf.architecture(folder)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral3", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl"])
 def test_a_trained_run_exports_its_language_model(
     family: str, tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

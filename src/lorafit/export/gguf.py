@@ -178,7 +178,9 @@ def _text_config(model_dir: Path) -> dict[str, Any]:
         whole = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
         raise ExportError(f"transformers cannot read {model_dir}/config.json: {str(error).splitlines()[0]}") from None
-    return dict(whole.get_text_config().to_dict())
+    vision = getattr(whole, "vision_config", None)
+    deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or [])  # Qwen3-VL's
+    return dict(whole.get_text_config().to_dict()) | {"deepstack_layers": deepstack}
 
 
 def _check_query_scale(arch: Architecture) -> None:
@@ -725,6 +727,8 @@ def _write_attention_layout(writer: Any, arch: Architecture) -> None:
                 "export --to merged"
             )
         writer.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])  # time, height, width, unused
+    if arch.entry.get("deepstack"):
+        writer.add_num_deepstack_layers(int(config["deepstack_layers"]))
     if config.get("final_logit_softcapping"):
         writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
 
