@@ -23,7 +23,7 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is the [gguf] extra")
 from test_export_gguf import TEXT, llama_cpp_logits  # noqa: E402
 from test_vision import ONE_PER_FAMILY, tiny  # noqa: E402
 
-WRITTEN = ("gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+WRITTEN = ("gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,27 @@ def test_the_language_model_gives_llama_cpp_the_logits_of_transformers(
     assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-3 * np.abs(reference).max()
     names = [tensor.name for tensor in GGUFReader(written.path).tensors]
     assert all(name.startswith(("token_embd.", "blk.", "output")) for name in names), names
+
+
+def test_qwen3_vl_moe_experts_as_the_hub_ships_them(tokenizer: Any, tmp_path: Path) -> None:
+    """Qwen3-VL-MoE checkpoints store the fused experts experts x in x out (transformers transposes them on load);
+    a model built from a config saves them experts x out x in. Both give llama.cpp transformers' logits."""
+    from safetensors.torch import load_file, save_file
+
+    from lorafit.export import gguf
+
+    folder = tmp_path / "model"
+    image_text_model(folder, tokenizer, "qwen3_vl_moe")
+    weights = load_file(folder / "model.safetensors")
+    fused = [name for name in weights if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert fused
+    for name in fused:
+        weights[name] = weights[name].transpose(1, 2).contiguous()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
+    ids = tokenizer(TEXT)["input_ids"]
+    reference = reference_logits(folder, ids)
+    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-3 * np.abs(reference).max()
 
 
 def test_gemma3_without_its_sliding_window_would_be_caught(
@@ -142,7 +163,7 @@ def test_a_query_scale_llama_cpp_does_not_use_is_one_line(tokenizer: Any, tmp_pa
         gguf.architecture(folder)
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_a_trained_run_exports_its_language_model(
     family: str, tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

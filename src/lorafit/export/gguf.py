@@ -313,7 +313,11 @@ def _fused_plans(
     """A fused experts tensor as llama.cpp's: transposed to experts x out x in, gate_up split into gate and up."""
     layout = arch.entry["fused_experts"]
     bias = bool(match["bias"])
-    transpose = layout["transposed"] and not bias
+    transpose = layout["transposed"]
+    if transpose == "by_shape":  # experts x out x in has rows 2 x expert width (gate_up) or hidden (down)
+        width = int(arch.config[arch.entry.get("expert_width", "moe_intermediate_size")])
+        transpose = shape[-2] != (2 * width if match["part"] == "gate_up_proj" else arch.config["hidden_size"])
+    transpose = bool(transpose) and not bias
     shape = (*shape[:-2], shape[-1], shape[-2]) if transpose else shape
     axis = -1 if bias else -2
     suffix = ".bias" if bias else ".weight"
