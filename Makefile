@@ -136,9 +136,14 @@ bench-allocator: $(STAMP)
 
 # lorafit's GGUF writer against llama.cpp's convert_hf_to_gguf.py (from the llama-cpp-python sdist, fetched once by
 # pip into bench/out/llama-src) on a TinyLlama-1.1B-shaped model: identical tensors, time and peak RSS side by side;
-# writes bench/results/export-gguf.json. The bench extra brings sentencepiece, which that converter imports.
+# writes bench/results/export-gguf.json. Then the MoE and image-text families at a tiny shape (tensors and keys
+# compared; bench/out/export-gguf-FAMILY-tiny.json). The bench extra brings sentencepiece, which that converter
+# imports.
 bench-export: $(STAMP) $(BENCH_STAMP)
 	$(BIN)/python bench/export_gguf.py
+	for family in qwen3-30b-a3b mixtral-8x7b gpt-oss-20b gemma-3-4b mistral-small-3.1-24b qwen2.5-vl-7b \
+		qwen3-vl-8b; do \
+		$(BIN)/python bench/export_gguf.py --tiny --repeat 1 --family $$family || exit 1; done
 
 # Each memory saver's effect on 7-8B QLoRA at 2048 tokens, estimate and --exact side by side, against an 8 GB card;
 # writes bench/results/savers.json

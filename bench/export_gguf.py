@@ -18,7 +18,13 @@
    identical tensors, faster than llama.cpp's converter, peak RSS under a quarter of the model's size. Exits 1 only
    if tensors differ.
 
-    python bench/export_gguf.py [--tiny] [--json FILE] [--workdir DIR] [--keep] [--llama-cpp-version V]
+With --family, another catalog model's shape (--tiny only): Qwen3-MoE, Mixtral and gpt-oss with 4 experts (2 a
+token), Gemma 3, Mistral Small 3.1 and Qwen2.5-VL with a 2-layer vision tower (lorafit writes their language
+model; llama.cpp's converter, given the same folder, writes the text model too) - the same tensor and metadata
+comparison.
+
+    python bench/export_gguf.py [--tiny] [--family PRESET] [--json FILE] [--workdir DIR] [--keep]
+                                [--llama-cpp-version V]
 """
 
 from __future__ import annotations
@@ -46,6 +52,12 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
 RESULT = ROOT / "bench" / "results" / "export-gguf.json"
 CATALOG_MODEL = "tinyllama-1.1b"
+# --family: the GGUF families beyond the dense ones, each at the --tiny shape
+MOE_FAMILIES = ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b")
+FAMILIES = (CATALOG_MODEL, *MOE_FAMILIES, "gemma-3-4b", "mistral-small-3.1-24b", "qwen2.5-vl-7b", "qwen3-vl-8b")
+TINY_EXPERTS = {"num_local_experts": 4, "num_experts_per_tok": 2}
+TINY_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+               "image_size": 28}  # fmt: skip
 REQUESTED_VOCAB = 32000  # TinyLlama's; the demo corpus yields fewer merges, and the model gets the tokenizer's size
 TINY = {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 64}  # fmt: skip
@@ -122,17 +134,20 @@ print(json.dumps({
 
 
 # --- the model ----------------------------------------------------------------------------------------------
-def model_spec(vocab_size: int, tiny: bool = False) -> ModelSpec:
-    """TinyLlama-1.1B from the catalog with the tokenizer's vocabulary (and, for --tiny, hidden 256 x 2 layers)."""
-    return catalog()[CATALOG_MODEL].scaled(
-        name=f"{CATALOG_MODEL}-random{'-tiny' if tiny else ''}",
-        vocab_size=vocab_size,
-        tie_word_embeddings=False,
-        **(TINY if tiny else {}),
-    )
+def model_spec(vocab_size: int, tiny: bool = False, family: str = CATALOG_MODEL) -> ModelSpec:
+    """TinyLlama-1.1B (or `family`) from the catalog with the tokenizer's vocabulary (and, for --tiny, hidden 256 x
+    2 layers; an MoE's 4 experts, an image-text model's 2-layer vision tower)."""
+    spec = catalog()[family]
+    shape: dict[str, Any] = dict(TINY) if tiny else {}
+    if spec.is_moe:
+        shape |= TINY_EXPERTS | ({"moe_intermediate_size": 128} if spec.moe_intermediate_size else {})
+    if spec.vision is not None:
+        shape["vision"] = spec.vision.model_copy(update=TINY_VISION).model_dump()
+    untied = {"tie_word_embeddings": False} if family == CATALOG_MODEL else {}
+    return spec.scaled(name=f"{family}-random{'-tiny' if tiny else ''}", vocab_size=vocab_size, **untied, **shape)
 
 
-def build(model_dir: Path, tiny: bool = False) -> ModelSpec:
+def build(model_dir: Path, tiny: bool = False, family: str = CATALOG_MODEL) -> ModelSpec:
     """Random bf16 weights and the demo tokenizer in `model_dir`, reused when an earlier run finished it."""
     from lorafit.train import demo
 
@@ -141,19 +156,25 @@ def build(model_dir: Path, tiny: bool = False) -> ModelSpec:
         return ModelSpec.model_validate(json.loads(marker.read_text()))
     shutil.rmtree(model_dir, ignore_errors=True)
     tokenizer = demo.build_tokenizer(demo.corpus(), REQUESTED_VOCAB)
-    spec = model_spec(len(tokenizer), tiny)
+    spec = model_spec(len(tokenizer), tiny, family)
     demo.build_model(model_dir, tokenizer, spec, dtype="bfloat16")
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    if "query_pre_attn_scalar" in text:  # Gemma 3 4B/12B's 1/sqrt(head_dim) at the shrunk head_dim (default: 256)
+        text["query_pre_attn_scalar"] = text["head_dim"]
+        write_atomic(model_dir / "config.json", json.dumps(config, indent=2))
     write_atomic(marker, spec.model_dump_json())
     return spec
 
 
-def build_apart(model_dir: Path, tiny: bool = False) -> ModelSpec:
+def build_apart(model_dir: Path, tiny: bool = False, family: str = CATALOG_MODEL) -> ModelSpec:
     """`build` in a child, so that this process never holds the model (its peak would become the children's
     ru_maxrss floor, and the memory stays taken while they run)."""
     code = "import sys; sys.path.insert(0, sys.argv[1]); from export_gguf import build; from pathlib import Path; "
-    code += "build(Path(sys.argv[2]), sys.argv[3] == 'tiny')"
-    subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(model_dir), "tiny" * tiny], check=True)
-    return build(model_dir, tiny)  # reads the spec the child recorded
+    code += "build(Path(sys.argv[2]), sys.argv[3] == 'tiny', sys.argv[4])"
+    folder = str(Path(__file__).parent)
+    subprocess.run([sys.executable, "-c", code, folder, str(model_dir), "tiny" * tiny, family], check=True)
+    return build(model_dir, tiny, family)  # reads the spec the child recorded
 
 
 def weights_bytes(model_dir: Path) -> int:
@@ -443,17 +464,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the two GGUF files (the model is always kept)")
     parser.add_argument("--llama-cpp-version", default=llama_cpp_version())
     parser.add_argument("--repeat", type=int, default=3, help="runs of each converter, in alternating order")
+    parser.add_argument("--family", choices=FAMILIES, default=CATALOG_MODEL, help="another shape (with --tiny)")
     args = parser.parse_args(argv)
-    json_path = args.json or (OUT / "export-gguf-tiny.json" if args.tiny else RESULT)
+    if args.family != CATALOG_MODEL and not args.tiny:
+        parser.error("--family runs at the --tiny shape only")
+    other = "" if args.family == CATALOG_MODEL else f"-{args.family}"
+    json_path = args.json or (OUT / f"export-gguf{other}-tiny.json" if args.tiny else RESULT)
     work = args.workdir
-    model_dir = work / ("model-tiny" if args.tiny else "model")
+    model_dir = work / (f"model{other}-tiny" if args.tiny else "model")
 
     from lorafit.export.gguf import PRETOKENIZER_PROBE
 
     script = llama_cpp_converter(args.llama_cpp_version, OUT / "llama-src")
-    print(f"== {'tiny ' if args.tiny else ''}{CATALOG_MODEL} shape, random bf16 weights, in {model_dir} ==")
+    print(f"== {'tiny ' if args.tiny else ''}{args.family} shape, random bf16 weights, in {model_dir} ==")
     start = time.perf_counter()
-    spec = build_apart(model_dir, args.tiny)
+    spec = build_apart(model_dir, args.tiny, args.family)
     model_bytes = weights_bytes(model_dir)
     print(
         f"  {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, intermediate {spec.intermediate_size}, "
@@ -538,7 +563,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'met    ' if met else 'NOT met'}  {label}")
 
     result = {
-        "command": "python bench/export_gguf.py" + (" --tiny" if args.tiny else ""),
+        "command": "python bench/export_gguf.py"
+        + (" --tiny" if args.tiny else "")
+        + (f" --family {args.family}" * bool(other)),
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
         "environment": {
             "python": platform.python_version(),

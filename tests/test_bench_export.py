@@ -187,3 +187,27 @@ def test_the_bench_runs_end_to_end_on_the_tiny_model(bench, tmp_path: Path) -> N
     assert len(result["runs"]["lorafit"]["repeats"]) == len(result["runs"]["llama_cpp"]["repeats"]) == 1
     assert result["runs"]["lorafit"]["peak_rss_bytes_max"] > result["imports_only"]["peak_rss_bytes"] * 0.9
     assert not (tmp_path / "work" / "lorafit-f16.gguf").exists()  # the GGUF files go unless --keep
+
+
+@pytest.mark.parametrize("family", ["qwen3-30b-a3b", "gpt-oss-20b", "gemma-3-4b"])
+def test_lorafit_matches_llama_cpps_converter_on_moe_and_image_text_families(
+    bench, family: str, tmp_path: Path
+) -> None:
+    """The stacked (Qwen3-MoE) and de-interleaved, transposed (gpt-oss) experts and Gemma 3's language model with
+    its norms + 1 are the tensors llama.cpp's own converter writes, byte for byte, and no key both write differs."""
+    pytest.importorskip("sentencepiece", reason="llama.cpp's converter imports sentencepiece (the bench extra)")
+    script = bench.extracted_converter(bench.llama_cpp_version(), bench.OUT / "llama-src")
+    if script is None:
+        pytest.skip("llama.cpp's converter is not extracted in bench/out/llama-src: run `make bench-export` once")
+    from lorafit.export.gguf import write_gguf
+
+    model_dir = tmp_path / "model"
+    bench.build(model_dir, tiny=True, family=family)
+    ours, theirs = tmp_path / "lorafit.gguf", tmp_path / "llama-cpp.gguf"
+    write_gguf(model_dir, ours, "f16")
+    run = bench.convert_llama_cpp(script, model_dir, theirs)
+    assert run.returncode == 0, run.stderr_tail
+    tensors = bench.compare_tensors(ours, theirs)
+    assert tensors.identical, tensors.different
+    assert any("_exps." in name for name in tensors.equal) or family == "gemma-3-4b"
+    assert bench.compare_metadata(ours, theirs).different == {}

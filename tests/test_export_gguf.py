@@ -36,6 +36,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {}),
     "gemma": ("gemma", {"tie_word_embeddings": True}),
+    # Gemma 3 1B's text-only model: the real models' query scale (1/sqrt(head_dim)), a window narrower than TEXT
+    "gemma3-text": (
+        "gemma3_text",
+        {"query_pre_attn_scalar": 64, "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
     "phi": ("phi3", {"pad_token_id": None}),
 }
 
@@ -348,3 +353,16 @@ def test_chat_with_a_prompt_longer_than_the_gguf_context_is_one_line(
     prompt = "the lighthouse keeper counts the boats " * 200
     code, _, err = run_cli(["chat", str(written.path), "--prompt", prompt, "--max-new-tokens", "4"], capsys)
     assert code == 2 and "shorten the prompt" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_check_reads_llama_cpp_with_an_f32_cache(tokenizer: Any, tmp_path: Path) -> None:
+    """The check compares the file, not llama.cpp's cache: with keys and values kept in f32 an f32 file gives
+    transformers' logits to 1e-5 of the largest, where llama.cpp's default f16 cache alone moves them ~1e-3."""
+    from lorafit.export import gguf
+
+    folder = tmp_path / "model"
+    model = tiny_model(folder, tokenizer, "llama")
+    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
+    ids = tokenizer(TEXT)["input_ids"]
+    reference = hf_logits(model, ids)
+    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-5 * np.abs(reference).max()

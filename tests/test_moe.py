@@ -140,12 +140,12 @@ def test_qlora_at_2048_tokens_is_within_3_percent_of_the_full_size_trace(name: s
 
 # --- lorafit train and export on tiny random models -----------------------------------------------------------
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b"])
-def test_train_adapts_the_attention_and_exports_merged_but_not_gguf(
+def test_train_adapts_the_attention_and_exports_merged(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """QLoRA on a 2-layer, 4-expert model of the family; the adapter holds attention projections only (peft's
     `target_parameters` wrapper, the one way to reach fused experts, refuses lora_dropout); the merged folder is
-    checked against base + adapter by the export itself; GGUF is one line naming the way that works."""
+    checked against base + adapter by the export itself."""
     from lorafit.train.demo import build_model, build_tokenizer, corpus
 
     tokenizer = build_tokenizer(corpus(), vocab_size=512)
@@ -160,9 +160,7 @@ def test_train_adapts_the_attention_and_exports_merged_but_not_gguf(
     adapter = json.loads((run / "adapter_config.json").read_text())
     assert set(adapter["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
 
-    code, _, err = run_cli(["export", str(run), "--to", "gguf", "-o", str(tmp_path / "gguf")], capsys)
-    assert code == 2 and err.count("\n") == 1
-    assert "cannot write" in err and "--to merged" in err and "convert_hf_to_gguf.py" in err
+    # GGUF: tests/test_export_gguf_moe.py, on a router decisive enough that f16 rounding flips no expert choice
     code, _, err = run_cli(["export", str(run), "--to", "merged", "-o", str(tmp_path / "merged")], capsys)
     assert code == 0, err
     assert (tmp_path / "merged" / "model.safetensors").is_file()

@@ -495,7 +495,5 @@ def test_train_runs_on_a_tiny_image_text_model_and_export_says_what_works(
     with safe_open(run / "adapter_model.safetensors", "pt") as adapter:
         names = list(adapter.keys())
     assert names and all(".language_model." in name for name in names)
-    for to in ("merged", "gguf"):
-        code, out, err = run_cli(["export", str(run), "--to", to, "-o", str(tmp_path / to)], capsys)
-        assert code == 2 and err.count("\n") == 1 and f"image-text model ({family})" in err
-        assert "convert_hf_to_gguf.py" in err and not (tmp_path / to).exists()
+    code, out, err = run_cli(["export", str(run), "--to", "merged", "-o", str(tmp_path / "merged")], capsys)
+    assert code == 0, err  # GGUF: tests/test_export_gguf_image_text.py

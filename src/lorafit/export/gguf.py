@@ -2,7 +2,8 @@
 
 The tensors stream: each is read from its memory-mapped safetensors shard, reshaped for llama.cpp (the q/k rows
 of Llama-style models go back to interleaved rotary pairs), converted to the file's type and written before the
-next is read, so the peak memory is one weight matrix, not the model. f32, f16, bf16 and q8_0 are written here
+next is read, so the peak memory is one weight matrix, not the model (for an MoE, one projection of one layer's
+experts, which llama.cpp holds stacked as one tensor). f32, f16, bf16 and q8_0 are written here
 (q8_0 by gguf-py's quantizer, the one llama.cpp's own converter uses); the K-quants come from llama.cpp's
 quantizer run on the 16-bit file (`quantize`), since their block search lives only there.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,7 +76,8 @@ class Architecture:
     arch: str
     permute_qk: bool
     norm_offset: float
-    config: dict[str, Any]
+    config: dict[str, Any]  # the language model's (an image-text model's text_config, its defaults filled in)
+    entry: dict[str, Any] = field(default_factory=dict)  # the family's entry in catalog/gguf.toml
 
     @property
     def heads(self) -> int:
@@ -93,24 +96,52 @@ class Architecture:
         return int(self.config["num_hidden_layers"])
 
     @property
+    def experts(self) -> int:
+        """The experts per MoE layer (0 for a dense model), under the name each family's config uses."""
+        return int(self.config.get("num_experts") or self.config.get("num_local_experts") or 0)
+
+    @property
     def tied(self) -> bool:
         return bool(self.config.get("tie_word_embeddings", False))
 
     @property
     def rope(self) -> dict[str, Any]:
-        """The rope settings wherever the config keeps them (transformers 5: rope_parameters; 4: rope_scaling)."""
-        return dict(self.config.get("rope_parameters") or self.config.get("rope_scaling") or {})
+        """The rope settings wherever the config keeps them (transformers 5: rope_parameters; 4: rope_scaling);
+        for a model with settings per layer type (Gemma 3), the full-attention layers', as llama.cpp reads them."""
+        rope = dict(self.config.get("rope_parameters") or self.config.get("rope_scaling") or {})
+        return dict(rope.get("full_attention", rope))
+
+    @property
+    def sliding_rope_theta(self) -> float | None:
+        """The rope base of the sliding-window layers where it is their own (Gemma 3's local base)."""
+        sliding = (self.config.get("rope_parameters") or {}).get("sliding_attention") or {}
+        theta = sliding.get("rope_theta") or self.config.get("rope_local_base_freq")
+        return None if theta is None else float(theta)
+
+    def renamed(self, source: str) -> str | None:
+        """The name gguf-py's map knows a saved tensor by: an image-text model's language model under its
+        text-only name, None for the tensors of the vision tower and projector (not written)."""
+        if source.startswith(tuple(self.entry.get("skip", ()))):
+            return None
+        for saved, text_only in self.entry.get("rename", ()):
+            if source.startswith(saved):
+                return text_only + source.removeprefix(saved)
+        return source
 
     @property
     def rope_theta(self) -> float:
         return float(self.config.get("rope_theta") or self.rope.get("rope_theta") or 10000.0)
 
 
-def architecture(model_dir: Path) -> Architecture:
+def architecture(model_dir: Path, *, dequantised: bool = False) -> Architecture:
+    """The family's llama.cpp architecture and the config it is written from; `dequantised`: the folder is a base
+    the export dequantises into a 16-bit merged folder first, so its stored quantisation is no reason to refuse."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         raise ExportError(f"{model_dir} has no readable config.json") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"{model_dir}/config.json is not a JSON object")
     model_type = config.get("model_type", "?")
     known = _catalog()["architectures"]
     if model_type not in known:
@@ -119,9 +150,51 @@ def architecture(model_dir: Path) -> Architecture:
             "export --to merged and convert that folder with llama.cpp's convert_hf_to_gguf.py"
         )
     entry = known[model_type]
-    if config.get("quantization_config"):
+    if config.get("quantization_config") and not dequantised:
         raise ExportError(f"{model_dir} holds quantised weights; export --to gguf reads a 16-bit merged folder")
-    return Architecture(model_type, entry["arch"], entry["permute_qk"], float(entry.get("norm_offset", 0.0)), config)
+    if entry.get("text_config"):
+        config = _text_config(model_dir)
+    for key, expected in entry.get("requires", {}).items():
+        if config.get(key, expected) != expected:
+            raise ExportError(
+                f"llama.cpp's {entry['arch']} computes {model_type} models with {key} = {json.dumps(expected)}, and "
+                f"this one has {json.dumps(config.get(key))}: its GGUF would answer differently; export --to merged"
+            )
+    offset = float(entry.get("norm_offset", 0.0))
+    arch = Architecture(model_type, entry["arch"], entry["permute_qk"], offset, config, entry)
+    if entry.get("query_scale"):
+        _check_query_scale(arch)
+    return arch
+
+
+def _text_config(model_dir: Path) -> dict[str, Any]:
+    """An image-text model's language-model config as transformers fills it (Gemma 3's first config.json files
+    name few text keys and leave the rest to Gemma3TextConfig's defaults). Its tie is not read: Mistral3Config
+    says tied by default while Mistral Small's checkpoints hold an lm_head, which transformers then keeps untied
+    (modeling_utils' tie_weights: both saved and different); a saved lm_head is written, as transformers uses it."""
+    from transformers import AutoConfig
+
+    try:
+        whole = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise ExportError(f"transformers cannot read {model_dir}/config.json: {str(error).splitlines()[0]}") from None
+    vision = getattr(whole, "vision_config", None)
+    deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or [])  # Qwen3-VL's
+    return dict(whole.get_text_config().to_dict()) | {"deepstack_layers": deepstack}
+
+
+def _check_query_scale(arch: Architecture) -> None:
+    """llama.cpp's gemma3 scales queries by 1 / sqrt(head_dim), or 1 / sqrt(hidden / heads) for its 62-layer 27B
+    (src/models/gemma3.cpp, from gemma_pytorch's config); transformers by query_pre_attn_scalar ** -0.5."""
+    config = arch.config
+    basis = config["hidden_size"] // arch.heads if arch.layers == 62 else arch.head_dim
+    scalar = config.get("query_pre_attn_scalar", basis)
+    if scalar != basis or config.get("attn_logit_softcapping") is not None:
+        raise ExportError(
+            f"llama.cpp's {arch.arch} scales attention by 1/sqrt({basis}) without soft-capping, this model by "
+            f"1/sqrt({scalar}) (attn_logit_softcapping {config.get('attn_logit_softcapping')}): its GGUF would "
+            "answer differently; export --to merged"
+        )
 
 
 def rope_scaling(arch: Architecture) -> tuple[dict[str, Any], list[float] | None]:
@@ -135,7 +208,8 @@ def rope_scaling(arch: Architecture) -> tuple[dict[str, Any], list[float] | None
         return {"type": "linear", "factor": float(rope["factor"])}, None
     if kind == "yarn":
         original = rope.get("original_max_position_embeddings") or arch.config.get("max_position_embeddings")
-        return {"type": "yarn", "factor": float(rope["factor"]), "original_context": int(original)}, None
+        betas = {key: float(rope[key]) for key in ("beta_fast", "beta_slow") if rope.get(key) is not None}
+        return {"type": "yarn", "factor": float(rope["factor"]), "original_context": int(original)} | betas, None
     if kind == "llama3":
         factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
         original = float(rope["original_max_position_embeddings"])
@@ -160,18 +234,30 @@ class TensorPlan:
     name: str  # GGUF name
     source: str  # safetensors name ("" for a tensor made here, such as rope_freqs)
     shard: Path | None
-    shape: tuple[int, ...]  # numpy order (rows, columns)
+    shape: tuple[int, ...]  # numpy order (rows, columns; experts first for a stacked tensor)
     ggml_type: str  # F32, F16, BF16, Q8_0
+    experts: tuple[tuple[str, Path], ...] = ()  # an MoE's per-expert tensors and shards, stacked in this order
+    transpose: bool = False  # fused experts stored experts x in x out (gpt-oss): the last two axes swapped
+    part: tuple[int, int, int] | None = None  # (start, stop, step) of the output rows taken: gate or up of gate_up
 
 
 def _ggml_type_for(name: str, shape: tuple[int, ...], file_type: GgufType) -> str:
-    """Norms, biases and other 1-D tensors stay f32 (as llama.cpp keeps them); a matrix whose rows are not whole
-    q8_0 blocks falls back to f16."""
-    if len(shape) == 1 or file_type == "f32":
+    """Norms, biases, other 1-D tensors and an MoE's router stay f32 (as llama.cpp's converter keeps them); a matrix
+    whose rows are not whole q8_0 blocks falls back to f16."""
+    if len(shape) == 1 or file_type == "f32" or not name.endswith(".weight") or ".ffn_gate_inp." in name:
         return "F32"
     if file_type == "q8_0":
         return "Q8_0" if shape[-1] % 32 == 0 else "F16"
     return "BF16" if file_type == "bf16" else "F16"
+
+
+# transformers saves an MoE's experts one tensor per expert and projection (Qwen3-MoE's mlp.experts.N.gate_proj,
+# Mixtral's block_sparse_moe.experts.N.w1); llama.cpp holds each projection as one experts x rows x columns tensor,
+# named in gguf-py's map by the path without the expert's number (mlp.experts.gate_proj -> blk.N.ffn_gate_exps).
+PER_EXPERT = re.compile(r"^(?P<owner>.+\.experts)\.(?P<expert>\d+)\.(?P<part>.+)$")
+# Fused experts, one tensor per projection (gpt-oss: experts x in x out, gate and up interleaved in gate_up_proj's
+# output axis, biases as gate_up_proj_bias); llama.cpp's gate and up are separate tensors.
+FUSED_EXPERTS = re.compile(r"^(?P<owner>.+\.experts)\.(?P<part>gate_up_proj|down_proj)(?P<bias>_bias)?$")
 
 
 def tensor_plans(model_dir: Path, arch: Architecture, file_type: GgufType) -> list[TensorPlan]:
@@ -180,22 +266,114 @@ def tensor_plans(model_dir: Path, arch: Architecture, file_type: GgufType) -> li
     arch_enum = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch.arch)
     names = gguf.get_tensor_name_map(arch_enum, arch.layers)
     plans = []
+    stacks: dict[str, dict[int, tuple[str, Path, tuple[int, ...]]]] = {}
     for shard in weight_files(model_dir):
         header = safetensors_header(shard)
         for source in sorted(header, key=lambda key: header[key]["data_offsets"][0]):
-            if source == "lm_head.weight" and arch.tied:
-                continue  # llama.cpp reuses token_embd for the output when there is no output.weight
-            if source.endswith(".rotary_emb.inv_freq"):
+            known = arch.renamed(source)
+            if known is None or known.endswith(".rotary_emb.inv_freq"):
                 continue
-            name = names.get_name(source, try_suffixes=(".weight", ".bias"))
+            if known == "lm_head.weight" and arch.tied and not arch.entry.get("text_config"):
+                continue  # llama.cpp reuses token_embd for the output when there is no output.weight
+            shape = tuple(header[source]["shape"])
+            if match := PER_EXPERT.match(source):
+                stacked = f"{match['owner']}.{match['part']}"
+                stacks.setdefault(stacked, {})[int(match["expert"])] = (source, shard, shape)
+                continue
+            if (match := FUSED_EXPERTS.match(known)) and arch.entry.get("fused_experts"):
+                plans += _fused_plans(match, source, shard, shape, arch, names, file_type)
+                continue
+            name = _gguf_name(names, known)
             if name is None:
                 raise ExportError(f"{shard.name}: no GGUF name for tensor {source} of a {arch.model_type} model")
-            shape = tuple(header[source]["shape"])
             plans.append(TensorPlan(name, source, shard, shape, _ggml_type_for(name, shape, file_type)))
+    plans += [_stacked_plan(stacked, members, arch, names, file_type) for stacked, members in stacks.items()]
     _, divisors = rope_scaling(arch)
     if divisors is not None:
         plans.append(TensorPlan("rope_freqs.weight", "", None, (len(divisors),), "F32"))
     return plans
+
+
+def _gguf_name(names: Any, known: str) -> str | None:
+    """gguf-py's name for a tensor; a bare parameter (gpt-oss's self_attn.sinks) is a `.weight`, as llama.cpp
+    names it."""
+    name = names.get_name(known, try_suffixes=(".weight", ".bias"))
+    return name if name is None or name.endswith((".weight", ".bias")) else name + ".weight"
+
+
+def _fused_plans(
+    match: re.Match[str],
+    source: str,
+    shard: Path,
+    shape: tuple[int, ...],
+    arch: Architecture,
+    names: Any,
+    file_type: GgufType,
+) -> list[TensorPlan]:
+    """A fused experts tensor as llama.cpp's: transposed to experts x out x in, gate_up split into gate and up."""
+    layout = arch.entry["fused_experts"]
+    bias = bool(match["bias"])
+    transpose = layout["transposed"]
+    if transpose == "by_shape":  # experts x out x in has rows 2 x expert width (gate_up) or hidden (down)
+        width = int(arch.config[arch.entry.get("expert_width", "moe_intermediate_size")])
+        transpose = shape[-2] != (2 * width if match["part"] == "gate_up_proj" else arch.config["hidden_size"])
+    transpose = bool(transpose) and not bias
+    shape = (*shape[:-2], shape[-1], shape[-2]) if transpose else shape
+    axis = -1 if bias else -2
+    suffix = ".bias" if bias else ".weight"
+    if match["part"] == "down_proj":
+        parts = {"down_proj": None}
+    else:
+        rows = shape[axis]
+        interleaved = layout["gate_up"] == "interleaved"
+        gate, up = ((0, rows, 2), (1, rows, 2)) if interleaved else ((0, rows // 2, 1), (rows // 2, rows, 1))
+        parts = {"gate_proj": gate, "up_proj": up}
+    plans = []
+    for projection, part in parts.items():
+        name = _gguf_name(names, f"{match['owner']}.{projection}{suffix}")
+        if name is None:
+            raise ExportError(f"no GGUF name for the experts' tensor {source} of a {arch.model_type} model")
+        size = list(shape)
+        size[axis] = shape[axis] if part is None else len(range(*part))
+        ggml = _ggml_type_for(name, tuple(size), file_type)
+        plans.append(TensorPlan(name, source, shard, tuple(size), ggml, transpose=transpose, part=part))
+    return plans
+
+
+def _stacked_plan(
+    stacked: str,
+    members: dict[int, tuple[str, Path, tuple[int, ...]]],
+    arch: Architecture,
+    names: Any,
+    file_type: GgufType,
+) -> TensorPlan:
+    """One experts x rows x columns tensor from the per-expert tensors saved for it (in any shards)."""
+    name = _gguf_name(names, arch.renamed(stacked) or stacked)
+    if name is None:
+        raise ExportError(f"no GGUF name for the experts' tensor {stacked} of a {arch.model_type} model")
+    if sorted(members) != list(range(arch.experts)):
+        raise ExportError(
+            f"{stacked} is saved for experts {sorted(members)} and the config has {arch.experts}: the folder "
+            "is not a whole model"
+        )
+    sources = [members[expert] for expert in range(arch.experts)]
+    if len({shape for _, _, shape in sources}) > 1:
+        raise ExportError(f"the experts of {stacked} differ in shape; llama.cpp stacks experts of one shape")
+    source, shard, shape = sources[0]
+    full = (arch.experts, *shape)
+    experts = tuple((name_, path) for name_, path, _ in sources)
+    return TensorPlan(name, source, shard, full, _ggml_type_for(name, full, file_type), experts)
+
+
+def _read(tensors: list[tuple[str, Path | None]]) -> list[torch.Tensor]:
+    """The tensors, each shard opened once (a header of a real MoE's shard names thousands of tensors)."""
+    from safetensors import safe_open
+
+    loaded = {}
+    for shard in dict.fromkeys(shard for _, shard in tensors):
+        with safe_open(shard, framework="pt") as handle:
+            loaded |= {(name, shard): handle.get_tensor(name) for name, where in tensors if where == shard}
+    return [loaded[key] for key in tensors]
 
 
 def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -210,13 +388,19 @@ def tensor_data(plan: TensorPlan, arch: Architecture) -> np.ndarray:
     import gguf
     import numpy as np
     import torch
-    from safetensors import safe_open
 
     if plan.source == "":
         _, divisors = rope_scaling(arch)
         return np.asarray(divisors, dtype=np.float32)
-    with safe_open(plan.shard, framework="pt") as handle:
-        weight = handle.get_tensor(plan.source)
+    if plan.experts:
+        weight = torch.stack(_read(list(plan.experts)))
+    else:
+        (weight,) = _read([(plan.source, plan.shard)])
+    if plan.transpose:
+        weight = weight.transpose(-1, -2)
+    if plan.part is not None:
+        rows = slice(*plan.part)
+        weight = (weight[..., rows, :] if weight.dim() == 3 else weight[..., rows]).contiguous()
     if arch.permute_qk and plan.name.endswith(("attn_q.weight", "attn_q.bias")):
         weight = _unpermute(weight, arch.heads)
     elif arch.permute_qk and plan.name.endswith(("attn_k.weight", "attn_k.bias")):
@@ -483,6 +667,13 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
         writer.add_key_length(arch.head_dim)
         writer.add_value_length(arch.head_dim)
     writer.add_vocab_size(len(vocabulary.tokens))
+    _write_attention_layout(writer, arch)
+    if arch.experts:
+        writer.add_expert_count(arch.experts)
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+        width = config.get(arch.entry.get("expert_width", "moe_intermediate_size"))
+        if width:  # Qwen3-MoE's moe_intermediate_size, gpt-oss's intermediate_size; Mixtral's is the FFN length
+            writer.add_expert_feed_forward_length(int(width))
     scaling, _ = rope_scaling(arch)
     if scaling.get("type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -491,6 +682,10 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling["factor"])
         writer.add_rope_scaling_orig_ctx_len(scaling["original_context"])
+        if "beta_fast" in scaling:
+            writer.add_rope_scaling_yarn_beta_fast(scaling["beta_fast"])
+        if "beta_slow" in scaling:
+            writer.add_rope_scaling_yarn_beta_slow(scaling["beta_slow"])
     writer.add_tokenizer_model(vocabulary.model)
     if vocabulary.pre:
         writer.add_tokenizer_pre(vocabulary.pre)
@@ -515,6 +710,31 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
         writer.add_add_space_prefix(vocabulary.add_space_prefix)
     if vocabulary.chat_template:
         writer.add_chat_template(vocabulary.chat_template)
+
+
+def _write_attention_layout(writer: Any, arch: Architecture) -> None:
+    """Sliding-window layers (which, how wide, their own rope base) and multi-axis rope sections for the
+    architectures whose llama.cpp graph reads them (catalog: sliding_window, rope_sections), and Gemma's final
+    logit soft-capping where the config has one."""
+    config = arch.config
+    layer_types = config.get("layer_types") or []
+    if arch.entry.get("sliding_window") and "sliding_attention" in layer_types:
+        writer.add_sliding_window(int(config["sliding_window"]))
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in layer_types])
+        if arch.sliding_rope_theta is not None:
+            writer.add_rope_freq_base_swa(arch.sliding_rope_theta)
+    if arch.entry.get("rope_sections"):
+        sections = list(arch.rope.get("mrope_section") or [])
+        if not sections:
+            raise ExportError(
+                f"{arch.model_type}: the config has no mrope_section, which llama.cpp's {arch.arch} reads; "
+                "export --to merged"
+            )
+        writer.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])  # time, height, width, unused
+    if arch.entry.get("deepstack"):
+        writer.add_num_deepstack_layers(int(config["deepstack_layers"]))
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
 
 
 # --- K-quants through llama.cpp -----------------------------------------------------------------------------

@@ -84,7 +84,8 @@ def export_gguf(
     types = list(dict.fromkeys(types or ["f16"]))
     output = Path(output).expanduser()
     source = open_run(run_dir)
-    gguf_writer.architecture(source.model_dir)  # an unsupported family fails here, before the merge
+    # an unsupported family fails here, before the merge
+    arch = gguf_writer.architecture(source.model_dir, dequantised=source.quantized_base)
     k_quants = [t for t in types if t not in gguf_writer.DIRECT]
     have_llama_cpp = verify.llama_cpp_available() if k_quants or check else False
     if k_quants and not have_llama_cpp:
@@ -144,6 +145,11 @@ def export_gguf(
             result.notes.append(_write_modelfile(staging, final, vocabulary, stem))
         if merged_dir != source.run_dir:
             shutil.rmtree(merged_dir)
+    if arch.entry.get("text_config"):
+        result.notes.append(
+            f"the GGUF holds the language model only, not the {arch.model_type} vision tower and projector: "
+            f"llama.cpp's convert_hf_to_gguf.py --mmproj writes them from `lorafit export {source.run_dir} --to merged`"
+        )
     result.files = {t: output / written[t].name for t in types}
     if ollama:
         result.files["modelfile"] = output / ollama_files.MODELFILE_NAME

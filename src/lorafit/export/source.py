@@ -18,7 +18,6 @@ from lorafit.errors import ExportError, LorafitError
 from lorafit.models import architectures, model_types
 from lorafit.train import runfolder
 from lorafit.train.chat import base_dir_of, check_folder, run_folder
-from lorafit.vision import IMAGE_TEXT_FAMILIES
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -179,30 +178,68 @@ def lora_delta_shape(a_shape: tuple[int, ...], b_shape: tuple[int, ...], base: t
 
 
 EXPERT_PARTS = {"gate_up_proj": (("gate_proj", 0), ("up_proj", 1)), "down_proj": (("down_proj", -1),)}
+# The layouts transformers 5.25 saves fused experts in, one tensor per expert and part: (the experts' module path
+# as loaded -> as saved, the parts) - the inverse of conversion_mapping.py's "qwen2_moe" (which Qwen3-MoE uses) and
+# "mixtral" (block_sparse_moe renamed to mlp, w1 and w3 concatenated into gate_up_proj, w2 into down_proj).
+SAVED_EXPERTS: tuple[tuple[tuple[str, str], dict[str, tuple[tuple[str, int], ...]]], ...] = (
+    ((".mlp.experts", ".mlp.experts"), EXPERT_PARTS),
+    (
+        (".mlp.experts", ".block_sparse_moe.experts"),
+        {"gate_up_proj": (("w1", 0), ("w3", 1)), "down_proj": (("w2", -1),)},
+    ),
+)
 
 
 def per_expert_tensors(adapter: Adapter, base_shapes: dict[str, tuple[int, ...]]) -> Adapter:
     """An adapter of fused experts re-keyed to the per-expert tensors the base is saved as, where it is."""
     pairs, scales, slices = dict(adapter.pairs), dict(adapter.scales), dict(adapter.expert_slices)
     for fused, pair in adapter.pairs.items():
-        owner, name = fused.rsplit(".", 1)
+        loaded_owner, name = fused.rsplit(".", 1)
         if fused in base_shapes or name not in EXPERT_PARTS:
             continue
-        suffix = f".{EXPERT_PARTS[name][0][0]}.weight"
-        experts = sum(
-            tensor.startswith(owner + ".")
-            and tensor.endswith(suffix)
-            and tensor[len(owner) + 1 : -len(suffix)].isdigit()
-            for tensor in base_shapes
-        )
-        for expert in range(experts):
-            for saved, part in EXPERT_PARTS[name]:
-                tensor = f"{owner}.{expert}.{saved}.weight"
-                pairs[tensor], scales[tensor] = pair, scales[fused]
-                slices[tensor] = (fused, expert, part, experts)
+        for (loaded, saved_path), parts in SAVED_EXPERTS:
+            if not loaded_owner.endswith(loaded):
+                continue
+            owner = loaded_owner.removesuffix(loaded) + saved_path
+            suffix = f".{parts[name][0][0]}.weight"
+            experts = sum(
+                tensor.startswith(owner + ".")
+                and tensor.endswith(suffix)
+                and tensor[len(owner) + 1 : -len(suffix)].isdigit()
+                for tensor in base_shapes
+            )
+            for expert in range(experts):
+                for saved, part in parts[name]:
+                    tensor = f"{owner}.{expert}.{saved}.weight"
+                    pairs[tensor], scales[tensor] = pair, scales[fused]
+                    slices[tensor] = (fused, expert, part, experts)
         if any(value[0] == fused for value in slices.values()):
             del pairs[fused], scales[fused]
     return Adapter(adapter.path, adapter.config, pairs, scales, adapter.shapes, slices)
+
+
+# An image-text model's language model as transformers 5.25 loads it (the names an adapter uses) -> as it saves
+# it: the inverse of the load-time renames in transformers/conversion_mapping.py ("llava", which Gemma 3 and
+# Mistral 3 use; "Qwen2VLForConditionalGeneration", which Qwen2.5-VL uses).
+SAVED_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("model.language_model.", "language_model.model."),  # Gemma 3, Mistral 3
+    ("lm_head.", "language_model.lm_head."),
+    ("model.language_model.", "model."),  # Qwen2-VL, Qwen2.5-VL
+)
+
+
+def saved_names(adapter: Adapter, base_shapes: dict[str, tuple[int, ...]]) -> Adapter:
+    """An adapter of an image-text model re-keyed to the names its base is saved under, where they differ."""
+    pairs, scales = {}, {}
+    for name, pair in adapter.pairs.items():
+        saved = name
+        if name not in base_shapes:
+            renamed = (
+                stored + name.removeprefix(loaded) for loaded, stored in SAVED_PREFIXES if name.startswith(loaded)
+            )
+            saved = next((candidate for candidate in renamed if candidate in base_shapes), name)
+        pairs[saved], scales[saved] = pair, adapter.scales[name]
+    return Adapter(adapter.path, adapter.config, pairs, scales, adapter.shapes, adapter.expert_slices)
 
 
 def check_shapes(adapter: Adapter, base_shapes: dict[str, tuple[int, ...]], base_dir: Path) -> None:
@@ -251,7 +288,6 @@ def open_run(run_dir: Path) -> RunSource:
         base_dir = base_dir_of(adapter_config)
     except LorafitError as error:
         raise ExportError(str(error)) from None
-    _refuse_image_text(base_dir, run_dir)
     adapter = read_adapter(run_dir)
     recorded = (runfolder.read_run_file(run_folder(run_dir)) or {}).get("base_digest")
     if recorded and recorded != runfolder.model_digest(base_dir):
@@ -261,25 +297,10 @@ def open_run(run_dir: Path) -> RunSource:
         )
     quantized = _quantized(base_dir)
     if not quantized:  # packed 4-bit tensors have other shapes; the dequantising merge checks those
-        adapter = per_expert_tensors(adapter, tensor_shapes(base_dir))
-        check_shapes(adapter, tensor_shapes(base_dir), base_dir)
+        shapes = tensor_shapes(base_dir)
+        adapter = saved_names(per_expert_tensors(adapter, shapes), shapes)
+        check_shapes(adapter, shapes, base_dir)
     return RunSource(run_dir, base_dir, adapter, tokenizer_dir or base_dir, quantized)
-
-
-def _refuse_image_text(base_dir: Path, run_dir: Path) -> None:
-    """An image-text base (Gemma 3, Mistral Small 3.x, Qwen2.5-VL): transformers saves it under another key layout
-    than the modules the adapter names (language_model.model.* for model.language_model.*), which lorafit's merge
-    does not translate, and lorafit's GGUF writer has none of these families; peft and llama.cpp do both."""
-    try:
-        model_type = json.loads((base_dir / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return  # _quantized says why the config cannot be read
-    if model_type in IMAGE_TEXT_FAMILIES:
-        raise ExportError(
-            f"lorafit cannot export runs on an image-text model ({model_type}) yet; the adapter in {run_dir} "
-            "loads with peft (PeftModel.from_pretrained on AutoModelForImageTextToText, then merge_and_unload and "
-            "save_pretrained), and llama.cpp's convert_hf_to_gguf.py converts that merged folder"
-        )
 
 
 def _quantized(model_dir: Path) -> bool:

@@ -79,11 +79,24 @@ def llama_cpp_available() -> bool:
 
 @contextlib.contextmanager
 def llama(path: Path, n_ctx: int) -> Iterator[Any]:
+    """The file in llama.cpp with an f32 KV cache (GGML_TYPE_F32 = 0), so that the check measures the file, not the
+    cache: the default f16 cache alone moves a tiny Llama's logits by 3e-4 of the largest, an f32 cache by under
+    1e-5 (tests/test_export_gguf.py), and in an MoE it can flip an expert choice (measured once: a tiny Mixtral's
+    logits 0.066 apart at one position of 120, where two router logits were 7e-4 apart; with the f32 cache 2e-6)."""
     import llama_cpp
 
+    f32 = 0
     with quiet_stderr():
         model = llama_cpp.Llama(
-            str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, verbose=False, seed=0, n_threads=os.cpu_count()
+            str(path),
+            n_ctx=n_ctx,
+            n_batch=n_ctx,
+            logits_all=True,
+            verbose=False,
+            seed=0,
+            n_threads=os.cpu_count(),
+            type_k=f32,
+            type_v=f32,
         )
     try:
         yield model
@@ -260,7 +273,8 @@ def verify(
     tokenizer = AutoTokenizer.from_pretrained(merged_dir, local_files_only=True)
     model = reference_model(merged_dir)
     conversations = conversations or []
-    ids = heldout_ids(tokenizer, conversations, limit=min(512, int(model.config.max_position_embeddings) - 1))
+    positions = model.config.get_text_config().max_position_embeddings  # an image-text model: its text part's
+    ids = heldout_ids(tokenizer, conversations, limit=min(512, int(positions) - 1))
     users = [next((m["content"] for m in c if m.get("role") == "user"), None) for c in conversations]
     questions = [u for u in users if u][:3] or list(GENERIC_PROMPTS)
     with torch.no_grad():

@@ -1,0 +1,200 @@
+"""GGUF export of image-text models' language model (Gemma 3 as llama.cpp's gemma3, Mistral Small 3.x as its
+mistral3, Qwen2-VL / Qwen2.5-VL as its qwen2vl, Qwen3-VL as its qwen3vl): transformers saves it as
+language_model.model.* or model.*, the adapter names it model.language_model.*; the text model is written without
+the vision tower and projector, gives llama.cpp the logits of transformers, and a trained run exports end to end
+through the export's own check."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import run_cli
+from lorafit.errors import ExportError
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is the [gguf] extra")
+
+from test_export_gguf import TEXT, llama_cpp_logits  # noqa: E402
+from test_vision import ONE_PER_FAMILY, tiny  # noqa: E402
+
+WRITTEN = ("gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from lorafit.train.demo import build_tokenizer, corpus
+
+    return build_tokenizer(corpus(), vocab_size=512)
+
+
+def image_text_model(folder: Path, tokenizer: Any, family: str) -> None:
+    """A tiny random image-text model of the family. Gemma 3's text part gets a sliding window narrower than the
+    test text on its first layer only, the real models' query scale (query_pre_attn_scalar = head_dim) and rope
+    (linear x 8 on full-attention layers), so that the window, the per-layer pattern, both rope bases and the
+    scaling that applies to one kind of layer all show in the logits."""
+    from lorafit.train.demo import build_model
+
+    build_model(folder, tokenizer, tiny(ONE_PER_FAMILY[family], vocab_size=len(tokenizer)), seed=0)
+    config = json.loads((folder / "config.json").read_text())
+    text = config["text_config"]
+    if family == "gemma3":
+        text |= {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+        text["query_pre_attn_scalar"] = text["head_dim"]
+        # Gemma 3 4B/12B/27B's rope: linear scaling by 8 on the full-attention layers only
+        text["rope_parameters"]["full_attention"] |= {"rope_type": "linear", "factor": 8.0}
+    if family == "mistral3":  # as Mistral Small 3.1's config.json: no tie (Mistral3Config: True), an lm_head saved
+        config.pop("tie_word_embeddings", None)
+        text.pop("tie_word_embeddings", None)
+    if family.startswith("qwen2"):  # llama.cpp 0.3.36's qwen2vl normalises with eps 0 (catalog/gguf.toml)
+        text["rms_norm_eps"] = 1e-12
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def reference_logits(folder: Path, ids: list[int]) -> Any:
+    from lorafit.export.verify import reference_model
+
+    with torch.no_grad():
+        return reference_model(folder)(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("family", WRITTEN)
+def test_the_language_model_gives_llama_cpp_the_logits_of_transformers(
+    family: str, tokenizer: Any, tmp_path: Path
+) -> None:
+    from gguf import GGUFReader
+
+    from lorafit.export import gguf
+
+    folder = tmp_path / "model"
+    image_text_model(folder, tokenizer, family)
+    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
+    ids = tokenizer(TEXT)["input_ids"]
+    assert len(ids) > 8 * 4  # several sliding windows long
+    reference = reference_logits(folder, ids)
+    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-3 * np.abs(reference).max()
+    names = [tensor.name for tensor in GGUFReader(written.path).tensors]
+    assert all(name.startswith(("token_embd.", "blk.", "output")) for name in names), names
+
+
+def test_qwen3_vl_moe_experts_as_the_hub_ships_them(tokenizer: Any, tmp_path: Path) -> None:
+    """Qwen3-VL-MoE checkpoints store the fused experts experts x in x out (transformers transposes them on load);
+    a model built from a config saves them experts x out x in. Both give llama.cpp transformers' logits."""
+    from safetensors.torch import load_file, save_file
+
+    from lorafit.export import gguf
+
+    folder = tmp_path / "model"
+    image_text_model(folder, tokenizer, "qwen3_vl_moe")
+    weights = load_file(folder / "model.safetensors")
+    fused = [name for name in weights if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert fused
+    for name in fused:
+        weights[name] = weights[name].transpose(1, 2).contiguous()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
+    ids = tokenizer(TEXT)["input_ids"]
+    reference = reference_logits(folder, ids)
+    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-3 * np.abs(reference).max()
+
+
+def test_gemma3_without_its_sliding_window_would_be_caught(
+    tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The comparison above can fail: the same Gemma 3 written without the sliding-window keys gives other logits."""
+    from lorafit.export import gguf
+
+    folder = tmp_path / "model"
+    image_text_model(folder, tokenizer, "gemma3")
+    original = gguf.architecture
+    monkeypatch.setattr(
+        gguf,
+        "architecture",
+        lambda path: gguf.Architecture(
+            **(vars(original(path)) | {"entry": original(path).entry | {"sliding_window": False}})
+        ),
+    )
+    written = gguf.write_gguf(folder, tmp_path / "wrong.gguf", "f32")
+    ids = tokenizer(TEXT)["input_ids"]
+    reference = reference_logits(folder, ids)
+    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() > 1e-2 * np.abs(reference).max()
+
+
+def test_llama_cpps_qwen2vl_normalises_with_eps_zero(tokenizer: Any, tmp_path: Path) -> None:
+    """What catalog/gguf.toml says of llama.cpp 0.3.36's qwen2vl: it reads no RMS-norm epsilon. With the config's
+    1e-5 the tiny model's logits differ from transformers' by more than 0.5 % of the largest; with transformers'
+    epsilon set to 0 they agree."""
+    from lorafit.export import gguf
+    from lorafit.export.verify import reference_model
+
+    folder = tmp_path / "model"
+    image_text_model(folder, tokenizer, "qwen2_5_vl")
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["rms_norm_eps"] = 1e-5
+    (folder / "config.json").write_text(json.dumps(config))
+    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
+    ids = tokenizer(TEXT)["input_ids"]
+    ours = llama_cpp_logits(written.path, ids)
+    reference = reference_logits(folder, ids)
+    assert np.abs(ours - reference).max() > 5e-3 * np.abs(reference).max()
+    model = reference_model(folder)
+    for module in model.modules():
+        if hasattr(module, "variance_epsilon"):
+            module.variance_epsilon = 0.0
+    with torch.no_grad():
+        eps_zero = model(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(ours - eps_zero).max() < 1e-3 * np.abs(eps_zero).max()
+
+
+def test_a_query_scale_llama_cpp_does_not_use_is_one_line(tokenizer: Any, tmp_path: Path) -> None:
+    from lorafit.export import gguf
+
+    folder = tmp_path / "model"
+    image_text_model(folder, tokenizer, "gemma3")
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["query_pre_attn_scalar"] = 256
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match=r"1/sqrt\(16\).*1/sqrt\(256\).*--to merged"):
+        gguf.architecture(folder)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+def test_a_trained_run_exports_its_language_model(
+    family: str, tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """QLoRA on the language model of a tiny image-text model, then `export --to gguf`: checked in llama.cpp
+    against the merged model (f16 logits and greedy tokens), with one line saying the vision tower is not in
+    the file and how llama.cpp writes it."""
+    from safetensors.torch import load_file, save_file
+
+    image_text_model(tmp_path / "model", tokenizer, family)
+    rng = random.Random(0)
+    words = ["the", "keeper", "paints", "a", "tower", "red", "while", "otters", "steal", "fish"]
+    rows = [{"instruction": " ".join(rng.choices(words, k=6)), "input": "", "output": "yes"} for _ in range(8)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = tmp_path / "run"
+    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
+    code, _, err = run_cli([*args, "--method", "qlora", "--micro-batch", "4", "--max-steps", "1"], capsys)
+    assert code == 0, err
+    weights = load_file(run / "adapter_model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for key, tensor in weights.items():  # a real update of every adapted weight
+        if ".lora_B." in key:
+            weights[key] = torch.randn(tensor.shape, generator=generator) * 0.05
+    save_file(weights, run / "adapter_model.safetensors", metadata={"format": "pt"})
+
+    output = tmp_path / "gguf"
+    code, out, err = run_cli(["export", str(run), "--to", "gguf", "-o", str(output), "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    f16 = report["verify"]["f16"]
+    assert f16["greedy_match"] is True and f16["max_abs_logit_diff"] <= f16["logit_tolerance"]
+    assert f16["tokenizer_match"] is True
+    (note,) = [line for line in report["notes"] if "vision tower" in line]
+    assert "--mmproj" in note and "--to merged" in note
