@@ -2,8 +2,8 @@
 
 Each row traces the real transformers step of the full-size model (Gemma3ForConditionalGeneration,
 Mistral3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration,
-Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration, with their vision towers packed by
-transformers' bitsandbytes quantizer) on fake tensors at the real shapes, a text-only batch,
+Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration, Gemma4ForConditionalGeneration, with their
+vision towers packed by transformers' bitsandbytes quantizer) on fake tensors at the real shapes, a text-only batch,
 and prints the traced peak beside `memory.estimate` for the same settings. These are check rows: nothing here was
 fitted.
 
@@ -44,6 +44,9 @@ ROWS: tuple[tuple[str, dict], ...] = (
     ("qwen3-vl-4b", dict(method="lora", quant="none", micro_batch=1, seq_len=2048, grad_ckpt=True)),
     ("qwen2.5-vl-7b", dict(method="qlora", quant="nf4", micro_batch=2, seq_len=1024, grad_ckpt=False)),
     ("mistral-small-3.1-24b", QLORA_2048 | {"lora_targets": "qv"}),
+    # Gemma 4 31B: global layers of their own head size (traced at 6 and 12 layers, one and two periods)
+    ("google/gemma-4-31B-it", QLORA_2048),
+    ("gemma-4-31b", dict(method="lora", quant="none", micro_batch=1, seq_len=2048, grad_ckpt=True)),
 )
 TOLERANCE = 0.03
 

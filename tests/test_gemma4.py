@@ -1,108 +1,245 @@
-"""Gemma 4: asked for by the names people type, refused in one line that says why and names the closest preset.
+"""Gemma 4: the dense 31B modelled (its global layers' own head size and KV heads, keys as values, its own vision
+tower), counted as transformers builds it, traced and trained; the sizes lorafit does not model (E2B, E4B with
+per-layer embeddings and shared-KV layers, 26B-A4B with an MoE block, the gemma4_unified 12B) refused in one line.
 
-Its sizes (transformers' converter _VARIANTS: E2B, E4B, 31B, 26B-A4B) mix block shapes within one model, which the
-estimator's one-block-shape terms cannot count; the tests check that claim against the pinned transformers' own
-modules, so the line stays true while the refusal does.
+The 31B's shapes are transformers' converter's (convert_gemma4_weights.py _VARIANT_GEMMA_4_31B and
+_LARGE_MODEL_VISION_CONFIG, https://github.com/huggingface/transformers/blob/0f3f0632a38798af2adf264adc752130ecc5fa66,
+read 2026-12), written here from that file, not from the catalog.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 
 from conftest import run_cli
-from lorafit.models import resolve, size_in_name
+from lorafit.models import ModelSpec, from_config_json, resolve
+from lorafit.schema import Settings
 
-WHY = "Gemma 4 (global layers of another head size, keys as values, shared-KV layers, per-layer embeddings)"
-HUB_NAMES = [
-    "google/gemma-4-E2B-it",
-    "google/gemma-4-E4B-it",
-    "google/gemma-4-31B-it",
-    "google/gemma-4-26B-A4B-it",
-    "google/gemma-4-31B",
-    "unsloth/gemma-4-E4B-it-unsloth-bnb-4bit",
-    "unsloth/gemma-4-31B-it-bnb-4bit",
-]
-# transformers' converter, _LARGE_MODEL_VISION_CONFIG: the tower of the 31B and the 26B-A4B (SigLIP's shape)
-LARGE_VISION = {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16}
+torch = pytest.importorskip("torch")
+
+CONVERTER_31B_TEXT = dict(
+    hidden_size=5376,
+    hidden_size_per_layer_input=0,
+    intermediate_size=4 * 5376,
+    num_hidden_layers=60,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
+    num_attention_heads=32,
+    num_key_value_heads=16,
+    num_global_key_value_heads=4,
+    attention_k_eq_v=True,
+    use_bidirectional_attention="vision",
+    num_kv_shared_layers=0,
+    sliding_window=1024,
+    final_logit_softcapping=30.0,
+    max_position_embeddings=262_144,
+)
+CONVERTER_LARGE_VISION = dict(
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_hidden_layers=27,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    head_dim=72,
+    global_head_dim=72,
+    default_output_length=280,
+    pooling_kernel_size=3,
+    use_clipped_linears=False,
+    standardize=True,
+)
+# the 31B's layout at toy sizes: five sliding layers then a global one with wider heads, fewer KV heads, no v_proj
+TINY_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    hidden_size_per_layer_input=0,
+    vocab_size=512,
+    final_logit_softcapping=30.0,
+)
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16)
 
 
-def nearest_named(err: str) -> str:
-    return err.split("the nearest supported preset is ", 1)[1].split(" ", 1)[0]
+def gemma4_config(text: dict, vision: dict | None = None) -> dict:
+    """A config.json as transformers writes one for these shapes."""
+    from transformers import Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig
+
+    tower = Gemma4VisionConfig(**vision) if vision else None
+    return Gemma4Config(text_config=Gemma4TextConfig(**text), vision_config=tower).to_dict()
 
 
-@pytest.mark.parametrize("hub_id", HUB_NAMES)
-def test_every_gemma4_name_is_one_line_saying_why_and_naming_a_gemma3_image_text_preset(
-    hub_id: str, capsys: pytest.CaptureFixture[str]
+def write_config(folder: Path, config: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def build_on_meta(spec: ModelSpec):
+    from lorafit.train.build import hf_config
+    from lorafit.train.model_files import auto_model_class
+
+    config = hf_config(spec, Settings(method="lora", quant="none", attn="eager"))
+    with torch.device("meta"):
+        return auto_model_class(config.model_type).from_config(config)
+
+
+def tiny_spec(tmp_path: Path, **text: object) -> ModelSpec:
+    return from_config_json(write_config(tmp_path / "tiny", gemma4_config(TINY_TEXT | text, TINY_VISION)))
+
+
+# --- the 31B: names, counts ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "hub_id", ["google/gemma-4-31B-it", "google/gemma-4-31B", "gemma-4-31b", "unsloth/gemma-4-31B-it-unsloth-bnb-4bit"]
+)
+def test_the_31b_names_resolve_to_its_shapes(hub_id: str) -> None:
+    spec = resolve(hub_id)
+    preset = resolve("gemma-4-31b")
+    assert spec.num_params == preset.num_params and spec.global_layers == preset.global_layers
+    assert (spec.prequantized is not None) == hub_id.endswith("bnb-4bit")
+
+
+def test_the_31b_preset_is_the_model_transformers_builds_from_the_converters_config() -> None:
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
+
+    text = Gemma4TextConfig(**CONVERTER_31B_TEXT)
+    config = Gemma4Config(text_config=text, vision_config=Gemma4VisionConfig(**CONVERTER_LARGE_VISION))
+    with torch.device("meta"):
+        model = Gemma4ForConditionalGeneration(config)
+    spec = resolve("google/gemma-4-31B-it")
+    assert model.num_parameters() == spec.num_params
+    text_params = sum(p.numel() for n, p in model.named_parameters() if "language_model" in n)
+    assert text_params == spec.num_params - spec.vision_params
+
+
+def test_the_converters_config_json_reads_as_the_preset(tmp_path: Path) -> None:
+    config = gemma4_config(CONVERTER_31B_TEXT, CONVERTER_LARGE_VISION)
+    spec = from_config_json(write_config(tmp_path, config))
+    preset = resolve("gemma-4-31b")
+    assert spec.num_params == preset.num_params and spec.lora_params(16, "all") == preset.lora_params(16, "all")
+    assert spec.global_layers == preset.global_layers and spec.vision == preset.vision
+
+
+def test_lora_and_4_bit_packing_count_what_peft_and_bitsandbytes_do(tmp_path: Path) -> None:
+    """peft wraps each kind of layer's projections (a global layer has no v_proj); transformers' quantizer packs
+    the language model's and the tower's linears."""
+    import bitsandbytes as bnb
+    from peft import get_peft_model
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    from lorafit.train.build import lora_config
+
+    spec = tiny_spec(tmp_path, num_hidden_layers=12)
+    model = build_on_meta(spec)
+    assert model.num_parameters() == spec.num_params
+    for targets in ("all", "qv", "attn"):
+        settings = Settings(method="lora", quant="none", attn="eager", lora_r=4, lora_targets=targets)
+        peft_model = get_peft_model(build_on_meta(spec), lora_config(spec, settings))
+        trained = {n: p.numel() for n, p in peft_model.named_parameters() if p.requires_grad}
+        assert sum(trained.values()) == spec.lora_params(4, targets) > 0, targets
+        assert all(".language_model." in name for name in trained)
+    packed = replace_with_bnb_linear(
+        model,
+        modules_to_not_convert=get_keys_to_not_convert(model),
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True),
+    )
+    linears = [m.in_features * m.out_features for m in packed.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert sum(linears) == spec.quantized_linear_params
+
+
+def test_the_trace_extends_whole_periods_of_layers(tmp_path: Path) -> None:
+    """Traced at one and two periods of six layers and extended to 18, the step holds the 18-layer model's
+    parameters and adapters exactly (traced at depths 2 and 3, it would hold one global layer instead of three).
+    The estimate against the full-size trace is `make bench-image-text` (gemma-4-31b QLoRA and LoRA at 2048)."""
+    from lorafit.trace import trace_depth
+
+    spec = tiny_spec(tmp_path, num_hidden_layers=18)
+    settings = Settings(method="qlora", quant="nf4", micro_batch=1, seq_len=64, grad_ckpt=True)
+    traced = trace_depth(spec, settings, device="cpu")
+    assert [trace.num_layers for trace in traced.traces] == [6, 12]
+    assert traced.total_params == spec.num_params and traced.trainable_params == spec.lora_params(16, "all")
+
+
+# --- what stays refused -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("hub_id", "words"),
+    [
+        ("google/gemma-4-E2B-it", "Gemma 4 E2B / E4B / 26B-A4B (per-layer embeddings"),
+        ("unsloth/gemma-4-E4B-it-unsloth-bnb-4bit", "Gemma 4 E2B / E4B / 26B-A4B (per-layer embeddings"),
+        ("google/gemma-4-26B-A4B-it", "an MoE block beside the MLP"),
+        ("google/gemma-4-12B-it", "Gemma 4 12B (gemma4_unified"),
+    ],
+)
+def test_the_sizes_not_modelled_are_one_line_naming_a_gemma3_image_text_preset(
+    hub_id: str, words: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out, err = run_cli(["plan", "--model", hub_id, "--gpu", "h100"], capsys)
-    assert code == 2 and not out
-    assert err.startswith(f"lorafit: error: {hub_id}: {WHY} (gemma4) is not modelled yet")
-    assert err.count("\n") == 1 and "Traceback" not in err
-    stand_in = resolve(nearest_named(err))
+    assert code == 2 and not out and err.count("\n") == 1 and "Traceback" not in err
+    assert words in err and "is not modelled yet" in err
+    stand_in = resolve(err.split("the nearest supported preset is ", 1)[1].split(" ", 1)[0])
     assert stand_in.architecture == "gemma3" and stand_in.vision is not None
 
 
-@pytest.mark.parametrize("hub_id", ["google/gemma-4-31B-it", "google/gemma-4-26B-A4B-it"])
-def test_the_large_sizes_stand_in_has_their_vision_tower_and_size(
-    hub_id: str, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"hidden_size_per_layer_input": 16}, "per-layer input embeddings"),
+        ({"num_hidden_layers": 12, "num_kv_shared_layers": 2}, "shared-KV layers"),
+        ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}, "MoE block"),
+        (
+            {
+                "layer_types": ["sliding_attention", "full_attention", "full_attention"]
+                + ["sliding_attention"] * 2
+                + ["full_attention"]
+            },
+            "layer_types is not one full-attention",
+        ),
+    ],
+    ids=["per-layer-embeddings", "shared-kv", "moe", "irregular-layers"],
+)
+def test_a_gemma4_config_json_lorafit_cannot_count_is_one_line(
+    change: dict, words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _, _, err = run_cli(["estimate", "--model", hub_id], capsys)
-    stand_in = resolve(nearest_named(err))
-    assert stand_in.vision is not None
-    assert {key: getattr(stand_in.vision, key) for key in LARGE_VISION} == LARGE_VISION
-    named = size_in_name(hub_id)
-    assert named is not None and 0.75 < stand_in.num_params / named < 1.25
-
-
-def tiny_gemma4(**text: object) -> dict:
-    """A config.json as transformers writes one for a tiny Gemma 4 (the 31B's attention layout at toy sizes)."""
-    from transformers import Gemma4Config, Gemma4TextConfig
-
-    layout = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        global_head_dim=32,
-        num_global_key_value_heads=1,
-        attention_k_eq_v=True,
-        hidden_size_per_layer_input=0,
-        vocab_size=256,
-    )
-    return Gemma4Config(text_config=Gemma4TextConfig(**(layout | text)), vision_config=None).to_dict()
-
-
-@pytest.mark.parametrize("wrapped", [True, False], ids=["gemma4", "gemma4_text"])
-def test_a_gemma4_config_json_is_refused_in_one_line(
-    tmp_path: Path, wrapped: bool, capsys: pytest.CaptureFixture[str]
-) -> None:
-    config = tiny_gemma4()
-    (tmp_path / "config.json").write_text(json.dumps(config if wrapped else config["text_config"]))
-    code, out, err = run_cli(["estimate", "--model", str(tmp_path)], capsys)
+    folder = write_config(tmp_path, gemma4_config(TINY_TEXT | change))
+    code, out, err = run_cli(["estimate", "--model", str(folder)], capsys)
     assert code == 2 and not out and err.count("\n") == 1
-    assert WHY in err and ("(gemma4)" if wrapped else "(gemma4_text)") in err
+    assert words in err
 
 
-def test_gemma4_blocks_differ_in_shape_within_one_model() -> None:
-    """The reason the line gives, read off the pinned transformers' modules: a global layer's keys have another
-    head size and head count, and it has no v_proj (keys are its values); an E-size's last layers have no k/v."""
-    import torch
-    from transformers import Gemma4Config, Gemma4ForCausalLM
+# --- training -----------------------------------------------------------------------------------------------
+def test_train_runs_on_a_tiny_gemma4_and_merges(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors import safe_open
 
-    def attention_shapes(config: dict) -> list[dict[str, tuple[int, ...]]]:
-        with torch.device("meta"):
-            model = Gemma4ForCausalLM(Gemma4Config.from_dict(config).text_config)
-        layers = model.model.layers
-        return [{n: tuple(p.shape) for n, p in layer.self_attn.named_parameters() if "proj" in n} for layer in layers]
+    from lorafit.train.demo import build_model, build_tokenizer, corpus
 
-    large = attention_shapes(tiny_gemma4())
-    sliding, full = large[0], large[5]  # five sliding layers, then a global one
-    assert sliding["k_proj.weight"] == (2 * 16, 64) and "v_proj.weight" in sliding
-    assert full["k_proj.weight"] == (1 * 32, 64) and "v_proj.weight" not in full
-    on_device = attention_shapes(tiny_gemma4(num_hidden_layers=12, num_kv_shared_layers=2, attention_k_eq_v=False))
-    assert "k_proj.weight" in on_device[9] and "k_proj.weight" not in on_device[10]
+    tokenizer = build_tokenizer(corpus(), vocab_size=512)
+    build_model(tmp_path / "model", tokenizer, tiny_spec(tmp_path, vocab_size=len(tokenizer)), seed=0)
+    rng = random.Random(0)
+    words = ["the", "keeper", "paints", "a", "tower", "red", "while", "otters", "steal", "fish"]
+    rows = [
+        {"instruction": " ".join(rng.choices(words, k=6)), "input": "", "output": " ".join(rng.choices(words, k=6))}
+        for _ in range(16)
+    ]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = tmp_path / "run"
+    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
+    code, _, err = run_cli([*args, "--method", "qlora", "--micro-batch", "4", "--max-steps", "2"], capsys)
+    assert code == 0, err
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert metrics and all(row.get("loss", 1.0) == row.get("loss", 1.0) for row in metrics)  # no NaN
+    with safe_open(run / "adapter_model.safetensors", "pt") as adapter:
+        names = list(adapter.keys())
+    assert names and all(".language_model." in name for name in names)
+    assert any(".layers.5.self_attn.k_proj" in name for name in names)  # the global layer is adapted too
+    code, _, err = run_cli(["export", str(run), "--to", "merged", "-o", str(tmp_path / "merged")], capsys)
+    assert code == 0, err

@@ -808,7 +808,7 @@ def test_yi_6b_summed_by_hand() -> None:
 @pytest.mark.parametrize(
     ("hub_id", "family"),
     [
-        ("google/gemma-4-31B-it", "Gemma 4"),
+        ("google/gemma-4-26B-A4B-it", "Gemma 4"),
         ("google/gemma-4-E4B-it", "Gemma 4"),
         ("Qwen/Qwen3.5-27B", "Qwen3.5"),
         ("unsloth/Qwen3.5-35B-A3B", "Qwen3.5"),

@@ -24,14 +24,16 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
 
+from lorafit import gemma4
 from lorafit.errors import InvalidConfig, UnknownModel
 from lorafit.messages import say
 from lorafit.vision import TEXT_ARCHITECTURE, TEXT_DEFAULTS, TIED_BY_DEFAULT, VisionTower, read_vision
 
 # The families of catalog/architectures.toml, for the type checker (tests/test_architectures.py: the two agree)
-Architecture = Literal[
+Families = Literal[
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss"
 ]
+Architecture = Literal[Families, "gemma4"]  # and Gemma 4, whose global layers gemma4.py counts
 LoraTargets = Literal["all", "attn", "qv", "experts"]
 AttentionKernel = Literal["sdpa", "flash", "eager"]
 
@@ -184,6 +186,7 @@ class ModelSpec(BaseModel):
     vision: VisionTower | None = Field(
         default=None, description="an image-text model's vision tower and projector: stored, frozen, unused by text"
     )
+    global_layers: gemma4.GlobalLayers | None = Field(default=None, description="Gemma 4's full-attention layers")
 
     # --- derived shapes -------------------------------------------------------------------------------------
     @property
@@ -331,7 +334,8 @@ class ModelSpec(BaseModel):
         bitsandbytes replaces `nn.Linear` modules only (transformers' `replace_with_bnb_linear`); the fused 3-D
         MoE experts stay in 16-bit, so they count in `layer_other_params` (`layer_linears()` still lists them).
         """
-        return sum(i * o * n for _, i, o, n in self.layer_linears()) - self.expert_params
+        uniform = sum(i * o * n for _, i, o, n in self.layer_linears()) - self.expert_params
+        return gemma4.block_totals(self)[0] // self.num_hidden_layers if self.global_layers else uniform  # the mean
 
     @property
     @memoised
@@ -348,7 +352,7 @@ class ModelSpec(BaseModel):
             other += 2 * self.head_size
         if self.arch.attention_sinks:
             other += self.num_attention_heads
-        return other
+        return gemma4.block_totals(self)[1] // self.num_hidden_layers if self.global_layers else other
 
     @property
     @memoised
@@ -370,8 +374,8 @@ class ModelSpec(BaseModel):
     def num_params(self) -> int:
         """Total parameters, counting tied embeddings once (as `model.num_parameters()` does)."""
         per_layer = self.layer_linear_params + self.layer_other_params
-        final_norm = self.hidden_size
-        text = self.num_hidden_layers * per_layer + self.embedding_params + self.lm_head_params + final_norm
+        blocks = sum(gemma4.block_totals(self)) if self.global_layers else self.num_hidden_layers * per_layer
+        text = blocks + self.embedding_params + self.lm_head_params + self.hidden_size  # and the final norm
         return text + self.vision_params
 
     @property
@@ -391,7 +395,7 @@ class ModelSpec(BaseModel):
         """LoRA A (r x in) and B (out x r) for each targeted module of every layer."""
         names = set(self.lora_target_names(targets))
         per_layer = sum(r * (i + o) * n for name, i, o, n in self.layer_linears() if name in names)
-        return per_layer * self.num_hidden_layers
+        return gemma4.lora_params(self, r, targets) if self.global_layers else per_layer * self.num_hidden_layers
 
     def check_seq_len(self, seq_len: int | None) -> None:
         """Refuse a sequence length past what the model's positions cover."""
@@ -431,6 +435,7 @@ class ModelSpec(BaseModel):
             if self.moe_intermediate_size is not None:
                 config["moe_intermediate_size"] = self.moe_intermediate_size
                 config["norm_topk_prob"] = self.norm_topk_prob
+        config |= self.global_layers.hf_keys(self.num_hidden_layers) if self.global_layers else {}
         if self.vision is None:
             return config
         # an image-text model: its family's config class takes the text model's keys (the text model_type left
@@ -621,6 +626,7 @@ def _text_spec(
     }
     fields.setdefault("num_key_value_heads", config.get("num_attention_heads"))
     fields.update(moe_fields(file, config, arch))
+    fields.update(gemma4.config_fields(file, config, architecture == "gemma4"))
     check_dimensions(file, fields)
     if arch.qkv_bias:
         fields["attention_bias"] = True  # Qwen2 always has q/k/v biases; its config has no key for it
@@ -634,7 +640,7 @@ def _text_spec(
 
 
 # ModelSpec fields that are lorafit's own records, never read from a config.json key of the same name
-NOT_CONFIG_KEYS = ("variant_of", "prequantized", "vision")
+NOT_CONFIG_KEYS = ("variant_of", "prequantized", "vision", "global_layers")
 
 
 def bitsandbytes_quantization(file: Path, quantization: object) -> PreQuantized | None:
@@ -720,7 +726,7 @@ def resolve(model: str) -> ModelSpec:
         return spec
     for family in unmodelled_families():
         if family.matches_hub_id(key):
-            raise UnknownModel(family.refusal(model, family.model_types[0], key))
+            raise UnknownModel(family.refusal(model, (*family.model_types, repo_name(key))[0], key))
     base = prequantized_base_name(key)
     what = say("model.copy_not_in_catalog", base=base) if base else say("model.not_in_catalog")
     hint = did_you_mean(base or key)

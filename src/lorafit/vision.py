@@ -27,14 +27,22 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lorafit.errors import InvalidConfig
 
-ImageTextFamily = Literal["gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe"]
+ImageTextFamily = Literal["gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "gemma4"]
 
 # The language model each image-text family wraps: the lorafit architecture, and the `tie_word_embeddings` that
 # transformers 5.25 uses when the config.json does not say (Gemma3Config and Mistral3Config default True,
 # Qwen2_5_VLConfig, Qwen3VLConfig and Qwen3VLMoeConfig False; configuration_gemma3.py, configuration_mistral3.py,
 # configuration_qwen2_5_vl.py, configuration_qwen3_vl.py, configuration_qwen3_vl_moe.py). Qwen3-VL's text model is
 # Qwen3 (q/k norms), Qwen3-VL-MoE's Qwen3-MoE (Qwen3VLMoeTextExperts: fused 3-D experts, as Qwen3MoeExperts).
-IMAGE_TEXT_FAMILIES: tuple[str, ...] = ("gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
+IMAGE_TEXT_FAMILIES: tuple[str, ...] = (
+    "gemma3",
+    "mistral3",
+    "qwen2_5_vl",
+    "qwen2_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "gemma4",
+)
 TEXT_ARCHITECTURE: dict[str, str] = {
     "gemma3": "gemma3",
     "mistral3": "mistral",
@@ -42,6 +50,7 @@ TEXT_ARCHITECTURE: dict[str, str] = {
     "qwen2_vl": "qwen2",
     "qwen3_vl": "qwen3",
     "qwen3_vl_moe": "qwen3_moe",
+    "gemma4": "gemma4",
 }
 TIED_BY_DEFAULT: dict[str, bool] = {
     "gemma3": True,
@@ -50,6 +59,7 @@ TIED_BY_DEFAULT: dict[str, bool] = {
     "qwen2_vl": False,
     "qwen3_vl": False,
     "qwen3_vl_moe": False,
+    "gemma4": True,  # Gemma4Config
 }
 QWEN3_VL_FAMILIES = ("qwen3_vl", "qwen3_vl_moe")
 # Gemma 3's first config.json files name few text keys and let Gemma3TextConfig's defaults fill the rest
@@ -162,6 +172,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 _KEYS["qwen3_vl_moe"], _DEFAULTS["qwen3_vl_moe"] = _KEYS["qwen3_vl"], _DEFAULTS["qwen3_vl"]
+# Gemma 4's own encoder (Gemma4VisionConfig, its defaults): a 2-D position table of position_embedding_size rows
+_KEYS["gemma4"] = _SAME_NAMES | {"num_position_embeddings": "position_embedding_size"}
+_DEFAULTS["gemma4"] = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 12,
+    "patch_size": 16,
+    "num_position_embeddings": 10 * 1024,
+}
+del _KEYS["gemma4"]["image_size"], _KEYS["gemma4"]["num_channels"]  # it takes any size; patches are RGB
 
 
 class VisionTower(BaseModel):
@@ -188,6 +209,8 @@ class VisionTower(BaseModel):
         merged = d * self.spatial_merge_size**2
         if self.family == "gemma3":  # SigLIP: q, k, v, out_proj (d x d), fc1 and fc2 (d x i)
             return n * (4 * d * d + 2 * d * i)
+        if self.family == "gemma4":  # q, k, v, o, gate, up, down and the patches' input_proj
+            return n * (4 * d * d + 3 * d * i) + 3 * self.patch_size**2 * d
         if self.family == "mistral3":  # Pixtral: q, k, v, o and gate, up, down; merging_layer, linear_1, linear_2
             return n * (4 * d * d + 3 * d * i) + merged * d + d * text_hidden + text_hidden * text_hidden
         merger = merged * merged + merged * text_hidden  # Qwen's merger: a two-layer MLP
@@ -208,6 +231,10 @@ class VisionTower(BaseModel):
             self.patch_size,
         )
         merged = d * self.spatial_merge_size**2
+        if self.family == "gemma4":  # the x and y position tables; four norms and the q/k norms of each layer;
+            # embed_vision's projection, a Linear that get_keys_to_not_convert leaves 16-bit (the model's last module)
+            positions = 2 * self.num_position_embeddings * d
+            return positions + n * (4 * d + 2 * (d // self.num_attention_heads)) + d * text_hidden
         if self.family == "gemma3":
             patches = (self.image_size // p) ** 2
             embeddings = c * p * p * d + d + patches * d  # conv with bias, one position per patch
@@ -247,6 +274,9 @@ class VisionTower(BaseModel):
             config |= {"model_type": "siglip_vision_model", "vision_use_head": False}
         elif self.family == "mistral3":
             config |= {"model_type": "pixtral", "head_dim": self.hidden_size // self.num_attention_heads}
+        elif self.family == "gemma4":
+            heads, head_dim = self.num_attention_heads, self.hidden_size // self.num_attention_heads
+            config |= {"model_type": "gemma4_vision", "num_key_value_heads": heads, "head_dim": head_dim}
         return config
 
     def text_keys(self, head_size: int) -> dict[str, Any]:

@@ -233,6 +233,13 @@ def _phase_class(phase: Phase, num_layers: int) -> tuple:
     return (phase.step, phase.micro_batch, phase.stage, position)
 
 
+def trace_depths(spec: ModelSpec) -> tuple[int, int]:
+    """TRACE_DEPTHS; for a model whose layers repeat a pattern (Gemma 4: a global layer closes every `interval`),
+    one and two whole periods, so that each layer the line adds is the pattern's mean."""
+    period = spec.global_layers.interval if spec.global_layers else 1
+    return TRACE_DEPTHS if period == 1 else (period, 2 * period)
+
+
 def _line(at_a: float, at_b: float, a: int, b: int, depth: int) -> float:
     return at_a + (at_b - at_a) * (depth - a) / (b - a)
 
@@ -249,7 +256,8 @@ def trace_depth(
     """The full-depth peak: traced directly for up to three layers, else extrapolated from depths 2 and 3."""
     depth = spec.num_hidden_layers
     options = {"fused_optimizer": fused_optimizer, "kbit_upcast": kbit_upcast, "autocast": autocast, "device": device}
-    if depth <= max(TRACE_DEPTHS):
+    a, b = trace_depths(spec)
+    if depth <= b:
         trace = trace_step(spec, settings, **options)
         return DepthTrace(
             depth,
@@ -264,8 +272,7 @@ def trace_depth(
             trace.reserved_bytes,
             trace.expandable_reserved_bytes,
         )
-    a, b = TRACE_DEPTHS
-    small, large = (trace_step(spec, settings, n, **options) for n in TRACE_DEPTHS)
+    small, large = (trace_step(spec, settings, n, **options) for n in (a, b))
     by_class_small = {_phase_class(p, a): s for p, s in small.phase_peaks.items()}
     by_class_large = {_phase_class(p, b): s for p, s in large.phase_peaks.items()}
     best: tuple[float, tuple, dict[str, float]] | None = None

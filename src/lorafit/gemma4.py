@@ -1,0 +1,161 @@
+"""Gemma 4's global layers: every `interval`-th decoder layer attends to the whole context with its own head size
+and key/value head count, and (attention_k_eq_v) reuses its keys as values, so it has no v_proj.
+
+Shapes as transformers 5.25 builds them (models/gemma4/modeling_gemma4.py Gemma4TextAttention, configuration
+Gemma4TextConfig.__post_init__: per_layer_config gives full-attention layers head_dim = global_head_dim and, with
+attention_k_eq_v, num_key_value_heads = num_global_key_value_heads; layer_types defaults to one full-attention
+layer in every 6 and forces the last layer to full attention). The sliding-window layers are what `ModelSpec`
+counts for a uniform model (Gemma 3's block, with a v_norm that has no weight); the counts are checked against the
+meta-device build in tests/test_gemma4.py.
+
+The other Gemma 4 sizes add per-layer input embeddings and shared-KV layers (E2B, E4B) or an MoE block beside the
+dense MLP (26B-A4B): a config.json with them is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from lorafit.errors import InvalidConfig
+
+if TYPE_CHECKING:
+    from lorafit.models import LoraTargets, ModelSpec
+
+# Gemma4TextConfig: sliding_window_pattern 6 when layer_types is not given
+DEFAULT_INTERVAL = 6
+# config.json keys of the sizes lorafit does not model, what each adds (Gemma4TextConfig's docstring), and the
+# config class's default for a file that leaves it out (hidden_size_per_layer_input 256: per-layer embeddings on)
+UNMODELLED_KEYS = {
+    "hidden_size_per_layer_input": ("per-layer input embeddings (E2B, E4B)", 256),
+    "num_kv_shared_layers": ("shared-KV layers (E2B, E4B)", 0),
+    "enable_moe_block": ("an MoE block beside the dense MLP (26B-A4B)", False),
+}
+
+
+class GlobalLayers(BaseModel):
+    """Where Gemma 4's full-attention layers fall and their attention shape; its config.json keys by name."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    global_head_dim: int = Field(gt=0, le=4096)
+    num_global_key_value_heads: int = Field(gt=0, le=1024)
+    attention_k_eq_v: bool
+    interval: int = Field(default=DEFAULT_INTERVAL, gt=0, le=1024)
+    sliding_window: int = Field(default=512, gt=0, le=1 << 26)
+    final_logit_softcapping: float | None = Field(default=None, gt=0)
+
+    def layer_types(self, layers: int) -> list[str]:
+        kinds = ["full_attention" if (i + 1) % self.interval == 0 else "sliding_attention" for i in range(layers)]
+        return kinds[:-1] + ["full_attention"]
+
+    def full_layers(self, layers: int) -> int:
+        return self.layer_types(layers).count("full_attention")
+
+    def attention_linears(self, spec: ModelSpec) -> dict[str, tuple[int, int]]:
+        """(in, out) of a full-attention layer's projections: no v_proj where keys are values."""
+        h, q, kv = spec.hidden_size, spec.num_attention_heads * self.global_head_dim, self.kv_size
+        linears = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        return {name: dims for name, dims in linears.items() if name != "v_proj" or not self.attention_k_eq_v}
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_global_key_value_heads * self.global_head_dim
+
+    def hf_keys(self, layers: int) -> dict[str, Any]:
+        """The text config keys transformers builds these layers from (the other sizes' features off)."""
+        keys = self.model_dump(exclude={"interval", "final_logit_softcapping"})
+        keys |= {"final_logit_softcapping": self.final_logit_softcapping, "layer_types": self.layer_types(layers)}
+        return keys | {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "enable_moe_block": False}
+
+
+def block_totals(spec: ModelSpec) -> tuple[int, int]:
+    """Weights of all decoder blocks: (their `nn.Linear`s, everything else). Each full-attention layer swaps the
+    sliding layer's projections and q/k norms (head_dim wide) for its own (global_head_dim wide)."""
+    layout = spec.global_layers
+    assert layout is not None
+    plain = spec.model_copy(update={"global_layers": None})
+    layers, full = spec.num_hidden_layers, layout.full_layers(spec.num_hidden_layers)
+    sliding = sum(i * o for i, o in plain.attention_linears().values())
+    wide = sum(i * o for i, o in layout.attention_linears(spec).values())
+    linear = layers * plain.layer_linear_params + full * (wide - sliding)
+    other = layers * plain.layer_other_params + full * 2 * (layout.global_head_dim - spec.head_size)
+    return linear, other
+
+
+def lora_params(spec: ModelSpec, r: int, targets: LoraTargets) -> int:
+    """LoRA A and B over the targeted modules of each kind of layer, as peft wraps them by name (a global layer
+    with keys as values has no v_proj to wrap)."""
+    layout = spec.global_layers
+    assert layout is not None
+    names = set(spec.lora_target_names(targets))
+    layers, full = spec.num_hidden_layers, layout.full_layers(spec.num_hidden_layers)
+
+    def adapters(modules: dict[str, tuple[int, int]]) -> int:
+        return sum(r * (i + o) for name, (i, o) in modules.items() if name in names)
+
+    mlp = adapters(spec.mlp_linears())
+    sliding = adapters(spec.attention_linears()) + mlp
+    return full * (adapters(layout.attention_linears(spec)) + mlp) + (layers - full) * sliding
+
+
+def config_fields(file: object, config: dict[str, Any], gemma4: bool) -> dict[str, Any]:
+    """The `global_layers` field of a Gemma 4 text config.json; a size lorafit does not model (per-layer
+    embeddings, shared-KV layers, an MoE block) or an irregular layer_types is refused in one line."""
+    if not gemma4:
+        return {}
+    added = [what for key, (what, default) in UNMODELLED_KEYS.items() if config.get(key, default)]
+    if added:
+        raise InvalidConfig(
+            f"{file}: Gemma 4 with {', '.join(added)} is not modelled yet; the dense 31B is (--model "
+            "gemma-4-31b), and gemma-3-4b is the nearest preset to the E2B and E4B"
+        )
+    layers = config.get("num_hidden_layers")
+    types = config.get("layer_types")
+    interval = types.index("full_attention") + 1 if isinstance(types, list) and "full_attention" in types else None
+    fields = {
+        "global_head_dim": config.get("global_head_dim") or 512,  # Gemma4TextConfig's default
+        "num_global_key_value_heads": config.get("num_key_value_heads") or config.get("num_attention_heads"),
+        "attention_k_eq_v": config.get("attention_k_eq_v") is True,
+        "interval": interval or config.get("sliding_window_pattern") or DEFAULT_INTERVAL,
+        "sliding_window": config.get("sliding_window") or 512,
+        "final_logit_softcapping": config.get("final_logit_softcapping"),
+    }
+    if fields["attention_k_eq_v"] and config.get("num_global_key_value_heads") is not None:
+        fields["num_global_key_value_heads"] = config["num_global_key_value_heads"]
+    fields |= _saved_overrides(file, config.get("per_layer_config"), types)
+    try:
+        layout = GlobalLayers.model_validate(fields)
+    except ValidationError as error:
+        raise InvalidConfig(f"{file}: a Gemma 4 global-layer key is not usable: {error.errors()[0]['msg']}") from None
+    if types is not None and isinstance(layers, int) and types != layout.layer_types(layers):
+        raise InvalidConfig(
+            f"{file}: layer_types is not one full-attention layer in every {layout.interval} (and the last); "
+            "lorafit models that regular pattern only, as every released Gemma 4 has it"
+        )
+    return {"global_layers": layout}
+
+
+def _saved_overrides(file: object, per_layer: object, types: object) -> dict[str, Any]:
+    """The global layers' head_dim and KV heads from the `per_layer_config` that transformers writes in place of
+    global_head_dim / num_global_key_value_heads when it saves a config (layer index -> overrides); they must be
+    the same for every full-attention layer and absent from the others, as __post_init__ makes them."""
+    if not per_layer:
+        return {}
+    names = {"head_dim": "global_head_dim", "num_key_value_heads": "num_global_key_value_heads"}
+    kinds = types if isinstance(types, list) else []
+    overrides = per_layer.values() if isinstance(per_layer, dict) else [None]
+    full = {str(i) for i, kind in enumerate(kinds) if kind == "full_attention"}
+    if (
+        not isinstance(per_layer, dict)
+        or {str(int(key)) for key in per_layer if str(key).isdigit()} != full
+        or any(not isinstance(entry, dict) or set(entry) - set(names) for entry in overrides)
+        or len({json.dumps(entry, sort_keys=True) for entry in overrides}) != 1
+    ):
+        raise InvalidConfig(
+            f"{file}: per_layer_config is not one head_dim / num_key_value_heads override for every full-attention "
+            "layer; lorafit models that, as transformers writes it for every released Gemma 4"
+        )
+    return {names[key]: value for key, value in next(iter(per_layer.values())).items()}
