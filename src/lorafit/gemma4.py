@@ -71,6 +71,17 @@ class GlobalLayers(BaseModel):
         return keys | {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "enable_moe_block": False}
 
 
+def last_layer(spec: ModelSpec) -> ModelSpec:
+    """A uniform model shaped like the last layer, whose backward the memory estimate counts at the end of the
+    stack: Gemma 4's last layer is a global one (its wider heads; its v_proj, absent where keys are values, is
+    counted as a k-sized copy, as the v_norm output is). Any other model is its own."""
+    layout = spec.global_layers
+    if layout is None:
+        return spec
+    wide = {"head_dim": layout.global_head_dim, "num_key_value_heads": layout.num_global_key_value_heads}
+    return spec.model_copy(update=wide | {"global_layers": None})
+
+
 def block_totals(spec: ModelSpec) -> tuple[int, int]:
     """Weights of all decoder blocks: (their `nn.Linear`s, everything else). Each full-attention layer swaps the
     sliding layer's projections and q/k norms (head_dim wide) for its own (global_head_dim wide)."""

@@ -10,6 +10,7 @@ kv = kv_heads x head_dim, I intermediate, V vocabulary, r LoRA rank, c bytes of 
 
 from __future__ import annotations
 
+from lorafit.gemma4 import last_layer
 from lorafit.hardware import GpuSpec
 from lorafit.memory.activations import (
     activation_bytes,
@@ -182,9 +183,9 @@ def breakdown(
     # Gradients exist during the forward pass only from the second micro-batch of an accumulation on.
     grads_in_forward = gradients if settings.grad_accum > 1 else 0.0
     loss = logits_bytes(spec, settings, runtime, gpu_bytes)
-    layer_backward = (
-        recompute_bytes(spec, settings, runtime) if settings.grad_ckpt else grad_buffer_bytes(spec, settings, runtime)
-    )
+    backward = recompute_bytes if settings.grad_ckpt else grad_buffer_bytes
+    # the last layer can be another shape than the first (Gemma 4's is a global-attention layer: gemma4.py)
+    layer_backward, last_backward = backward(spec, settings, runtime), backward(last_layer(spec), settings, runtime)
     dequant = dequant_bytes(spec, settings, runtime)
     # Backward frees each layer's saved tensors as it produces that layer's gradients, so its peak is at one of
     # the two ends: the last layer (every activation alive, only the head's gradients new) or the first layer
@@ -207,7 +208,7 @@ def breakdown(
         "loss (LM head backward)": (static + grads_in_forward + activations + loss, grads_in_forward, activations),
         # by the last layer's backward the final norm has freed what it saved
         "backward through the last layers": (
-            static + grads_at_top + layer_activations + layer_backward + dequant,
+            static + grads_at_top + layer_activations + last_backward + dequant,
             grads_at_top,
             layer_activations,
         ),
@@ -229,7 +230,8 @@ def breakdown(
         )
     phase = max(phases, key=lambda name: phases[name][0])
     _, grads_now, activations_now = phases[phase]
-    backward_now = layer_backward if phase.startswith("backward") else 0.0
+    backward_now = {"backward through the last layers": last_backward}.get(phase, layer_backward)
+    backward_now = backward_now if phase.startswith("backward") else 0.0
     transient = optimizer_step_temp_bytes(spec, settings, runtime)
     parts = {
         "weights": weights,
