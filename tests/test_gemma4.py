@@ -247,3 +247,15 @@ def test_train_runs_on_a_tiny_gemma4_and_merges(tmp_path: Path, capsys: pytest.C
     code, out, err = run_cli(["export", str(run), "--to", "gguf", "-o", str(tmp_path / "model.gguf")], capsys)
     assert code == 2 and err.count("\n") == 1
     assert "'gemma4'" in err and "convert_hf_to_gguf.py" in err
+
+
+def test_image_rows_for_the_31b_are_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    turns = [
+        {"role": "user", "content": [{"type": "image", "url": "heron.png"}, {"type": "text", "text": "What?"}]},
+        {"role": "assistant", "content": "A heron."},
+    ]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(3)))
+    code, out, err = run_cli(["plan", "--model", "google/gemma-4-31B-it", "--gpu", "h100", "--data", str(data)], capsys)
+    assert code == 2 and not out and err.count("\n") == 1
+    assert "image-text models on text only" in err
