@@ -82,6 +82,14 @@ def last_layer(spec: ModelSpec) -> ModelSpec:
     return spec.model_copy(update=wide | {"global_layers": None})
 
 
+def layer_view(spec: ModelSpec, n: int) -> tuple[ModelSpec, bool]:
+    """Layer `n` as a uniform model (a global layer's shape where it is one) and whether it has a v_proj."""
+    layout = spec.global_layers
+    if layout is None or layout.layer_types(spec.num_hidden_layers)[n] != "full_attention":
+        return spec, True
+    return last_layer(spec), not layout.attention_k_eq_v
+
+
 def block_totals(spec: ModelSpec) -> tuple[int, int]:
     """Weights of all decoder blocks: (their `nn.Linear`s, everything else). Each full-attention layer swaps the
     sliding layer's projections and q/k norms (head_dim wide) for its own (global_head_dim wide)."""

@@ -25,6 +25,7 @@ from pydantic import Field
 from lorafit import hardware
 from lorafit.choices import Frozen
 from lorafit.errors import InvalidConfig
+from lorafit.gemma4 import layer_view
 from lorafit.hardware import GpuSpec
 from lorafit.models import ModelSpec
 from lorafit.units import gib
@@ -82,17 +83,18 @@ def gguf_tensors(spec: ModelSpec) -> list[Tensor]:
         blk = f"blk.{n}."
         norms = ["attn_norm", "ffn_norm"] + (POST_NORMS if spec.norms_per_layer == 4 else [])
         tensors += [Tensor(blk + name + ".weight", "norm", h, layer=n) for name in norms]
+        attn, has_v = layer_view(spec, n)  # Gemma 4's global layers: wider heads, keys as values
         if spec.has_qk_norm:
-            tensors += [Tensor(blk + name + ".weight", "norm", spec.head_size, layer=n) for name in QK_NORMS]
+            tensors += [Tensor(blk + name + ".weight", "norm", attn.head_size, layer=n) for name in QK_NORMS]
         if spec.arch.fused_qkv:
             tensors.append(Tensor(blk + "attn_qkv.weight", "attn_qkv", h, spec.q_size + 2 * spec.kv_size, n))
         else:
             tensors += [
-                Tensor(blk + "attn_q.weight", "attn_q", h, spec.q_size, n),
-                Tensor(blk + "attn_k.weight", "attn_k", h, spec.kv_size, n),
-                Tensor(blk + "attn_v.weight", "attn_v", h, spec.kv_size, n),
+                Tensor(blk + "attn_q.weight", "attn_q", h, attn.q_size, n),
+                Tensor(blk + "attn_k.weight", "attn_k", h, attn.kv_size, n),
             ]
-        tensors.append(Tensor(blk + "attn_output.weight", "attn_output", spec.q_size, h, n))
+            tensors += [Tensor(blk + "attn_v.weight", "attn_v", h, attn.kv_size, n)] if has_v else []
+        tensors.append(Tensor(blk + "attn_output.weight", "attn_output", attn.q_size, h, n))
         if spec.attention_bias:
             tensors += [
                 Tensor(blk + "attn_q.bias", "bias", spec.q_size, layer=n),
