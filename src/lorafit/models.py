@@ -26,12 +26,13 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationErr
 
 from lorafit.errors import InvalidConfig, UnknownModel
 from lorafit.messages import say
+from lorafit.mla import LatentAttention, LatentFamily, dense_deltas, latent_fields, latent_keys, moe_layers, shared_rows
 from lorafit.vision import TEXT_ARCHITECTURE, TEXT_DEFAULTS, TIED_BY_DEFAULT, VisionTower, read_vision
 
 # The families of catalog/architectures.toml, for the type checker (tests/test_architectures.py: the two agree)
 Architecture = Literal[
-    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss"
-]
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss",
+    LatentFamily]  # fmt: skip
 LoraTargets = Literal["all", "attn", "qv", "experts"]
 AttentionKernel = Literal["sdpa", "flash", "eager"]
 
@@ -184,6 +185,7 @@ class ModelSpec(BaseModel):
     vision: VisionTower | None = Field(
         default=None, description="an image-text model's vision tower and projector: stored, frozen, unused by text"
     )
+    latent: LatentAttention | None = Field(default=None, description="DeepSeek-style MLA and MoE keys (mla.py)")
 
     # --- derived shapes -------------------------------------------------------------------------------------
     @property
@@ -239,6 +241,8 @@ class ModelSpec(BaseModel):
     def attention_linears(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each attention projection, by Hugging Face module name."""
         h = self.hidden_size
+        if self.latent is not None:
+            return self.latent.attention_linears(h, self.num_attention_heads)
         if self.arch.fused_qkv:
             return {"qkv_proj": (h, self.q_size + 2 * self.kv_size), "o_proj": (self.q_size, h)}
         return {
@@ -266,7 +270,7 @@ class ModelSpec(BaseModel):
         copies = max(self.num_local_experts, 1)
         rows = [(name, i, o, 1) for name, (i, o) in self.attention_linears().items()]
         rows += [(name, i, o, copies) for name, (i, o) in self.mlp_linears().items()]
-        return tuple(rows)
+        return tuple(rows) + shared_rows(self)
 
     @memoised
     def lora_target_names(self, targets: LoraTargets) -> tuple[str, ...]:
@@ -283,7 +287,7 @@ class ModelSpec(BaseModel):
             return attn if self.is_moe else attn + tuple(self.mlp_linears())
         if targets == "attn":
             return attn
-        return ("qkv_proj",) if self.arch.fused_qkv else ("q_proj", "v_proj")
+        return self.latent.qv_names() if self.latent else ("qkv_proj",) if self.arch.fused_qkv else ("q_proj", "v_proj")
 
     def expert_target_names(self, targets: LoraTargets) -> tuple[str, ...]:
         """The fused expert parameters (of `mlp.experts`) that peft's `target_parameters` adapts for `targets`."""
@@ -348,7 +352,7 @@ class ModelSpec(BaseModel):
             other += 2 * self.head_size
         if self.arch.attention_sinks:
             other += self.num_attention_heads
-        return other
+        return other + (self.latent.norm_params if self.latent else 0)
 
     @property
     @memoised
@@ -363,7 +367,7 @@ class ModelSpec(BaseModel):
         """Every weight bitsandbytes packs: the decoder's linears and the vision tower's and projector's
         (`vision.py`: transformers' quantizer skips neither)."""
         vision = self.vision.linear_params(self.hidden_size) if self.vision else 0
-        return self.num_hidden_layers * self.layer_linear_params + vision
+        return self.num_hidden_layers * self.layer_linear_params + vision + dense_deltas(self)[0]
 
     @property
     @memoised
@@ -372,6 +376,7 @@ class ModelSpec(BaseModel):
         per_layer = self.layer_linear_params + self.layer_other_params
         final_norm = self.hidden_size
         text = self.num_hidden_layers * per_layer + self.embedding_params + self.lm_head_params + final_norm
+        text += sum(dense_deltas(self))  # DeepSeek's dense first layers (mla.py)
         return text + self.vision_params
 
     @property
@@ -383,7 +388,7 @@ class ModelSpec(BaseModel):
             return self.num_params - self.vision_params
         idle_experts = self.num_local_experts - self.num_experts_per_tok
         one_expert = (self.expert_params + self.expert_bias_params) // self.num_local_experts
-        idle = idle_experts * one_expert * self.num_hidden_layers
+        idle = idle_experts * one_expert * moe_layers(self)
         return self.num_params - idle - self.vision_params
 
     @memoised
@@ -426,7 +431,7 @@ class ModelSpec(BaseModel):
             # the config class's default pad id (Phi3Config: 32000): a shrunken vocabulary has no such row
             config["pad_token_id"] = None
         if self.is_moe:
-            config[self.arch.experts_key] = self.num_local_experts
+            config |= {self.arch.experts_key: self.num_local_experts} | latent_keys(self)
             config["num_experts_per_tok"] = self.num_experts_per_tok
             if self.moe_intermediate_size is not None:
                 config["moe_intermediate_size"] = self.moe_intermediate_size
@@ -634,7 +639,7 @@ def _text_spec(
 
 
 # ModelSpec fields that are lorafit's own records, never read from a config.json key of the same name
-NOT_CONFIG_KEYS = ("variant_of", "prequantized", "vision")
+NOT_CONFIG_KEYS = ("variant_of", "prequantized", "vision", "latent")
 
 
 def bitsandbytes_quantization(file: Path, quantization: object) -> PreQuantized | None:
@@ -664,7 +669,7 @@ def moe_fields(file: Path, config: dict[str, Any], arch: ArchitectureSpec) -> di
     step = config.get("decoder_sparse_step", 1)
     if dense or step not in (1, None):
         raise InvalidConfig(say("config.dense_layers", file=file, dense=dense, step=step))
-    return fields
+    return fields | latent_fields(file, config, arch)
 
 
 def read_config_json(file: Path) -> dict[str, Any]:
