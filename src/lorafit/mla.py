@@ -38,6 +38,8 @@ class Shapes(Protocol):
     @property
     def mlp_width(self) -> int: ...
 
+    def layer_linears(self) -> tuple[tuple[str, int, int, int], ...]: ...
+
 
 class Family(Protocol):
     """The ArchitectureSpec field read here."""
@@ -120,7 +122,7 @@ class LatentAttention(BaseModel):
         routed = experts * h + experts * 3 * h * spec.mlp_width
         return k * (3 * h * spec.intermediate_size - shared), -k * routed
 
-    def saved_bytes_per_token(self, hidden_states_bytes: int, heads: int, attention_bytes: float) -> float:
+    def saved_bytes_per_token(self, hidden_states_bytes: float, heads: int, attention_bytes: float) -> float:
         """What an MLA block keeps for backward beyond standard attention with head_dim = nope + rope, per token.
 
         The latent RMSNorms (HF DeepseekV2RMSNorm upcasts to fp32 and saves that copy and the rsqrt) on
@@ -185,3 +187,12 @@ def latent_keys(spec: Shapes) -> dict[str, Any]:
 def moe_layers(spec: Shapes) -> int:
     """The blocks that route to experts: all but DeepSeek's `first_k_dense_replace` dense ones."""
     return max(spec.num_hidden_layers - (spec.latent.first_k_dense_replace if spec.latent else 0), 0)
+
+
+def dense_expert_lora(spec: Shapes, r: int, names: set[str]) -> int:
+    """LoRA on the routed experts (`--lora-targets experts`) counted for every block, less the dense first blocks'
+    share: they have no fused experts for peft's target_parameters to find."""
+    if spec.latent is None:
+        return 0
+    k = min(spec.latent.first_k_dense_replace, spec.num_hidden_layers)
+    return k * sum(r * (i + o) * n for name, i, o, n in spec.layer_linears() if name in names and n > 1)

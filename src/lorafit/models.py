@@ -24,15 +24,15 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
 
+from lorafit import mla
 from lorafit.errors import InvalidConfig, UnknownModel
 from lorafit.messages import say
-from lorafit.mla import LatentAttention, LatentFamily, dense_deltas, latent_fields, latent_keys, moe_layers, shared_rows
 from lorafit.vision import TEXT_ARCHITECTURE, TEXT_DEFAULTS, TIED_BY_DEFAULT, VisionTower, read_vision
 
 # The families of catalog/architectures.toml, for the type checker (tests/test_architectures.py: the two agree)
 Architecture = Literal[
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss",
-    LatentFamily]  # fmt: skip
+    mla.LatentFamily]  # fmt: skip
 LoraTargets = Literal["all", "attn", "qv", "experts"]
 AttentionKernel = Literal["sdpa", "flash", "eager"]
 
@@ -185,7 +185,7 @@ class ModelSpec(BaseModel):
     vision: VisionTower | None = Field(
         default=None, description="an image-text model's vision tower and projector: stored, frozen, unused by text"
     )
-    latent: LatentAttention | None = Field(default=None, description="DeepSeek-style MLA and MoE keys (mla.py)")
+    latent: mla.LatentAttention | None = Field(default=None, description="DeepSeek-style MLA and MoE keys (mla.py)")
 
     # --- derived shapes -------------------------------------------------------------------------------------
     @property
@@ -270,7 +270,7 @@ class ModelSpec(BaseModel):
         copies = max(self.num_local_experts, 1)
         rows = [(name, i, o, 1) for name, (i, o) in self.attention_linears().items()]
         rows += [(name, i, o, copies) for name, (i, o) in self.mlp_linears().items()]
-        return tuple(rows) + shared_rows(self)
+        return tuple(rows) + mla.shared_rows(self)
 
     @memoised
     def lora_target_names(self, targets: LoraTargets) -> tuple[str, ...]:
@@ -367,7 +367,7 @@ class ModelSpec(BaseModel):
         """Every weight bitsandbytes packs: the decoder's linears and the vision tower's and projector's
         (`vision.py`: transformers' quantizer skips neither)."""
         vision = self.vision.linear_params(self.hidden_size) if self.vision else 0
-        return self.num_hidden_layers * self.layer_linear_params + vision + dense_deltas(self)[0]
+        return self.num_hidden_layers * self.layer_linear_params + vision + mla.dense_deltas(self)[0]
 
     @property
     @memoised
@@ -376,7 +376,7 @@ class ModelSpec(BaseModel):
         per_layer = self.layer_linear_params + self.layer_other_params
         final_norm = self.hidden_size
         text = self.num_hidden_layers * per_layer + self.embedding_params + self.lm_head_params + final_norm
-        text += sum(dense_deltas(self))  # DeepSeek's dense first layers (mla.py)
+        text += sum(mla.dense_deltas(self))  # DeepSeek's dense first layers (mla.py)
         return text + self.vision_params
 
     @property
@@ -388,7 +388,7 @@ class ModelSpec(BaseModel):
             return self.num_params - self.vision_params
         idle_experts = self.num_local_experts - self.num_experts_per_tok
         one_expert = (self.expert_params + self.expert_bias_params) // self.num_local_experts
-        idle = idle_experts * one_expert * moe_layers(self)
+        idle = idle_experts * one_expert * mla.moe_layers(self)
         return self.num_params - idle - self.vision_params
 
     @memoised
@@ -396,7 +396,7 @@ class ModelSpec(BaseModel):
         """LoRA A (r x in) and B (out x r) for each targeted module of every layer."""
         names = set(self.lora_target_names(targets))
         per_layer = sum(r * (i + o) * n for name, i, o, n in self.layer_linears() if name in names)
-        return per_layer * self.num_hidden_layers
+        return per_layer * self.num_hidden_layers - mla.dense_expert_lora(self, r, names)
 
     def check_seq_len(self, seq_len: int | None) -> None:
         """Refuse a sequence length past what the model's positions cover."""
@@ -431,7 +431,7 @@ class ModelSpec(BaseModel):
             # the config class's default pad id (Phi3Config: 32000): a shrunken vocabulary has no such row
             config["pad_token_id"] = None
         if self.is_moe:
-            config |= {self.arch.experts_key: self.num_local_experts} | latent_keys(self)
+            config |= {self.arch.experts_key: self.num_local_experts} | mla.latent_keys(self)
             config["num_experts_per_tok"] = self.num_experts_per_tok
             if self.moe_intermediate_size is not None:
                 config["moe_intermediate_size"] = self.moe_intermediate_size
@@ -669,7 +669,7 @@ def moe_fields(file: Path, config: dict[str, Any], arch: ArchitectureSpec) -> di
     step = config.get("decoder_sparse_step", 1)
     if dense or step not in (1, None):
         raise InvalidConfig(say("config.dense_layers", file=file, dense=dense, step=step))
-    return fields | latent_fields(file, config, arch)
+    return fields | mla.latent_fields(file, config, arch)
 
 
 def read_config_json(file: Path) -> dict[str, Any]:
