@@ -1,8 +1,9 @@
 """DeepSeek-style blocks: multi-head latent attention (MLA) and an MoE with shared experts after a few dense layers
-(DeepSeek-V2 / V2-Lite / Coder-V2, DeepSeek-V3 / R1), as transformers 5.25 builds them
+(DeepSeek-V2 / V2-Lite / Coder-V2, DeepSeek-V3 / R1, Mistral 4), as transformers 5.25 builds them
 (models/deepseek_v2/modeling_deepseek_v2.py DeepseekV2Attention, DeepseekV2Moe, DeepseekV2DecoderLayer;
 models/deepseek_v3/modeling_deepseek_v3.py the same modules, whose router adds an `e_score_correction_bias`
-buffer, not a parameter).
+buffer, not a parameter; models/mistral4/modeling_mistral4.py the same modules again, with Llama 4's query
+scaling).
 
 Attention: q is `q_proj` (h -> heads x (nope + rope)), or, with `q_lora_rank`, `q_a_proj` (h -> q_lora_rank), an
 RMSNorm and `q_b_proj`; keys and values come from one latent: `kv_a_proj_with_mqa` (h -> kv_lora_rank + rope),
@@ -48,7 +49,7 @@ class Family(Protocol):
 
 
 # The families of catalog/architectures.toml built of these blocks (a part of models.Architecture)
-LatentFamily = Literal["deepseek_v2", "deepseek_v3"]
+LatentFamily = Literal["deepseek_v2", "deepseek_v3", "mistral4"]
 
 # The config.json keys a LatentAttention is read from (and written back to for a tiny test model)
 LATENT_KEYS = (
@@ -137,15 +138,16 @@ class LatentAttention(BaseModel):
         return norms + rope - narrower_v
 
 
-# The families built of these blocks (catalog/architectures.toml), with DeepseekV2Config's defaults for the keys a
-# config.json leaves out (transformers 5.25
-# configuration_deepseek_v2.py; DeepseekV3Config's are the same but q_lora_rank 1536 too and n_shared_experts 1,
-# first_k_dense_replace 3): a key given as null stays null (q_lora_rank null: no query compression)
+# The families built of these blocks (catalog/architectures.toml), with their config classes' defaults for the keys
+# a config.json leaves out (transformers 5.25 configuration_deepseek_v2.py, configuration_deepseek_v3.py,
+# configuration_mistral4.py): a key given as null stays null (q_lora_rank null: no query compression)
 DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v2": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                     "v_head_dim": 128, "n_shared_experts": 2, "first_k_dense_replace": 0},
     "deepseek_v3": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                     "v_head_dim": 128, "n_shared_experts": 1, "first_k_dense_replace": 3},
+    "mistral4": {"q_lora_rank": 1024, "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 64,
+                 "v_head_dim": 128, "n_shared_experts": 1, "first_k_dense_replace": 0},
 }  # fmt: skip
 
 
