@@ -37,6 +37,9 @@ class Shapes(Protocol):
     latent: LatentAttention | None
 
     @property
+    def architecture(self) -> str: ...
+
+    @property
     def mlp_width(self) -> int: ...
 
     def layer_linears(self) -> tuple[tuple[str, int, int, int], ...]: ...
@@ -141,6 +144,8 @@ class LatentAttention(BaseModel):
 # The families built of these blocks (catalog/architectures.toml), with their config classes' defaults for the keys
 # a config.json leaves out (transformers 5.25 configuration_deepseek_v2.py, configuration_deepseek_v3.py,
 # configuration_mistral4.py): a key given as null stays null (q_lora_rank null: no query compression)
+# The families whose config class sizes the rotary tables by head_dim = qk_rope_head_dim (latent_keys)
+ROPE_HEAD_DIM = ("deepseek_v2", "deepseek_v3")
 DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v2": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                     "v_head_dim": 128, "n_shared_experts": 2, "first_k_dense_replace": 0},
@@ -182,8 +187,15 @@ def dense_deltas(spec: Shapes) -> tuple[int, int]:
 
 
 def latent_keys(spec: Shapes) -> dict[str, Any]:
-    """The config.json keys that rebuild the latent attention (for a tiny test model or the trace)."""
-    return spec.latent.model_dump() if spec.latent is not None else {}
+    """The config.json keys that rebuild the latent attention (for a tiny test model or the trace). The rotary
+    tables are sized by head_dim: the rope part for DeepSeek (DeepseekV2Config sets it so; DeepseekV3Config keeps
+    a head_dim it is given), nope + rope for Mistral 4 (ModelSpec.head_dim), whose partial_rotary_factor is
+    rope / (nope + rope)."""
+    if spec.latent is None:
+        return {}
+    if spec.architecture not in ROPE_HEAD_DIM:
+        return spec.latent.model_dump()
+    return spec.latent.model_dump() | {"head_dim": spec.latent.qk_rope_head_dim}
 
 
 def moe_layers(spec: Shapes) -> int:

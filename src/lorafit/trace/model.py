@@ -29,6 +29,12 @@ def at_depth(spec: ModelSpec, num_layers: int) -> ModelSpec:
     """The same architecture with `num_layers` decoder layers (the trace extrapolates over depth)."""
     if num_layers == spec.num_hidden_layers:
         return spec
+    if spec.latent is not None and spec.latent.first_k_dense_replace >= num_layers:
+        dense = spec.latent.first_k_dense_replace
+        raise LorafitError(
+            f"--exact traces {num_layers} blocks and extrapolates; {spec.name}'s first {dense} are dense, so the trace "
+            "would not see its experts: the estimate without --exact counts them"
+        )
     return spec.model_copy(update={"num_hidden_layers": num_layers, "published_params": None})
 
 
