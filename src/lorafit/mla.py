@@ -210,3 +210,35 @@ def dense_expert_lora(spec: Shapes, r: int, names: set[str]) -> int:
         return 0
     k = min(spec.latent.first_k_dense_replace, spec.num_hidden_layers)
     return k * sum(r * (i + o) * n for name, i, o, n in spec.layer_linears() if name in names and n > 1)
+
+
+# --- the GGUF layout (serving.py) ---------------------------------------------------------------------------------
+def gguf_attention(latent: LatentAttention, hidden: int, heads: int) -> list[tuple[str, str, int, int]]:
+    """(name, kind, in, out) of the latent attention's matrices and norms as llama.cpp's deepseek2 converter names
+    them (convert_hf_to_gguf.py DeepseekV2Model: attn_q or attn_q_a + attn_q_a_norm + attn_q_b, attn_kv_a_mqa,
+    attn_kv_a_norm, attn_kv_b; newer converters split attn_kv_b into attn_k_b and attn_v_b, the same elements).
+    Kinds for the quantisation mix: the projections read as attn_q, the output as attn_output."""
+    linears = latent.attention_linears(hidden, heads)
+    names = {"q_proj": "attn_q", "q_a_proj": "attn_q_a", "q_b_proj": "attn_q_b"}
+    names |= {"kv_a_proj_with_mqa": "attn_kv_a_mqa", "kv_b_proj": "attn_kv_b", "o_proj": "attn_output"}
+    rows = [(names[m], "attn_output" if m == "o_proj" else "attn_q", i, o) for m, (i, o) in linears.items()]
+    norms = [("attn_kv_a_norm", latent.kv_lora_rank)] + (
+        [("attn_q_a_norm", latent.q_lora_rank)] if latent.q_lora_rank else []
+    )
+    return rows + [(name, "norm", width, 1) for name, width in norms]
+
+
+def gguf_mlp(spec: Shapes, layer: int) -> list[tuple[str, str, int, int]]:
+    """(name, kind, in, out) of a block's MLP tensors beyond the routed experts': a dense first block's SwiGLU
+    (ffn_gate, ffn_up, ffn_down; it has no experts), or the shared experts' (ffn_*_shexp)."""
+    assert spec.latent is not None
+    h = spec.hidden_size
+    if layer < spec.latent.first_k_dense_replace:
+        i = spec.intermediate_size
+        return [("ffn_gate", "ffn_gate", h, i), ("ffn_up", "ffn_up", h, i), ("ffn_down", "ffn_down", i, h)]
+    shared = spec.latent.n_shared_experts * spec.mlp_width
+    return [
+        ("ffn_gate_shexp", "ffn_gate", h, shared),
+        ("ffn_up_shexp", "ffn_up", h, shared),
+        ("ffn_down_shexp", "ffn_down", shared, h),
+    ]
