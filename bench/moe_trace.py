@@ -2,12 +2,14 @@
 bitsandbytes step on fake tensors at the real shapes) for the mixture-of-experts presets, and the time model's
 closed form beside its roofline over the traced op list.
 
-Rows: Qwen3-30B-A3B, gpt-oss-20b (eager attention: transformers has no sdpa path for it) and Mixtral-8x7B,
-QLoRA, one row of 2048 tokens, with and without gradient checkpointing, LoRA on the attention (`all`) or on the
-attention and the experts (`experts`, lora_dropout 0). These are check rows: no constant was fitted on them
+Rows: Qwen3-30B-A3B, gpt-oss-20b (eager attention: transformers has no sdpa path for it), Mixtral-8x7B and
+DeepSeek-V2-Lite (latent attention, shared experts, a dense first layer: src/lorafit/mla.py), Mistral Small 4
+(the same blocks), QLoRA, one row of
+2048 tokens, with and without gradient checkpointing, LoRA on the attention (`all`) or on the attention and the
+experts (`experts`, lora_dropout 0). These are check rows: no constant was fitted on them
 (timing.MOE_ROUTING_KERNELS was fitted on Mixtral's traced kernel count, so its time row is a fit row).
 
-    python bench/moe_trace.py [--models qwen3-30b-a3b,gpt-oss-20b,mixtral-8x7b] [--time]
+    python bench/moe_trace.py [--models qwen3-30b-a3b,...,deepseek-v2-lite,mistral-small-4-119b] [--time]
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from lorafit import hardware, memory, timing  # noqa: E402
 from lorafit.models import resolve  # noqa: E402
 from lorafit.schema import Settings  # noqa: E402
 
-MODELS = ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b")
+MODELS = ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b", "deepseek-v2-lite", "mistral-small-4-119b")
 
 
 def settings_for(name: str, targets: str, ckpt: bool) -> Settings:

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
 
-from lorafit import gemma4
+from lorafit import gemma4, mla
 from lorafit.errors import InvalidConfig, UnknownModel
 from lorafit.messages import say
 from lorafit.vision import TEXT_ARCHITECTURE, TEXT_DEFAULTS, TIED_BY_DEFAULT, VisionTower, read_vision
@@ -33,7 +33,7 @@ from lorafit.vision import TEXT_ARCHITECTURE, TEXT_DEFAULTS, TIED_BY_DEFAULT, Vi
 Families = Literal[
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss"
 ]
-Architecture = Literal[Families, "gemma4"]  # and Gemma 4, whose global layers gemma4.py counts
+Architecture = Literal[Families, "gemma4", mla.LatentFamily]  # Gemma 4 (gemma4.py), DeepSeek-style MLA (mla.py)
 LoraTargets = Literal["all", "attn", "qv", "experts"]
 AttentionKernel = Literal["sdpa", "flash", "eager"]
 
@@ -187,6 +187,7 @@ class ModelSpec(BaseModel):
         default=None, description="an image-text model's vision tower and projector: stored, frozen, unused by text"
     )
     global_layers: gemma4.GlobalLayers | None = Field(default=None, description="Gemma 4's full-attention layers")
+    latent: mla.LatentAttention | None = Field(default=None, description="DeepSeek-style MLA and MoE keys (mla.py)")
 
     # --- derived shapes -------------------------------------------------------------------------------------
     @property
@@ -242,6 +243,8 @@ class ModelSpec(BaseModel):
     def attention_linears(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each attention projection, by Hugging Face module name."""
         h = self.hidden_size
+        if self.latent is not None:
+            return self.latent.attention_linears(h, self.num_attention_heads)
         if self.arch.fused_qkv:
             return {"qkv_proj": (h, self.q_size + 2 * self.kv_size), "o_proj": (self.q_size, h)}
         return {
@@ -269,7 +272,7 @@ class ModelSpec(BaseModel):
         copies = max(self.num_local_experts, 1)
         rows = [(name, i, o, 1) for name, (i, o) in self.attention_linears().items()]
         rows += [(name, i, o, copies) for name, (i, o) in self.mlp_linears().items()]
-        return tuple(rows)
+        return tuple(rows) + mla.shared_rows(self)
 
     @memoised
     def lora_target_names(self, targets: LoraTargets) -> tuple[str, ...]:
@@ -286,7 +289,7 @@ class ModelSpec(BaseModel):
             return attn if self.is_moe else attn + tuple(self.mlp_linears())
         if targets == "attn":
             return attn
-        return ("qkv_proj",) if self.arch.fused_qkv else ("q_proj", "v_proj")
+        return self.latent.qv_names() if self.latent else ("qkv_proj",) if self.arch.fused_qkv else ("q_proj", "v_proj")
 
     def expert_target_names(self, targets: LoraTargets) -> tuple[str, ...]:
         """The fused expert parameters (of `mlp.experts`) that peft's `target_parameters` adapts for `targets`."""
@@ -352,7 +355,9 @@ class ModelSpec(BaseModel):
             other += 2 * self.head_size
         if self.arch.attention_sinks:
             other += self.num_attention_heads
-        return gemma4.block_totals(self)[1] // self.num_hidden_layers if self.global_layers else other
+        if self.global_layers:
+            return gemma4.block_totals(self)[1] // self.num_hidden_layers
+        return other + (self.latent.norm_params if self.latent else 0)
 
     @property
     @memoised
@@ -367,7 +372,7 @@ class ModelSpec(BaseModel):
         """Every weight bitsandbytes packs: the decoder's linears and the vision tower's and projector's
         (`vision.py`: transformers' quantizer skips neither)."""
         vision = self.vision.linear_params(self.hidden_size) if self.vision else 0
-        return self.num_hidden_layers * self.layer_linear_params + vision
+        return self.num_hidden_layers * self.layer_linear_params + vision + mla.dense_deltas(self)[0]
 
     @property
     @memoised
@@ -376,6 +381,7 @@ class ModelSpec(BaseModel):
         per_layer = self.layer_linear_params + self.layer_other_params
         blocks = sum(gemma4.block_totals(self)) if self.global_layers else self.num_hidden_layers * per_layer
         text = blocks + self.embedding_params + self.lm_head_params + self.hidden_size  # and the final norm
+        text += sum(mla.dense_deltas(self))  # DeepSeek's dense first layers (mla.py)
         return text + self.vision_params
 
     @property
@@ -387,7 +393,7 @@ class ModelSpec(BaseModel):
             return self.num_params - self.vision_params
         idle_experts = self.num_local_experts - self.num_experts_per_tok
         one_expert = (self.expert_params + self.expert_bias_params) // self.num_local_experts
-        idle = idle_experts * one_expert * self.num_hidden_layers
+        idle = idle_experts * one_expert * mla.moe_layers(self)
         return self.num_params - idle - self.vision_params
 
     @memoised
@@ -395,7 +401,9 @@ class ModelSpec(BaseModel):
         """LoRA A (r x in) and B (out x r) for each targeted module of every layer."""
         names = set(self.lora_target_names(targets))
         per_layer = sum(r * (i + o) * n for name, i, o, n in self.layer_linears() if name in names)
-        return gemma4.lora_params(self, r, targets) if self.global_layers else per_layer * self.num_hidden_layers
+        if self.global_layers:
+            return gemma4.lora_params(self, r, targets)
+        return per_layer * self.num_hidden_layers - mla.dense_expert_lora(self, r, names)
 
     def check_seq_len(self, seq_len: int | None) -> None:
         """Refuse a sequence length past what the model's positions cover."""
@@ -430,7 +438,7 @@ class ModelSpec(BaseModel):
             # the config class's default pad id (Phi3Config: 32000): a shrunken vocabulary has no such row
             config["pad_token_id"] = None
         if self.is_moe:
-            config[self.arch.experts_key] = self.num_local_experts
+            config |= {self.arch.experts_key: self.num_local_experts} | mla.latent_keys(self)
             config["num_experts_per_tok"] = self.num_experts_per_tok
             if self.moe_intermediate_size is not None:
                 config["moe_intermediate_size"] = self.moe_intermediate_size
@@ -640,7 +648,7 @@ def _text_spec(
 
 
 # ModelSpec fields that are lorafit's own records, never read from a config.json key of the same name
-NOT_CONFIG_KEYS = ("variant_of", "prequantized", "vision", "global_layers")
+NOT_CONFIG_KEYS = ("variant_of", "prequantized", "vision", "global_layers", "latent")
 
 
 def bitsandbytes_quantization(file: Path, quantization: object) -> PreQuantized | None:
@@ -670,7 +678,7 @@ def moe_fields(file: Path, config: dict[str, Any], arch: ArchitectureSpec) -> di
     step = config.get("decoder_sparse_step", 1)
     if dense or step not in (1, None):
         raise InvalidConfig(say("config.dense_layers", file=file, dense=dense, step=step))
-    return fields
+    return fields | mla.latent_fields(file, config, arch)
 
 
 def read_config_json(file: Path) -> dict[str, Any]:

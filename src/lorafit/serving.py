@@ -18,11 +18,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from importlib import resources
-from typing import Literal
+from typing import Literal, cast
 
 from pydantic import Field
 
-from lorafit import hardware
+from lorafit import hardware, mla
 from lorafit.choices import Frozen
 from lorafit.errors import InvalidConfig
 from lorafit.gemma4 import layer_view
@@ -86,7 +86,10 @@ def gguf_tensors(spec: ModelSpec) -> list[Tensor]:
         attn, has_v = layer_view(spec, n)  # Gemma 4's global layers: wider heads, keys as values
         if spec.has_qk_norm:
             tensors += [Tensor(blk + name + ".weight", "norm", attn.head_size, layer=n) for name in QK_NORMS]
-        if spec.arch.fused_qkv:
+        if spec.latent is not None:  # DeepSeek-style latent attention and MLP (mla.py)
+            latent = mla.gguf_attention(spec.latent, h, spec.num_attention_heads) + mla.gguf_mlp(spec, n)
+            tensors += [Tensor(blk + name + ".weight", cast(Kind, kind), i, o, n) for name, kind, i, o in latent]
+        elif spec.arch.fused_qkv:
             tensors.append(Tensor(blk + "attn_qkv.weight", "attn_qkv", h, spec.q_size + 2 * spec.kv_size, n))
         else:
             tensors += [
@@ -94,7 +97,8 @@ def gguf_tensors(spec: ModelSpec) -> list[Tensor]:
                 Tensor(blk + "attn_k.weight", "attn_k", h, attn.kv_size, n),
             ]
             tensors += [Tensor(blk + "attn_v.weight", "attn_v", h, attn.kv_size, n)] if has_v else []
-        tensors.append(Tensor(blk + "attn_output.weight", "attn_output", attn.q_size, h, n))
+        if spec.latent is None:
+            tensors.append(Tensor(blk + "attn_output.weight", "attn_output", attn.q_size, h, n))
         if spec.attention_bias:
             tensors += [
                 Tensor(blk + "attn_q.bias", "bias", spec.q_size, layer=n),
@@ -105,7 +109,9 @@ def gguf_tensors(spec: ModelSpec) -> list[Tensor]:
             tensors.append(Tensor(blk + "attn_output.bias", "bias", h, layer=n))
         if spec.arch.attention_sinks:  # gpt-oss
             tensors.append(Tensor(blk + "attn_sinks.weight", "bias", spec.num_attention_heads, layer=n))
-        if spec.is_moe:
+        if spec.latent is not None and n < spec.latent.first_k_dense_replace:
+            pass  # a dense first block: its SwiGLU is in the latent rows above
+        elif spec.is_moe:
             tensors += [
                 Tensor(blk + "ffn_gate_inp.weight", "router", h, spec.num_local_experts, n),
                 Tensor(blk + "ffn_gate_exps.weight", "ffn_gate", h, i * e, n),

@@ -318,7 +318,8 @@ def elementwise_bytes_per_token(spec: ModelSpec, settings: Settings) -> float:
     runtime = memory.stack_runtime(settings)
     c, s = DTYPE_BYTES[settings.precision], memory.stream_dtype_bytes(settings, runtime)
     h = spec.hidden_size
-    experts = max(spec.num_experts_per_tok, 1)
+    # DeepSeek's shared experts (mla.py) run the same SwiGLU, n_shared_experts x the routed expert's width
+    experts = max(spec.num_experts_per_tok, 1) + (spec.latent.n_shared_experts if spec.latent else 0)
     if runtime.compiled:
         return compiled_elementwise_bytes_per_token(spec, settings, runtime)
     if runtime.liger_kernels:

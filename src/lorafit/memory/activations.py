@@ -131,6 +131,10 @@ def activation_parts_per_token(
         # (transformers 5.25 integrations/moe.py grouped_mm_experts_forward; checked against the trace in
         # tests/test_moe.py)
         parts["expert_outputs"] = experts * c * h
+    if spec.latent is not None:
+        # DeepSeek (mla.py): the latent norms and rope parts, narrower values; the shared experts' SwiGLU
+        parts["latent_attention"] = spec.latent.saved_bytes_per_token(c, heads, a)
+        parts["shared_experts"] = spec.latent.n_shared_experts * gated
     if spec.norms_per_layer > 2:
         # Gemma-2 and Gemma 3 normalise the attention and MLP outputs too, before adding them to the residual stream
         parts["post_norms"] = (spec.norms_per_layer - 2) * norm_saved_bytes(spec, settings, runtime)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,12 @@ def at_depth(spec: ModelSpec, num_layers: int) -> ModelSpec:
     """The same architecture with `num_layers` decoder layers (the trace extrapolates over depth)."""
     if num_layers == spec.num_hidden_layers:
         return spec
+    if spec.latent is not None and spec.latent.first_k_dense_replace >= num_layers:
+        dense = spec.latent.first_k_dense_replace
+        raise LorafitError(
+            f"--exact traces {num_layers} blocks and extrapolates; {spec.name}'s first {dense} are dense, so the trace "
+            "would not see its experts: the estimate without --exact counts them"
+        )
     return spec.model_copy(update={"num_hidden_layers": num_layers, "published_params": None})
 
 
@@ -138,10 +144,42 @@ def cuda_kernel_choices() -> Iterator[None]:
         return original(input, p, training, inplace)
 
     torch.nn.functional.dropout = dropout
+    torch.nn.functional.scaled_dot_product_attention = _sdpa_unequal_value_dims(original_sdpa := _SDPA)
     try:
         yield
     finally:
         torch.nn.functional.dropout = original
+        torch.nn.functional.scaled_dot_product_attention = original_sdpa
+
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _sdpa_unequal_value_dims(sdpa: Any) -> Any:
+    """DeepSeek's latent attention has values narrower than queries and keys (v_head_dim 128, q/k 192): the CPU
+    picks the math kernel for that (sdp_utils_cpp.cpp check_head_dim_size_cpp wants all three equal), which keeps
+    the score matrix, while CUDA runs the memory-efficient kernel, which allows a different value width
+    (cuda/sdp_utils.cpp check_head_dim_size_mem_efficient) and keeps the output and an fp32 logsumexp."""
+
+    def picked(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: Any = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if query.shape[-1] == value.shape[-1] or kwargs.get("enable_gqa"):
+            return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+        bias = attn_mask
+        if bias is not None and bias.dtype == torch.bool:
+            bias = torch.zeros_like(bias, dtype=query.dtype).masked_fill(~bias, float("-inf"))
+        efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+        return efficient(query, key, value, bias, True, dropout_p, is_causal, scale=scale)[0]
+
+    return picked
 
 
 def quantize_4bit(model: PreTrainedModel, settings: Settings, fake_mode: FakeTensorMode) -> None:
