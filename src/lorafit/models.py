@@ -24,14 +24,16 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
 
+from lorafit import linear_attention as hybrid
 from lorafit.errors import InvalidConfig, UnknownModel
 from lorafit.messages import say
 from lorafit.vision import TEXT_ARCHITECTURE, TEXT_DEFAULTS, TIED_BY_DEFAULT, VisionTower, read_vision
 
 # The families of catalog/architectures.toml, for the type checker (tests/test_architectures.py: the two agree)
-Architecture = Literal[
+Families = Literal[
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss"
 ]
+Architecture = Literal[Families, "qwen3_5_text"]  # and the linear-attention hybrid (linear_attention.py)
 LoraTargets = Literal["all", "attn", "qv", "experts"]
 AttentionKernel = Literal["sdpa", "flash", "eager"]
 
@@ -63,6 +65,7 @@ class ArchitectureSpec(BaseModel):
     moe_biases: bool = False
     clamped_swiglu: bool = False
     experts_transposed: bool = False
+    attention_output_gate: bool = False  # Qwen3.5: q_proj also yields a sigmoid gate on the attention output
 
     @model_validator(mode="after")
     def _saved_norms_exist(self) -> ArchitectureSpec:
@@ -184,6 +187,7 @@ class ModelSpec(BaseModel):
     vision: VisionTower | None = Field(
         default=None, description="an image-text model's vision tower and projector: stored, frozen, unused by text"
     )
+    linear_attention: hybrid.LinearAttention | None = Field(default=None, description="a hybrid's DeltaNet layers")
 
     # --- derived shapes -------------------------------------------------------------------------------------
     @property
@@ -242,7 +246,7 @@ class ModelSpec(BaseModel):
         if self.arch.fused_qkv:
             return {"qkv_proj": (h, self.q_size + 2 * self.kv_size), "o_proj": (self.q_size, h)}
         return {
-            "q_proj": (h, self.q_size),
+            "q_proj": (h, self.q_size * (2 if self.arch.attention_output_gate else 1)),
             "k_proj": (h, self.kv_size),
             "v_proj": (h, self.kv_size),
             "o_proj": (self.q_size, h),
@@ -266,6 +270,7 @@ class ModelSpec(BaseModel):
         copies = max(self.num_local_experts, 1)
         rows = [(name, i, o, 1) for name, (i, o) in self.attention_linears().items()]
         rows += [(name, i, o, copies) for name, (i, o) in self.mlp_linears().items()]
+        rows += hybrid.linear_attention_rows(self)  # a hybrid's, in the layers that have them
         return tuple(rows)
 
     @memoised
@@ -276,7 +281,7 @@ class ModelSpec(BaseModel):
         whose wrapper refuses lora_dropout, so on an MoE "all" adapts the attention projections, as "attn" does,
         and "experts" adapts the attention and every expert's gate_up_proj and down_proj (`expert_target_names`).
         """
-        attn = tuple(self.attention_linears())
+        attn = tuple(self.attention_linears()) + (hybrid.LORA_NAMES if self.linear_attention else ())
         if targets == "experts":
             return attn + self.expert_target_names(targets)
         if targets == "all":
@@ -331,6 +336,8 @@ class ModelSpec(BaseModel):
         bitsandbytes replaces `nn.Linear` modules only (transformers' `replace_with_bnb_linear`); the fused 3-D
         MoE experts stay in 16-bit, so they count in `layer_other_params` (`layer_linears()` still lists them).
         """
+        if self.linear_attention:  # a hybrid's layers differ: their mean (linear_attention.py)
+            return hybrid.block_totals(self)[0] // self.num_hidden_layers
         return sum(i * o * n for _, i, o, n in self.layer_linears()) - self.expert_params
 
     @property
@@ -348,7 +355,7 @@ class ModelSpec(BaseModel):
             other += 2 * self.head_size
         if self.arch.attention_sinks:
             other += self.num_attention_heads
-        return other
+        return hybrid.block_totals(self)[1] // self.num_hidden_layers if self.linear_attention else other
 
     @property
     @memoised
@@ -369,9 +376,9 @@ class ModelSpec(BaseModel):
     @memoised
     def num_params(self) -> int:
         """Total parameters, counting tied embeddings once (as `model.num_parameters()` does)."""
-        per_layer = self.layer_linear_params + self.layer_other_params
-        final_norm = self.hidden_size
-        text = self.num_hidden_layers * per_layer + self.embedding_params + self.lm_head_params + final_norm
+        text = (
+            sum(hybrid.block_totals(self)) + self.embedding_params + self.lm_head_params + self.hidden_size
+        )  # and the final norm
         return text + self.vision_params
 
     @property
@@ -388,10 +395,8 @@ class ModelSpec(BaseModel):
 
     @memoised
     def lora_params(self, r: int, targets: LoraTargets) -> int:
-        """LoRA A (r x in) and B (out x r) for each targeted module of every layer."""
-        names = set(self.lora_target_names(targets))
-        per_layer = sum(r * (i + o) * n for name, i, o, n in self.layer_linears() if name in names)
-        return per_layer * self.num_hidden_layers
+        """LoRA A (r x in) and B (out x r) for each targeted module of every layer (a hybrid's differ)."""
+        return hybrid.lora_params(self, r, targets)
 
     def check_seq_len(self, seq_len: int | None) -> None:
         """Refuse a sequence length past what the model's positions cover."""
@@ -431,6 +436,7 @@ class ModelSpec(BaseModel):
             if self.moe_intermediate_size is not None:
                 config["moe_intermediate_size"] = self.moe_intermediate_size
                 config["norm_topk_prob"] = self.norm_topk_prob
+        config |= self.linear_attention.hf_keys(self.num_hidden_layers) if self.linear_attention else {}
         if self.vision is None:
             return config
         # an image-text model: its family's config class takes the text model's keys (the text model_type left
@@ -621,6 +627,7 @@ def _text_spec(
     }
     fields.setdefault("num_key_value_heads", config.get("num_attention_heads"))
     fields.update(moe_fields(file, config, arch))
+    fields.update(hybrid.config_fields(file, config, arch.attention_output_gate))
     check_dimensions(file, fields)
     if arch.qkv_bias:
         fields["attention_bias"] = True  # Qwen2 always has q/k/v biases; its config has no key for it
@@ -634,7 +641,7 @@ def _text_spec(
 
 
 # ModelSpec fields that are lorafit's own records, never read from a config.json key of the same name
-NOT_CONFIG_KEYS = ("variant_of", "prequantized", "vision")
+NOT_CONFIG_KEYS = ("variant_of", "prequantized", "vision", "linear_attention")
 
 
 def bitsandbytes_quantization(file: Path, quantization: object) -> PreQuantized | None:
