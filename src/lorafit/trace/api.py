@@ -249,7 +249,10 @@ def trace_depth(
     """The full-depth peak: traced directly for up to three layers, else extrapolated from depths 2 and 3."""
     depth = spec.num_hidden_layers
     options = {"fused_optimizer": fused_optimizer, "kbit_upcast": kbit_upcast, "autocast": autocast, "device": device}
-    if depth <= max(TRACE_DEPTHS):
+    # a hybrid (Qwen3.5) repeats linear-attention layers and one full-attention layer: traced in whole groups
+    group = spec.linear_attention.full_attention_interval if spec.linear_attention else 1
+    depths = (group, 2 * group) if group > 1 else TRACE_DEPTHS
+    if depth <= max(depths):
         trace = trace_step(spec, settings, **options)
         return DepthTrace(
             depth,
@@ -264,8 +267,8 @@ def trace_depth(
             trace.reserved_bytes,
             trace.expandable_reserved_bytes,
         )
-    a, b = TRACE_DEPTHS
-    small, large = (trace_step(spec, settings, n, **options) for n in TRACE_DEPTHS)
+    a, b = depths
+    small, large = (trace_step(spec, settings, n, **options) for n in depths)
     by_class_small = {_phase_class(p, a): s for p, s in small.phase_peaks.items()}
     by_class_large = {_phase_class(p, b): s for p, s in large.phase_peaks.items()}
     best: tuple[float, tuple, dict[str, float]] | None = None
