@@ -228,3 +228,29 @@ def test_train_runs_a_step_on_a_tiny_hybrid(tmp_path: Path, capsys: pytest.Captu
     assert code == 0, err
     adapter = json.loads((run / "adapter_config.json").read_text())
     assert {"q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "down_proj"} <= set(adapter["target_modules"])
+
+
+# --- the time model's DeltaNet term ---------------------------------------------------------------------------
+def test_chunk_flops_are_the_matmuls_torch_counts_plus_the_triangular_solves() -> None:
+    """torch's FLOP counter over transformers' chunked gated delta rule counts its batched matmuls (not the two
+    triangular solves, C (dk + dv) per head and token by the derivation): the time model's term is both."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    from lorafit.linear_attention import chunk_flops_per_token
+
+    block = LinearAttention(
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+    )
+    tokens, heads = 256, block.linear_num_value_heads
+    query, key = (torch.randn(1, tokens, 2, 64) for _ in range(2))
+    value, decay, beta = torch.randn(1, tokens, heads, 32), -torch.rand(1, tokens, heads), torch.rand(1, tokens, heads)
+    with FlopCounterMode(display=False) as counter:
+        torch_chunk_gated_delta_rule(query, key, value, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)
+    solves = heads * 64 * (64 + 32)
+    assert counter.get_total_flops() == (chunk_flops_per_token(block) - solves) * tokens

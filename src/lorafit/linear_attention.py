@@ -170,3 +170,15 @@ def config_fields(file: object, config: dict[str, Any], hybrid: bool) -> dict[st
         return {}
     layers = config.get("num_hidden_layers")
     return {"linear_attention": read_linear_attention(file, config, layers if isinstance(layers, int) else 0)}
+
+
+def chunk_flops_per_token(block: LinearAttention, chunk: int = 64) -> float:
+    """Forward FLOPs of one linear-attention layer's chunked gated delta rule per token, its projections aside
+    (transformers 5.25 torch_chunk_gated_delta_rule, chunk_size 64). Per value head, with C the chunk, dk and dv
+    the head widths: k_beta K^T and Q K^T within the chunk (2 x 2C dk), the two unit-triangular solves against
+    v_beta and the decayed k_beta (C (dv + dk): C^2 / 2 multiply-adds per column and chunk), and the scan's
+    reads of the recurrent state by k_cumdecay and q (2 x 2 dk dv), the intra-chunk attention times v_new
+    (2C dv) and the state update K^T v_new (2 dk dv)."""
+    dk, dv = block.linear_key_head_dim, block.linear_value_head_dim
+    per_head = 4 * chunk * dk + chunk * (dk + dv) + 2 * chunk * dv + 6 * dk * dv
+    return block.linear_num_value_heads * per_head
