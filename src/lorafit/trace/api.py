@@ -237,6 +237,13 @@ def _line(at_a: float, at_b: float, a: int, b: int, depth: int) -> float:
     return at_a + (at_b - at_a) * (depth - a) / (b - a)
 
 
+def trace_depths(spec: ModelSpec) -> tuple[int, int]:
+    """The two depths a full-depth figure is extrapolated from: TRACE_DEPTHS, or for a hybrid (Qwen3.5), which
+    repeats linear-attention layers and one full-attention layer, one and two whole groups."""
+    group = spec.linear_attention.full_attention_interval if spec.linear_attention else 1
+    return (group, 2 * group) if group > 1 else TRACE_DEPTHS
+
+
 def trace_depth(
     spec: ModelSpec,
     settings: Settings,
@@ -249,9 +256,7 @@ def trace_depth(
     """The full-depth peak: traced directly for up to three layers, else extrapolated from depths 2 and 3."""
     depth = spec.num_hidden_layers
     options = {"fused_optimizer": fused_optimizer, "kbit_upcast": kbit_upcast, "autocast": autocast, "device": device}
-    # a hybrid (Qwen3.5) repeats linear-attention layers and one full-attention layer: traced in whole groups
-    group = spec.linear_attention.full_attention_interval if spec.linear_attention else 1
-    depths = (group, 2 * group) if group > 1 else TRACE_DEPTHS
+    depths = trace_depths(spec)
     if depth <= max(depths):
         trace = trace_step(spec, settings, **options)
         return DepthTrace(
