@@ -118,7 +118,7 @@ bench-moe: $(STAMP)
 
 # Qwen3.5's linear-attention hybrid: estimate beside the --exact trace at real shapes (bench/hybrid_trace.py)
 bench-hybrid: $(STAMP)
-	$(BIN)/python bench/hybrid_trace.py
+	$(BIN)/python bench/hybrid_trace.py --time
 
 bench-exact: $(STAMP)
 	$(BIN)/python bench/exact_speed.py
