@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-unsloth-speed bench-throughput bench-time-cpu bench-train bench-data bench-tokens bench-exact bench-image-text bench-moe bench-time-trace bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-session gpu-wheels clean
+.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-unsloth-speed bench-throughput bench-time-cpu bench-train bench-data bench-tokens bench-exact bench-image-text bench-moe bench-hybrid bench-time-trace bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-session gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -115,6 +115,10 @@ bench-tokens: $(LLAMA_CPP_SDIST)/.extracted
 # the closed-form estimate (and time) of the MoE presets beside their --exact traces at the real shapes
 bench-moe: $(STAMP)
 	$(BIN)/python bench/moe_trace.py --time
+
+# Qwen3.5's linear-attention hybrid: estimate beside the --exact trace at real shapes (bench/hybrid_trace.py)
+bench-hybrid: $(STAMP)
+	$(BIN)/python bench/hybrid_trace.py --time
 
 bench-exact: $(STAMP)
 	$(BIN)/python bench/exact_speed.py

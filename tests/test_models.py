@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
+from lorafit import mla
 from lorafit.errors import InvalidConfig, LorafitError, UnknownModel
 from lorafit.models import (
     MODEL_TYPES,
@@ -42,6 +43,12 @@ TINY = dict(
 )
 # head_dim x heads != hidden_size, as in Gemma and Qwen3: catches a q/o projection sized by hidden_size
 TINY_WIDE_HEADS = TINY | {"head_dim": 32}
+
+
+def whole_groups(name: str) -> dict[str, int]:
+    """A hybrid (Qwen3.5) has one full-attention layer in every 4: a tiny copy keeps one group of 4 layers."""
+    block = catalog()[name].linear_attention
+    return {"num_hidden_layers": block.full_attention_interval} if block else {}
 
 
 def build_on_meta(spec: ModelSpec):
@@ -173,14 +180,17 @@ def test_scaled_copy_matches_the_real_modules(name: str, shape: dict) -> None:
     """Names and shapes of one block's linears as transformers builds them, and the total count."""
     import torch
 
-    spec = catalog()[name].scaled(**shape)
+    spec = catalog()[name].scaled(**shape | whole_groups(name))
     if spec.latent:  # DeepSeek-V3 has 3 dense blocks first: one, as V2-Lite, so that the last block is an MoE one
         spec = spec.scaled(latent=spec.latent.model_dump() | {"first_k_dense_replace": 1})
     model = build_on_meta(spec)
     assert parameter_count(model) == spec.num_params
-    block = model.model.layers[-1]  # the last: the first ones of DeepSeek are dense, its per-block counts MoE
-    parameters = dict(block.named_parameters())
-    modules = dict(block.named_modules())
+    # the last block (DeepSeek's first ones are dense, its per-block counts MoE); every block of a hybrid
+    # (Qwen3.5), whose layers differ: each linear where it is
+    parameters, modules = {}, {}
+    for block in model.model.layers if spec.linear_attention else [model.model.layers[-1]]:
+        parameters |= dict(block.named_parameters())
+        modules |= dict(block.named_modules())
     for linear, in_features, out_features, copies in spec.layer_linears():
         named = [p for p in parameters if p.endswith(f".{linear}.weight") or p.endswith(f".{linear}")]
         (path,) = [p for p in named if ("shared_experts" in p) == ("shared_experts" in linear)]  # DeepSeek's
@@ -188,7 +198,12 @@ def test_scaled_copy_matches_the_real_modules(name: str, shape: dict) -> None:
         module = modules.get(path.removesuffix(".weight"))
         if isinstance(module, torch.nn.Linear):
             assert (module.in_features, module.out_features) == (in_features, out_features), path
-    assert sum(p.numel() for p in parameters.values()) == spec.layer_linear_params + spec.layer_other_params
+    # every layer's weights against the per-layer counts (a hybrid's: their mean, each rounded down; DeepSeek's dense
+    # first blocks differ by mla.dense_deltas, which the total above checks)
+    layers, per_layer = model.model.layers, spec.layer_linear_params + spec.layer_other_params
+    slack = 2 * len(layers) if spec.linear_attention else 1
+    dense = sum(mla.dense_deltas(spec))
+    assert 0 <= sum(p.numel() for p in layers.parameters()) - dense - len(layers) * per_layer < slack
 
 
 @pytest.mark.parametrize("targets", ["all", "attn", "qv"])
@@ -198,7 +213,7 @@ def test_lora_params_equal_the_trainable_count_of_a_peft_model(name: str, target
 
     from lorafit.train.build import lora_config
 
-    spec = catalog()[name].scaled(**TINY_WIDE_HEADS)
+    spec = catalog()[name].scaled(**TINY_WIDE_HEADS | whole_groups(name))
     settings = Settings(method="lora", quant="none", attn="eager", lora_r=4, lora_targets=targets)
     model = get_peft_model(build_on_meta(spec), lora_config(spec, settings))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -213,7 +228,7 @@ def test_quantized_params_are_what_bitsandbytes_replaces(name: str) -> None:
     from transformers import BitsAndBytesConfig
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
 
-    spec = catalog()[name].scaled(**TINY)
+    spec = catalog()[name].scaled(**TINY | whole_groups(name))
     model = replace_with_bnb_linear(
         build_on_meta(spec),
         modules_to_not_convert=["lm_head"],
@@ -224,7 +239,11 @@ def test_quantized_params_are_what_bitsandbytes_replaces(name: str) -> None:
         for module in model.model.layers.modules()
         if isinstance(module, bnb.nn.Linear4bit)
     )
-    assert quantized == spec.quantized_linear_params  # every block: DeepSeek's first ones are dense
+    if spec.linear_attention:  # a hybrid's (Qwen3.5's) per-layer count is the mean, rounded down
+        layers = spec.num_hidden_layers
+        assert 0 <= quantized - layers * spec.layer_linear_params < layers
+    else:
+        assert quantized == spec.quantized_linear_params  # every block: DeepSeek's first ones are dense
     if spec.is_moe:
         assert spec.layer_linear_params + spec.expert_params == sum(i * o * n for _, i, o, n in spec.layer_linears())
 
@@ -812,7 +831,6 @@ def test_yi_6b_summed_by_hand() -> None:
     [
         ("google/gemma-4-26B-A4B-it", "Gemma 4"),
         ("google/gemma-4-E4B-it", "Gemma 4"),
-        ("Qwen/Qwen3.5-27B", "Qwen3.5"),
         ("unsloth/Qwen3.5-35B-A3B", "Qwen3.5"),
     ],
 )
@@ -827,10 +845,10 @@ def test_a_2026_family_without_our_layers_is_one_line_naming_it(hub_id: str, fam
 @pytest.mark.parametrize(
     ("config", "family"),
     [
-        ({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text", "hidden_size": 64}}, "Qwen3.5"),
+        ({"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_5_moe_text"}}, "Qwen3.5 MoE"),
         ({"model_type": "gemma4", "text_config": {"model_type": "gemma4_text", "hidden_size": 64}}, "Gemma 4"),
     ],
-    ids=["qwen3_5", "gemma4"],
+    ids=["qwen3_5_moe", "gemma4"],
 )
 def test_a_2026_family_config_is_one_line_naming_it(tmp_path: Path, config: dict, family: str) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
 
 from lorafit import gemma4, mla
+from lorafit import linear_attention as hybrid
 from lorafit.errors import InvalidConfig, UnknownModel
 from lorafit.messages import say
 from lorafit.vision import TEXT_ARCHITECTURE, TEXT_DEFAULTS, TIED_BY_DEFAULT, VisionTower, read_vision
@@ -33,7 +34,7 @@ from lorafit.vision import TEXT_ARCHITECTURE, TEXT_DEFAULTS, TIED_BY_DEFAULT, Vi
 Families = Literal[
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss"
 ]
-Architecture = Literal[Families, "gemma4", mla.LatentFamily]  # Gemma 4 (gemma4.py), DeepSeek-style MLA (mla.py)
+Architecture = Literal[Families, "gemma4", "qwen3_5_text", mla.LatentFamily]  # gemma4.py, linear_attention.py, mla.py
 LoraTargets = Literal["all", "attn", "qv", "experts"]
 AttentionKernel = Literal["sdpa", "flash", "eager"]
 
@@ -65,6 +66,7 @@ class ArchitectureSpec(BaseModel):
     moe_biases: bool = False
     clamped_swiglu: bool = False
     experts_transposed: bool = False
+    attention_output_gate: bool = False  # Qwen3.5: q_proj also yields a sigmoid gate on the attention output
 
     @model_validator(mode="after")
     def _saved_norms_exist(self) -> ArchitectureSpec:
@@ -188,6 +190,7 @@ class ModelSpec(BaseModel):
     )
     global_layers: gemma4.GlobalLayers | None = Field(default=None, description="Gemma 4's full-attention layers")
     latent: mla.LatentAttention | None = Field(default=None, description="DeepSeek-style MLA and MoE keys (mla.py)")
+    linear_attention: hybrid.LinearAttention | None = Field(default=None, description="a hybrid's DeltaNet layers")
 
     # --- derived shapes -------------------------------------------------------------------------------------
     @property
@@ -248,7 +251,7 @@ class ModelSpec(BaseModel):
         if self.arch.fused_qkv:
             return {"qkv_proj": (h, self.q_size + 2 * self.kv_size), "o_proj": (self.q_size, h)}
         return {
-            "q_proj": (h, self.q_size),
+            "q_proj": (h, self.q_size * (2 if self.arch.attention_output_gate else 1)),
             "k_proj": (h, self.kv_size),
             "v_proj": (h, self.kv_size),
             "o_proj": (self.q_size, h),
@@ -272,6 +275,7 @@ class ModelSpec(BaseModel):
         copies = max(self.num_local_experts, 1)
         rows = [(name, i, o, 1) for name, (i, o) in self.attention_linears().items()]
         rows += [(name, i, o, copies) for name, (i, o) in self.mlp_linears().items()]
+        rows += hybrid.linear_attention_rows(self)  # a hybrid's, in the layers that have them
         return tuple(rows) + mla.shared_rows(self)
 
     @memoised
@@ -282,7 +286,7 @@ class ModelSpec(BaseModel):
         whose wrapper refuses lora_dropout, so on an MoE "all" adapts the attention projections, as "attn" does,
         and "experts" adapts the attention and every expert's gate_up_proj and down_proj (`expert_target_names`).
         """
-        attn = tuple(self.attention_linears())
+        attn = tuple(self.attention_linears()) + (hybrid.LORA_NAMES if self.linear_attention else ())
         if targets == "experts":
             return attn + self.expert_target_names(targets)
         if targets == "all":
@@ -337,8 +341,11 @@ class ModelSpec(BaseModel):
         bitsandbytes replaces `nn.Linear` modules only (transformers' `replace_with_bnb_linear`); the fused 3-D
         MoE experts stay in 16-bit, so they count in `layer_other_params` (`layer_linears()` still lists them).
         """
-        uniform = sum(i * o * n for _, i, o, n in self.layer_linears()) - self.expert_params
-        return gemma4.block_totals(self)[0] // self.num_hidden_layers if self.global_layers else uniform  # the mean
+        if self.global_layers:  # the layers differ: their mean (gemma4.py, linear_attention.py)
+            return gemma4.block_totals(self)[0] // self.num_hidden_layers
+        if self.linear_attention:
+            return hybrid.block_totals(self)[0] // self.num_hidden_layers
+        return sum(i * o * n for _, i, o, n in self.layer_linears()) - self.expert_params
 
     @property
     @memoised
@@ -357,6 +364,8 @@ class ModelSpec(BaseModel):
             other += self.num_attention_heads
         if self.global_layers:
             return gemma4.block_totals(self)[1] // self.num_hidden_layers
+        if self.linear_attention:
+            return hybrid.block_totals(self)[1] // self.num_hidden_layers
         return other + (self.latent.norm_params if self.latent else 0)
 
     @property
@@ -379,7 +388,12 @@ class ModelSpec(BaseModel):
     def num_params(self) -> int:
         """Total parameters, counting tied embeddings once (as `model.num_parameters()` does)."""
         per_layer = self.layer_linear_params + self.layer_other_params
-        blocks = sum(gemma4.block_totals(self)) if self.global_layers else self.num_hidden_layers * per_layer
+        if self.global_layers:
+            blocks = sum(gemma4.block_totals(self))
+        elif self.linear_attention:
+            blocks = sum(hybrid.block_totals(self))
+        else:
+            blocks = self.num_hidden_layers * per_layer
         text = blocks + self.embedding_params + self.lm_head_params + self.hidden_size  # and the final norm
         text += sum(mla.dense_deltas(self))  # DeepSeek's dense first layers (mla.py)
         return text + self.vision_params
@@ -398,11 +412,14 @@ class ModelSpec(BaseModel):
 
     @memoised
     def lora_params(self, r: int, targets: LoraTargets) -> int:
-        """LoRA A (r x in) and B (out x r) for each targeted module of every layer."""
-        names = set(self.lora_target_names(targets))
-        per_layer = sum(r * (i + o) * n for name, i, o, n in self.layer_linears() if name in names)
+        """LoRA A (r x in) and B (out x r) for each targeted module of every layer (a Gemma 4 or hybrid model's
+        layers differ)."""
         if self.global_layers:
             return gemma4.lora_params(self, r, targets)
+        if self.linear_attention:
+            return hybrid.lora_params(self, r, targets)
+        names = set(self.lora_target_names(targets))
+        per_layer = sum(r * (i + o) * n for name, i, o, n in self.layer_linears() if name in names)
         return per_layer * self.num_hidden_layers - mla.dense_expert_lora(self, r, names)
 
     def check_seq_len(self, seq_len: int | None) -> None:
@@ -444,6 +461,7 @@ class ModelSpec(BaseModel):
                 config["moe_intermediate_size"] = self.moe_intermediate_size
                 config["norm_topk_prob"] = self.norm_topk_prob
         config |= self.global_layers.hf_keys(self.num_hidden_layers) if self.global_layers else {}
+        config |= self.linear_attention.hf_keys(self.num_hidden_layers) if self.linear_attention else {}
         if self.vision is None:
             return config
         # an image-text model: its family's config class takes the text model's keys (the text model_type left
@@ -635,6 +653,7 @@ def _text_spec(
     fields.setdefault("num_key_value_heads", config.get("num_attention_heads"))
     fields.update(moe_fields(file, config, arch))
     fields.update(gemma4.config_fields(file, config, architecture == "gemma4"))
+    fields.update(hybrid.config_fields(file, config, arch.attention_output_gate))
     check_dimensions(file, fields)
     if arch.qkv_bias:
         fields["attention_bias"] = True  # Qwen2 always has q/k/v biases; its config has no key for it
@@ -648,7 +667,7 @@ def _text_spec(
 
 
 # ModelSpec fields that are lorafit's own records, never read from a config.json key of the same name
-NOT_CONFIG_KEYS = ("variant_of", "prequantized", "vision", "global_layers", "latent")
+NOT_CONFIG_KEYS = ("variant_of", "prequantized", "vision", "global_layers", "latent", "linear_attention")
 
 
 def bitsandbytes_quantization(file: Path, quantization: object) -> PreQuantized | None:

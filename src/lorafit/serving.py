@@ -71,6 +71,25 @@ POST_NORMS = ["post_attention_norm", "post_ffw_norm"]  # Gemma 2 and 3
 QK_NORMS = ["attn_q_norm", "attn_k_norm"]  # Qwen3, Gemma 3: one head_dim weight each
 
 
+def deltanet(spec: ModelSpec, n: int) -> list[Tensor]:
+    """A hybrid's (Qwen3.5's) linear-attention layer n in place of attention, with llama.cpp's tensor names
+    (libllama's blk.%d.attn_qkv / attn_gate / ssm_*): the projections as matrices, the conv, decay and norm in f32."""
+    block, h, blk = spec.linear_attention, spec.hidden_size, f"blk.{n}."
+    assert block is not None
+    heads = block.linear_num_value_heads
+    return [
+        Tensor(blk + "attn_qkv.weight", "attn_qkv", h, block.conv_dim, n),
+        Tensor(blk + "attn_gate.weight", "attn_q", h, block.value_dim, n),
+        Tensor(blk + "ssm_beta.weight", "attn_q", h, heads, n),
+        Tensor(blk + "ssm_alpha.weight", "attn_q", h, heads, n),
+        Tensor(blk + "ssm_out.weight", "attn_output", block.value_dim, h, n),
+        Tensor(blk + "ssm_conv1d.weight", "norm", block.conv_dim * block.linear_conv_kernel_dim, layer=n),
+        Tensor(blk + "ssm_dt.bias", "bias", heads, layer=n),
+        Tensor(blk + "ssm_a", "norm", heads, layer=n),
+        Tensor(blk + "ssm_norm.weight", "norm", block.linear_value_head_dim, layer=n),
+    ]
+
+
 def gguf_tensors(spec: ModelSpec) -> list[Tensor]:
     """Every tensor convert_hf_to_gguf.py writes for `spec`, with llama.cpp's names.
 
@@ -93,7 +112,10 @@ def gguf_tensors(spec: ModelSpec) -> list[Tensor]:
             tensors.append(Tensor(blk + "attn_qkv.weight", "attn_qkv", h, spec.q_size + 2 * spec.kv_size, n))
         else:
             tensors += [
-                Tensor(blk + "attn_q.weight", "attn_q", h, attn.q_size, n),
+                # a gated attention (Qwen3.5) makes its output gate in q_proj too: twice the width
+                Tensor(
+                    blk + "attn_q.weight", "attn_q", h, attn.q_size * (2 if spec.arch.attention_output_gate else 1), n
+                ),
                 Tensor(blk + "attn_k.weight", "attn_k", h, attn.kv_size, n),
             ]
             tensors += [Tensor(blk + "attn_v.weight", "attn_v", h, attn.kv_size, n)] if has_v else []
@@ -109,6 +131,8 @@ def gguf_tensors(spec: ModelSpec) -> list[Tensor]:
             tensors.append(Tensor(blk + "attn_output.bias", "bias", h, layer=n))
         if spec.arch.attention_sinks:  # gpt-oss
             tensors.append(Tensor(blk + "attn_sinks.weight", "bias", spec.num_attention_heads, layer=n))
+        if spec.linear_attention and (n + 1) % spec.linear_attention.full_attention_interval:
+            tensors = [t for t in tensors if t.layer != n or t.kind == "norm" and t.row == h] + deltanet(spec, n)
         if spec.latent is not None and n < spec.latent.first_k_dense_replace:
             pass  # a dense first block: its SwiGLU is in the latent rows above
         elif spec.is_moe:

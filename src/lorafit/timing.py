@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 from lorafit import hardware, memory
 from lorafit.hardware import GpuSpec
+from lorafit.linear_attention import chunk_flops_per_token
 from lorafit.models import ModelSpec
 from lorafit.schema import Settings
 from lorafit.units import DTYPE_BYTES
@@ -185,6 +186,10 @@ def attention_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> floa
     FLOPs) at the matmul rate, plus the scores it materialises, heads x seq^2 per sequence and layer, moved
     eager_score_bytes each in every forward and in backward."""
     tokens, seq, layers = settings.tokens_per_micro_batch, settings.seq_len, spec.num_hidden_layers
+    if spec.linear_attention:  # a hybrid (Qwen3.5): attention in its full-attention layers, DeltaNet in the rest
+        full = spec.linear_attention.full_layers(layers)
+        plain = spec.model_copy(update={"num_hidden_layers": max(full, 1), "linear_attention": None})
+        return attention_seconds(plain, settings, gpu) * (full > 0) + deltanet_seconds(spec, settings, gpu)
     passes = forward_passes(settings) + ATTENTION_BACKWARD_FLOPS
     forward_flops = 2 * seq * spec.q_size * layers * tokens
     rate = achievable_matmul_flops(gpu, settings.precision)
@@ -195,6 +200,18 @@ def attention_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> floa
     forward, backward = eager_score_bytes(c)
     moved = scores * (forward * forward_passes(settings) + backward)
     return roofline_seconds(2 * forward_flops * passes, moved, rate, achievable_bytes_per_second(gpu))
+
+
+def deltanet_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """A hybrid's linear-attention layers: linear_attention.chunk_flops_per_token in every forward pass and twice
+    that in backward (each matmul's two gradients), in fp32 (the PyTorch chunked path casts q, k, v to fp32) at
+    the card's fp32 matmul rate. The chunk loop's small kernels are not counted."""
+    block = spec.linear_attention
+    if block is None:
+        return 0.0
+    layers = spec.num_hidden_layers - block.full_layers(spec.num_hidden_layers)
+    flops = chunk_flops_per_token(block) * settings.tokens_per_micro_batch * layers * (forward_passes(settings) + 2)
+    return flops / achievable_matmul_flops(gpu, "fp32")
 
 
 def quantized_params(spec: ModelSpec) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from lorafit.memory.linear_attention import mixed_layer_parts
 from lorafit.memory.runtime import (
     OFFLOAD_LAYERS_ON_GPU,
     UNSLOTH_LAYERS_ON_GPU,
@@ -149,6 +150,12 @@ def activation_parts_per_token(
         parts["bnb_inputs"] = bnb_input_bytes_per_token(spec, settings, input_requires_grad)
     if triton_kernels_apply(spec, runtime) and not full:
         parts |= triton_kernel_parts(spec, settings, lora_names, input_requires_grad)
+    if spec.linear_attention:  # a hybrid (Qwen3.5): the mean of its layers (memory/linear_attention.py)
+        parts["output_gate"] = 2 * c * q  # the gated attention keeps its output and the sigmoid of the gate
+        mixer = spec.linear_attention.linears(h)
+        out = {"out_proj": mixer.pop("out_proj")}
+        lora = linear_inputs(mixer, shared_input=True) + linear_inputs_grad(out, shared_input=False)
+        parts = mixed_layer_parts(parts, spec, settings, lora)
     return parts
 
 

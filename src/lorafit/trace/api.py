@@ -234,9 +234,15 @@ def _phase_class(phase: Phase, num_layers: int) -> tuple:
 
 
 def trace_depths(spec: ModelSpec) -> tuple[int, int]:
-    """TRACE_DEPTHS; for a model whose layers repeat a pattern (Gemma 4: a global layer closes every `interval`),
-    one and two whole periods, so that each layer the line adds is the pattern's mean."""
-    period = spec.global_layers.interval if spec.global_layers else 1
+    """The two depths a full-depth figure is extrapolated from: TRACE_DEPTHS, or, for a model whose layers repeat a
+    pattern (Gemma 4: a global layer closes every `interval`; a hybrid such as Qwen3.5: one full-attention layer
+    every group), one and two whole periods, so that each layer the line adds is the pattern's mean."""
+    if spec.global_layers:
+        period = spec.global_layers.interval
+    elif spec.linear_attention:
+        period = spec.linear_attention.full_attention_interval
+    else:
+        period = 1
     return TRACE_DEPTHS if period == 1 else (period, 2 * period)
 
 

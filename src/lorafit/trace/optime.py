@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from lorafit import timing
-from lorafit.trace.api import TRACE_DEPTHS, check_traceable
+from lorafit.trace.api import check_traceable, trace_depths
 from lorafit.trace.model import at_depth, cuda_kernel_choices, eager_data_checks, fake_model
 from lorafit.trace.step import in_backward, run_training_steps, token_batch
 from lorafit.trace.tracker import LiveTensorTracker, Phase
@@ -289,9 +289,9 @@ class TracedOps:
 
 
 def trace_micro_batch(spec: ModelSpec, settings: Settings, *, autocast: bool = True) -> TracedOps:
-    """One micro-batch's ops at the depths that fix the full depth's (TRACE_DEPTHS, as trace_depth)."""
+    """One micro-batch's ops at the depths that fix the full depth's (trace_depths, as trace_depth)."""
     depth = spec.num_hidden_layers
-    depths = (depth,) if depth <= max(TRACE_DEPTHS) else TRACE_DEPTHS
+    depths = (depth,) if depth <= max(trace_depths(spec)) else trace_depths(spec)
     return TracedOps(depth, tuple((n, trace_ops(spec, settings, n, autocast=autocast)) for n in depths))
 
 
