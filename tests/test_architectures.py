@@ -11,8 +11,9 @@ from typing import get_args
 import pytest
 
 from conftest import run_cli
-from lorafit import models
-from lorafit.models import MODEL_TYPES, Architecture, architectures, catalog, model_types
+from lorafit import families, models
+from lorafit.families import MODEL_TYPES, Architecture, architectures, model_types
+from lorafit.models import catalog
 
 SHIPPED = resources.files("lorafit").joinpath("catalog/architectures.toml").read_text()
 
@@ -38,7 +39,7 @@ def with_family(monkeypatch: pytest.MonkeyPatch, like: str, name: str, **changes
     traits |= {"model_types": [name], "source": "a test"} | changes
     rows = [f"{key} = {json.dumps(value)}" for key, value in traits.items() if value is not None]
     text = SHIPPED + f"\n[architecture.{name}]\n" + "\n".join(rows) + "\n"
-    monkeypatch.setattr(models, "architectures", lambda: models.load_architectures(text))
+    monkeypatch.setattr(families, "architectures", lambda: families.load_architectures(text))
 
 
 def write_config(folder: Path, preset: str, model_type: str) -> Path:
@@ -88,4 +89,4 @@ def test_a_new_familys_traits_change_its_counts_and_estimate(
 
 def test_a_table_with_a_misspelt_trait_is_refused() -> None:
     with pytest.raises(ValueError, match="fused_qvk"):
-        models.load_architectures(SHIPPED.replace("fused_qkv = true", "fused_qvk = true"))
+        families.load_architectures(SHIPPED.replace("fused_qkv = true", "fused_qvk = true"))

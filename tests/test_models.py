@@ -15,8 +15,8 @@ import pytest
 from conftest import run_cli
 from lorafit import mla
 from lorafit.errors import InvalidConfig, LorafitError, UnknownModel
+from lorafit.families import MODEL_TYPES
 from lorafit.models import (
-    MODEL_TYPES,
     ModelSpec,
     Variant,
     catalog,

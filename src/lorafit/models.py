@@ -22,86 +22,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
-from lorafit import gemma4, mla
+from lorafit import families, gemma4, mla
 from lorafit import linear_attention as hybrid
 from lorafit.errors import InvalidConfig, UnknownModel
+from lorafit.families import Architecture, ArchitectureSpec, known_architecture
 from lorafit.messages import say
 from lorafit.vision import TEXT_ARCHITECTURE, TEXT_DEFAULTS, TIED_BY_DEFAULT, VisionTower, read_vision
 
-# The families of catalog/architectures.toml, for the type checker (tests/test_architectures.py: the two agree)
-Families = Literal[
-    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss"
-]
-Architecture = Literal[Families, "gemma4", "qwen3_5_text", mla.LatentFamily]  # gemma4.py, linear_attention.py, mla.py
 LoraTargets = Literal["all", "attn", "qv", "experts"]
-AttentionKernel = Literal["sdpa", "flash", "eager"]
-
-
-class ArchitectureSpec(BaseModel):
-    """How one family's decoder block differs from Llama's (catalog/architectures.toml, whose header explains each
-    trait). Code asks these traits, never the family's name, so a family is added as one table."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str
-    model_types: tuple[str, ...] = Field(min_length=1)
-    source: str
-    norms_per_layer: Literal[2, 4]
-    qk_norm: bool
-    qk_norm_saved: bool
-    logit_softcapping: bool
-    attention: tuple[AttentionKernel, ...] = Field(min_length=1)
-    fused_qkv: bool
-    fused_gate_up: bool
-    qkv_bias: bool
-    tie_word_embeddings: bool
-    attention_bias_key: bool
-    pad_token_id: int | None = None
-    llama_cpp_70b: bool
-    # mixture-of-experts traits (optional: a dense family states none of them)
-    experts_key: str = "num_local_experts"
-    attention_sinks: bool = False
-    moe_biases: bool = False
-    clamped_swiglu: bool = False
-    experts_transposed: bool = False
-    attention_output_gate: bool = False  # Qwen3.5: q_proj also yields a sigmoid gate on the attention output
-
-    @model_validator(mode="after")
-    def _saved_norms_exist(self) -> ArchitectureSpec:
-        if self.qk_norm_saved and not self.qk_norm:
-            raise ValueError("qk_norm_saved needs qk_norm")
-        return self
-
-
-def load_architectures(text: str) -> dict[str, ArchitectureSpec]:
-    """The `[architecture.<name>]` tables of an architectures.toml text, by name."""
-    tables = tomllib.loads(text)["architecture"]
-    return {name: ArchitectureSpec.model_validate({"name": name, **traits}) for name, traits in tables.items()}
-
-
-@cache
-def architectures() -> dict[str, ArchitectureSpec]:
-    """The families lorafit models (catalog/architectures.toml)."""
-    return load_architectures(resources.files("lorafit").joinpath("catalog/architectures.toml").read_text())
-
-
-def model_types() -> dict[str, Architecture]:
-    """config.json `model_type` -> the family lorafit reads it as."""
-    families = {model_type: arch.name for arch in architectures().values() for model_type in arch.model_types}
-    return cast(dict[str, Architecture], families)
-
-
-def known_architecture(value: object) -> Architecture:
-    """A family of the table (validates `ModelSpec.architecture` against the table, not only the literal)."""
-    if not isinstance(value, str) or value not in architectures():
-        raise ValueError(f"unknown architecture {value!r}; known: {', '.join(architectures())}")
-    return cast(Architecture, value)
-
-
-# config.json `model_type` -> family, as the shipped table has it (the code itself asks `model_types()`)
-MODEL_TYPES: dict[str, Architecture] = model_types()
 
 # The largest value of each dimension that lorafit plans, several times what any released model has (Llama 3.1
 # 405B: 126 layers, hidden 16384, intermediate 53248, 128 heads; Gemma 3: vocabulary 262208, head_dim 256; Kimi K2:
@@ -218,7 +148,7 @@ class ModelSpec(BaseModel):
     @property
     def arch(self) -> ArchitectureSpec:
         """The family's traits (catalog/architectures.toml)."""
-        return architectures()[self.architecture]
+        return families.architectures()[self.architecture]
 
     @property
     def norms_per_layer(self) -> int:
@@ -612,11 +542,11 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
     else:
         config = config.get("text_config", config) if "hidden_size" not in config else config
         model_type = config.get("model_type")
-        families = model_types()
-        if model_type not in families:
-            known = ", ".join(sorted(families))
+        by_type = families.model_types()
+        if model_type not in by_type:
+            known = ", ".join(sorted(by_type))
             raise InvalidConfig(say("config.unsupported", file=file, model_type=model_type, known=known))
-        spec = _text_spec(file, config, families[model_type], name)
+        spec = _text_spec(file, config, by_type[model_type], name)
     return spec.model_copy(update={"prequantized": prequantized}) if prequantized is not None else spec
 
 
@@ -626,13 +556,13 @@ def _image_text_spec(file: Path, config: dict[str, Any], vision: VisionTower, na
     text = config.get("text_config")
     text = dict(text) if isinstance(text, dict) else dict(config)
     text = TEXT_DEFAULTS.get(vision.family, {}) | {key: value for key, value in text.items() if value is not None}
-    families, text_type = model_types(), text.get("model_type")
-    if isinstance(text_type, str) and text_type in families:
-        architecture = families[text_type]
+    by_type, text_type = families.model_types(), text.get("model_type")
+    if isinstance(text_type, str) and text_type in by_type:
+        architecture = by_type[text_type]
     elif text_type in (None, vision.family, f"{vision.family}_text"):
         architecture = cast(Architecture, TEXT_ARCHITECTURE[vision.family])
     else:
-        known = ", ".join(sorted(families))
+        known = ", ".join(sorted(by_type))
         raise InvalidConfig(
             say("config.vision_text", file=file, family=vision.family, text_type=text_type, known=known)
         )
@@ -644,7 +574,7 @@ def _image_text_spec(file: Path, config: dict[str, Any], vision: VisionTower, na
 def _text_spec(
     file: Path, config: dict[str, Any], architecture: Architecture, name: str | None, vision: VisionTower | None = None
 ) -> ModelSpec:
-    arch = architectures()[architecture]
+    arch = families.architectures()[architecture]
     fields = {
         key: config[key]
         for key in ModelSpec.model_fields

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafit.errors import ExportError, LorafitError
-from lorafit.models import architectures, model_types
+from lorafit.families import architectures, model_types
 from lorafit.train import runfolder
 from lorafit.train.chat import base_dir_of, check_folder, run_folder
 
