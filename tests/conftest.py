@@ -1,7 +1,9 @@
 """Fixtures shared by every test."""
 
 import importlib.util
+import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -69,3 +71,24 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         code = exit_.code if isinstance(exit_.code, int) else 1
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def train_tiny(
+    tmp_path: Path, spec_of: Callable[[int], ModelSpec], capsys: pytest.CaptureFixture[str], *flags: str
+) -> tuple[Path, ModelSpec]:
+    """`lorafit train` for two steps of micro-batch 2 on a tiny random model (`spec_of(vocabulary size)` of a
+    tokenizer trained here) and 16 counting rows: the run folder and the model's spec, after asserting the
+    command succeeded."""
+    from lorafit.train.demo import build_model, build_tokenizer, corpus
+
+    tokenizer = build_tokenizer(corpus(), vocab_size=512)
+    spec = spec_of(len(tokenizer))
+    build_model(tmp_path / "model", tokenizer, spec, seed=0)
+    data = tmp_path / "data.jsonl"
+    rows = [{"instruction": f"count to {n}", "input": "", "output": " ".join(["one"] * n)} for n in range(1, 17)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = tmp_path / "run"
+    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run), *flags]
+    code, _, err = run_cli([*args, "--max-steps", "2", "--micro-batch", "2"], capsys)
+    assert code == 0, err
+    return run, spec

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, train_tiny
 from lorafit import memory
 from lorafit.errors import InvalidConfig
 from lorafit.models import ModelSpec, catalog, from_config_json, resolve
@@ -193,18 +193,7 @@ def test_the_671b_model_does_not_fit_one_gpu(capsys: pytest.CaptureFixture[str])
 def test_train_adapts_the_latent_attention_and_exports_merged_not_gguf(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from lorafit.train.demo import build_model, build_tokenizer, corpus
-
-    tokenizer = build_tokenizer(corpus(), vocab_size=512)
-    spec = tiny_deepseek(name, vocab_size=len(tokenizer))
-    build_model(tmp_path / "model", tokenizer, spec, seed=0)
-    data = tmp_path / "data.jsonl"
-    rows = [{"instruction": f"count to {n}", "input": "", "output": " ".join(["one"] * n)} for n in range(1, 17)]
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    run = tmp_path / "run"
-    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
-    code, _, err = run_cli([*args, "--max-steps", "2", "--micro-batch", "2"], capsys)
-    assert code == 0, err
+    run, spec = train_tiny(tmp_path, lambda vocab: tiny_deepseek(name, vocab_size=vocab), capsys)
     adapter = json.loads((run / "adapter_config.json").read_text())
     assert set(adapter["target_modules"]) == set(spec.lora_target_names("all"))
     assert {"kv_a_proj_with_mqa", "kv_b_proj"} < set(adapter["target_modules"])

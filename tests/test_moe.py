@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, train_tiny
 from lorafit import memory
 from lorafit.errors import InvalidConfig
 from lorafit.models import ModelSpec, catalog, from_config_json, resolve
@@ -146,17 +146,7 @@ def test_train_adapts_the_attention_and_exports_merged(
     """QLoRA on a 2-layer, 4-expert model of the family; the adapter holds attention projections only (peft's
     `target_parameters` wrapper, the one way to reach fused experts, refuses lora_dropout); the merged folder is
     checked against base + adapter by the export itself."""
-    from lorafit.train.demo import build_model, build_tokenizer, corpus
-
-    tokenizer = build_tokenizer(corpus(), vocab_size=512)
-    build_model(tmp_path / "model", tokenizer, tiny_moe(name, len(tokenizer)), seed=0)
-    data = tmp_path / "data.jsonl"
-    rows = [{"instruction": f"count to {n}", "input": "", "output": " ".join(["one"] * n)} for n in range(1, 17)]
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    run = tmp_path / "run"
-    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
-    code, _, err = run_cli([*args, "--max-steps", "2", "--micro-batch", "2"], capsys)
-    assert code == 0, err
+    run, _ = train_tiny(tmp_path, lambda vocab: tiny_moe(name, vocab), capsys)
     adapter = json.loads((run / "adapter_config.json").read_text())
     assert set(adapter["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, train_tiny
 from lorafit import memory
 from lorafit.errors import InvalidConfig
 from lorafit.linear_attention import LinearAttention
@@ -214,18 +214,7 @@ def test_the_deltanet_term_is_what_transformers_block_saves_for_backward() -> No
 def test_train_runs_a_step_on_a_tiny_hybrid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """QLoRA-free LoRA steps on the CPU (transformers' PyTorch DeltaNet path, no fla / causal-conv1d); the adapter
     holds both layer kinds' projections."""
-    from lorafit.train.demo import build_model, build_tokenizer, corpus
-
-    tokenizer = build_tokenizer(corpus(), vocab_size=512)
-    spec = tiny_spec(tmp_path).scaled(vocab_size=len(tokenizer))
-    build_model(tmp_path / "model", tokenizer, spec, seed=0)
-    data = tmp_path / "data.jsonl"
-    rows = [{"instruction": f"count to {n}", "input": "", "output": " ".join(["one"] * n)} for n in range(1, 17)]
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    run = tmp_path / "run"
-    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
-    code, _, err = run_cli([*args, "--max-steps", "2", "--micro-batch", "2"], capsys)
-    assert code == 0, err
+    run, _ = train_tiny(tmp_path, lambda vocab: tiny_spec(tmp_path).scaled(vocab_size=vocab), capsys)
     adapter = json.loads((run / "adapter_config.json").read_text())
     assert {"q_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "down_proj"} <= set(adapter["target_modules"])
 
