@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafit.errors import ExportError
+from lorafit.export.gguf_layers import full_head_dim, per_layer, proportional_factors, write_layer_shapes
 from lorafit.export.source import safetensors_header, weight_files
 from lorafit.options import GgufType
 
@@ -89,7 +90,9 @@ class Architecture:
 
     @property
     def head_dim(self) -> int:
-        return int(self.config.get("head_dim") or self.config["hidden_size"] // self.heads)
+        """Where full-attention layers have their own (catalog layer_shapes: Gemma 4), theirs (key_length)."""
+        own = int(self.config.get("head_dim") or self.config["hidden_size"] // self.heads)
+        return full_head_dim(self.config, own) if self.entry.get("layer_shapes") else own
 
     @property
     def layers(self) -> int:
@@ -204,6 +207,8 @@ def rope_scaling(arch: Architecture) -> tuple[dict[str, Any], list[float] | None
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind == "default":
         return {}, None
+    if kind == "proportional":
+        return {}, proportional_factors(rope, arch.head_dim)
     if kind == "linear":
         return {"type": "linear", "factor": float(rope["factor"])}, None
     if kind == "yarn":
@@ -658,7 +663,8 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
     writer.add_block_count(arch.layers)
     writer.add_feed_forward_length(int(config["intermediate_size"]))
     writer.add_head_count(arch.heads)
-    writer.add_head_count_kv(arch.kv_heads)
+    shaped = arch.entry.get("layer_shapes")
+    writer.add_head_count_kv(per_layer(config, "num_key_value_heads", arch.kv_heads) if shaped else arch.kv_heads)
     writer.add_rope_dimension_count(arch.head_dim)
     writer.add_rope_freq_base(arch.rope_theta)
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-6))
@@ -735,6 +741,8 @@ def _write_attention_layout(writer: Any, arch: Architecture) -> None:
         writer.add_num_deepstack_layers(int(config["deepstack_layers"]))
     if config.get("final_logit_softcapping"):
         writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+    if arch.entry.get("layer_shapes"):
+        write_layer_shapes(writer, config, int(config["head_dim"]))
 
 
 # --- K-quants through llama.cpp -----------------------------------------------------------------------------

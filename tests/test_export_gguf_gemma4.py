@@ -1,0 +1,150 @@
+"""GGUF export of Gemma 4 (the 31B's layout) as llama.cpp's gemma4: sliding layers with one head size, global
+layers with their own wider heads, fewer KV heads, no v_proj (K doubles as V) and a proportional rope on a quarter
+of the head; the text model and the image-text model's language model give llama.cpp the logits of transformers, a
+trained run exports end to end through the export's own check, and the sizes lorafit does not write are one line."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import run_cli
+from lorafit.errors import ExportError
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is the [gguf] extra")
+
+from test_export_gguf import TEXT, llama_cpp_logits  # noqa: E402
+from test_gemma4 import TINY_TEXT, TINY_VISION, gemma4_config, write_config  # noqa: E402
+
+# a window narrower than the test text, so that the sliding layers' mask shows in the logits
+TEXT_CHANGES = {"sliding_window": 8}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from lorafit.train.demo import build_tokenizer, corpus
+
+    return build_tokenizer(corpus(), vocab_size=512)
+
+
+def gemma4_model(folder: Path, tokenizer: Any, *, image_text: bool) -> None:
+    """A tiny random Gemma 4 saved as transformers saves it: Gemma4ForConditionalGeneration (vision tower and
+    all) or Gemma4ForCausalLM (the text config alone)."""
+    from transformers import AutoModelForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
+
+    text = TINY_TEXT | TEXT_CHANGES | {"vocab_size": len(tokenizer)}
+    torch.manual_seed(0)
+    if image_text:
+        config = Gemma4ForConditionalGeneration.config_class.from_dict(gemma4_config(text, TINY_VISION))
+        model = Gemma4ForConditionalGeneration(config)
+    else:
+        model = AutoModelForCausalLM.from_config(Gemma4TextConfig(**text))
+    with torch.no_grad():
+        # Gemma 4 attends unscaled over RMS-normed queries and keys, so with transformers' initial q/k norm weights
+        # of 1 a tiny model's attention logits reach the head size and its softmax amplifies any rounding: rounding
+        # its weights to f16 alone moves transformers' own logits by 1.7 % of the largest (measured once). Norms of a
+        # trained model's size keep that under the tolerance; all norms and the layer scalars move off 1 so that a
+        # misplaced one shows.
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.uniform_(0.2, 0.4)
+            elif "norm" in name:
+                parameter.uniform_(0.8, 1.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.uniform_(0.8, 1.2)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def reference_logits(folder: Path, ids: list[int]) -> Any:
+    from lorafit.export.verify import reference_model
+
+    with torch.no_grad():
+        return reference_model(folder)(torch.tensor([ids])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("image_text", [False, True], ids=["text", "image-text"])
+def test_gemma4_gives_llama_cpp_the_logits_of_transformers(image_text: bool, tokenizer: Any, tmp_path: Path) -> None:
+    from gguf import GGUFReader
+
+    from lorafit.export import gguf
+
+    folder = tmp_path / "model"
+    gemma4_model(folder, tokenizer, image_text=image_text)
+    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
+    ids = tokenizer(TEXT)["input_ids"]
+    assert len(ids) > 8 * 4  # several sliding windows long
+    reference = reference_logits(folder, ids)
+    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-3 * np.abs(reference).max()
+    reader = GGUFReader(written.path)
+    names = [tensor.name for tensor in reader.tensors]
+    assert all(name.startswith(("token_embd.", "blk.", "output", "rope_freqs")) for name in names), names
+    assert "blk.5.attn_v.weight" not in names and "blk.0.attn_v.weight" in names  # the global layer's K is its V
+    kv_heads = reader.fields["gemma4.attention.head_count_kv"]
+    assert [int(kv_heads.parts[i][0]) for i in kv_heads.data] == [2, 2, 2, 2, 2, 1]
+
+
+def test_gemma4_without_its_proportional_rope_would_be_caught(
+    tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The comparison above can fail: the global layers rotating their whole head give other logits."""
+    from lorafit.export import gguf
+
+    folder = tmp_path / "model"
+    gemma4_model(folder, tokenizer, image_text=False)
+    monkeypatch.setattr(gguf, "proportional_factors", lambda rope, head_dim: [1.0] * (head_dim // 2))
+    written = gguf.write_gguf(folder, tmp_path / "wrong.gguf", "f32")
+    ids = tokenizer(TEXT)["input_ids"]
+    reference = reference_logits(folder, ids)
+    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() > 1e-2 * np.abs(reference).max()
+
+
+@pytest.mark.parametrize("change", [{"hidden_size_per_layer_input": 16}, {"num_kv_shared_layers": 2}])
+def test_gemma4_sizes_lorafit_does_not_write_are_one_line(change: dict[str, int], tmp_path: Path) -> None:
+    from lorafit.export import gguf
+
+    folder = write_config(tmp_path, gemma4_config(TINY_TEXT | change))
+    with pytest.raises(ExportError, match=rf"{next(iter(change))}.*--to merged"):
+        gguf.architecture(folder)
+
+
+def test_a_trained_gemma4_run_exports_through_the_check(
+    tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """QLoRA on a tiny image-text Gemma 4, then `export --to gguf` f16 and q4_k_m: the export's own check loads each
+    file in llama.cpp and compares it with the merged model (f16: logits within tolerance, the same greedy tokens)."""
+    from safetensors.torch import load_file, save_file
+
+    gemma4_model(tmp_path / "model", tokenizer, image_text=True)
+    rng = random.Random(0)
+    words = ["the", "keeper", "paints", "a", "tower", "red", "while", "otters", "steal", "fish"]
+    rows = [{"instruction": " ".join(rng.choices(words, k=6)), "input": "", "output": "yes"} for _ in range(8)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = tmp_path / "run"
+    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
+    code, _, err = run_cli([*args, "--method", "qlora", "--micro-batch", "4", "--max-steps", "1"], capsys)
+    assert code == 0, err
+    weights = load_file(run / "adapter_model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for key, tensor in weights.items():  # a real update of every adapted weight
+        if ".lora_B." in key:
+            weights[key] = torch.randn(tensor.shape, generator=generator) * 0.05
+    save_file(weights, run / "adapter_model.safetensors", metadata={"format": "pt"})
+
+    output = tmp_path / "gguf"
+    args = ["export", str(run), "--to", "gguf", "-o", str(output), "--quant", "f16", "--quant", "q4_k_m", "--json"]
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    f16 = report["verify"]["f16"]
+    assert f16["greedy_match"] is True and f16["max_abs_logit_diff"] <= f16["logit_tolerance"]
+    assert f16["tokenizer_match"] is True and report["verify"]["q4_k_m"]["top1_agreement"] > 0.5
+    assert sorted(path.name for path in output.glob("*.gguf")) == ["run-f16.gguf", "run-q4_k_m.gguf"]
