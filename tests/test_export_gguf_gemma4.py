@@ -148,3 +148,5 @@ def test_a_trained_gemma4_run_exports_through_the_check(
     assert f16["greedy_match"] is True and f16["max_abs_logit_diff"] <= f16["logit_tolerance"]
     assert f16["tokenizer_match"] is True and report["verify"]["q4_k_m"]["top1_agreement"] > 0.5
     assert sorted(path.name for path in output.glob("*.gguf")) == ["run-f16.gguf", "run-q4_k_m.gguf"]
+    (note,) = [line for line in report["notes"] if "vision tower" in line]
+    assert "--mmproj" in note and "--to merged" in note
