@@ -1,4 +1,4 @@
-"""GGUF export of DeepSeek-style latent attention (DeepSeek-V2 and V2-Lite as llama.cpp's deepseek2): a dense first
+"""GGUF export of DeepSeek-style latent attention (DeepSeek-V2, V2-Lite and V3 as llama.cpp's deepseek2): a dense first
 block then MoE blocks with a shared expert, queries from q_proj (V2-Lite) or the q_a/q_b low-rank pair (V2), yarn
 rope as the released checkpoints configure it; llama.cpp gives the logits of transformers, a trained run exports
 end to end through the export's own check, and a router or rope llama.cpp computes otherwise is one line."""
@@ -24,9 +24,16 @@ from test_export_gguf import TEXT, hf_logits, llama_cpp_logits  # noqa: E402
 # over a shorter original context so that the tiny model's positions reach the scaled frequencies
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707, "mscale_all_dim": 0.707}
 YARN |= {"original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1}
-VARIANTS: dict[str, dict[str, Any]] = {
-    "v2-lite": {"q_lora_rank": None, "rope_parameters": YARN},
-    "v2": {"q_lora_rank": 64, "routed_scaling_factor": 2.5},
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "v2-lite": ("deepseek_v2", {"q_lora_rank": None, "rope_parameters": YARN}),
+    "v2": ("deepseek_v2", {"q_lora_rank": 64, "routed_scaling_factor": 2.5}),
+    # DeepSeek-V3's router: sigmoid scores with a correction bias, the best 2 of 4 groups, renormalised and scaled;
+    # its released yarn has mscale = mscale_all_dim = 1
+    "v3": (
+        "deepseek_v3",
+        {"q_lora_rank": 64, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5}
+        | {"rope_parameters": YARN | {"mscale": 1.0, "mscale_all_dim": 1.0}},
+    ),
 }
 
 
@@ -37,13 +44,14 @@ def tokenizer() -> Any:
     return demo.build_tokenizer(demo.corpus(), vocab_size=1024)
 
 
-def deepseek_model(folder: Path, tokenizer: Any, **extra: Any) -> Any:
-    """A random DeepSeek-V2 of three blocks (the first dense), norms away from 1 and a router that picks clearly
-    (weights far from zero), so that both runtimes route alike."""
+def deepseek_model(folder: Path, tokenizer: Any, model_type: str, **extra: Any) -> Any:
+    """A random DeepSeek of three blocks (the first dense) and 8 experts, norms away from 1 and a router that picks
+    clearly, so that both runtimes route alike: a softmax router's weights far from zero, a sigmoid router's small
+    enough that no two scores saturate at 1."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
-        "deepseek_v2",
+        model_type,
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=3,
@@ -53,7 +61,7 @@ def deepseek_model(folder: Path, tokenizer: Any, **extra: Any) -> Any:
         qk_nope_head_dim=32,
         qk_rope_head_dim=16,
         v_head_dim=32,
-        n_routed_experts=4,
+        n_routed_experts=8,
         num_experts_per_tok=2,
         moe_intermediate_size=128,
         n_shared_experts=1,
@@ -69,7 +77,10 @@ def deepseek_model(folder: Path, tokenizer: Any, **extra: Any) -> Any:
             if parameter.dim() == 1:
                 parameter.normal_(1.0, 0.1)
             elif name.endswith("mlp.gate.weight"):
-                parameter.normal_(0.0, 0.5)
+                parameter.normal_(0.0, 0.5 if model_type == "deepseek_v2" else 0.05)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
         model.get_output_embeddings().weight.normal_(0.0, 0.1)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -77,7 +88,7 @@ def deepseek_model(folder: Path, tokenizer: Any, **extra: Any) -> Any:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_deepseek_v2_gives_llama_cpp_the_logits_of_transformers(
+def test_deepseek_gives_llama_cpp_the_logits_of_transformers(
     variant: str, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import gguf as gguf_py
@@ -86,14 +97,16 @@ def test_deepseek_v2_gives_llama_cpp_the_logits_of_transformers(
     from lorafit.export import gguf
 
     folder = tmp_path / "model"
-    model = deepseek_model(folder, tokenizer, **VARIANTS[variant])
+    model_type, extra = VARIANTS[variant]
+    model = deepseek_model(folder, tokenizer, model_type, **extra)
     written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
     ids = tokenizer(TEXT)["input_ids"]
     reference = hf_logits(model, ids)
     assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-3 * np.abs(reference).max()
     tensors = {tensor.name for tensor in GGUFReader(written.path).tensors}
     assert {"blk.0.ffn_gate.weight", "blk.1.ffn_gate_exps.weight", "blk.2.ffn_up_shexp.weight"} <= tensors
-    assert ("blk.0.attn_q_a.weight" in tensors) == (variant == "v2")
+    assert ("blk.0.attn_q_a.weight" in tensors) == (variant != "v2-lite")
+    assert ("blk.1.exp_probs_b.bias" in tensors) == (variant == "v3")
 
     # the comparison can fail: experts stacked in another order, or (V2-Lite) yarn's attention scale left out
     plans = gguf.tensor_plans
@@ -131,17 +144,18 @@ def test_a_router_or_rope_llama_cpp_computes_otherwise_is_one_line(
         gguf.architecture(folder)
 
 
-def test_a_trained_deepseek_v2_lite_run_exports_to_checked_gguf(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3"])
+def test_a_trained_deepseek_run_exports_to_checked_gguf(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`lorafit train` (LoRA on the latent attention's projections and the experts) on a tiny V2-Lite, then
+    """`lorafit train` (LoRA on the latent attention's projections and the experts) on a tiny model, then
     `export --to gguf` f32 and f16: the export's own check loads each file in llama.cpp and compares it with the
     merged model in transformers. Every expert is active (a tiny router's top-2 of 16 flips a choice wherever two
     logits are within rounding, which the check's greedy tokens find; top-k routing is compared above)."""
     from test_mla import tiny_deepseek
 
     def spec_of(vocab: int) -> Any:
-        return tiny_deepseek("deepseek-v2-lite", vocab_size=vocab).scaled(num_experts_per_tok=16)
+        return tiny_deepseek(name, vocab_size=vocab).scaled(num_experts_per_tok=16)
 
     run, _ = train_tiny(tmp_path, spec_of, capsys)
     output = tmp_path / "gguf"

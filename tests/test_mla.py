@@ -200,7 +200,7 @@ def test_train_adapts_the_latent_attention_and_exports_merged_not_gguf(
     code, _, err = run_cli(["export", str(run), "--to", "merged", "-o", str(tmp_path / "merged")], capsys)
     assert code == 0, err
     assert (tmp_path / "merged" / "model.safetensors").is_file()
-    if name == "deepseek-v2-lite":
+    if name != "mistral-small-4-119b":
         return  # written as llama.cpp's deepseek2: test_export_gguf_mla.py
     # one line naming the merged export, which llama.cpp's own converter reads
     code, out, err = run_cli(["export", str(run), "--to", "gguf", "-o", str(tmp_path / "model.gguf")], capsys)

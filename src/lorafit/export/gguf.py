@@ -125,6 +125,8 @@ class Architecture:
         text-only name, None for the tensors of the vision tower and projector (not written)."""
         if source.startswith(tuple(self.entry.get("skip", ()))):
             return None
+        for saved, written in self.entry.get("rename_suffix", ()):
+            source = source.removesuffix(saved) + written if source.endswith(saved) else source
         for saved, text_only in self.entry.get("rename", ()):
             if source.startswith(saved):
                 return text_only + source.removeprefix(saved)
@@ -667,8 +669,8 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
     writer.add_rope_freq_base(arch.rope_theta)
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-6))
     key_length = _catalog()["architectures"][arch.model_type].get("key_length", False)
-    if arch.entry.get("mla"):  # DeepSeek-V2: latent attention's own key, value and router keys
-        gguf_mla.write_metadata(writer, config)
+    if arch.entry.get("mla"):  # DeepSeek: latent attention's own key, value and router keys
+        gguf_mla.write_metadata(writer, config, arch.entry)
     elif arch.head_dim != int(config["hidden_size"]) // arch.heads or key_length:
         writer.add_key_length(arch.head_dim)
         writer.add_value_length(arch.head_dim)

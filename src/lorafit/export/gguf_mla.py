@@ -29,10 +29,13 @@ def check(config: dict[str, Any]) -> None:
         )
 
 
-def write_metadata(writer: Any, config: dict[str, Any]) -> None:
-    """The deepseek2 keys convert_hf_to_gguf.py's DeepseekV2Model writes, in the non-absorbed layout; the router
-    is a softmax over the experts whose top-k weights transformers scales by routed_scaling_factor and never
-    renormalises (modeling_deepseek_v2.py DeepseekV2Moe.route_tokens_to_experts), llama.cpp's defaults."""
+def write_metadata(writer: Any, config: dict[str, Any], entry: dict[str, Any]) -> None:
+    """The deepseek2 keys convert_hf_to_gguf.py's DeepseekV2Model writes, in the non-absorbed layout, and the
+    router's: DeepSeek-V2's a softmax whose top-k weights transformers scales by routed_scaling_factor and never
+    renormalises (modeling_deepseek_v2.py DeepseekV2Moe.route_tokens_to_experts); DeepSeek-V3's (catalog
+    gating = "sigmoid") sigmoid scores, chosen with e_score_correction_bias (ffn_exp_probs_b) within the
+    topk_group groups of the best two-expert sums, renormalised as norm_topk_prob says (modeling_deepseek_v3.py
+    DeepseekV3TopkRouter; llama.cpp's llama-graph.cpp build_moe_ffn computes the same)."""
     import gguf
 
     writer.add_key_length(int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"]))
@@ -46,7 +49,14 @@ def write_metadata(writer: Any, config: dict[str, Any]) -> None:
     if not experts:  # llama.cpp reads the expert width even with no experts
         writer.add_expert_feed_forward_length(int(config["intermediate_size"]))
     writer.add_expert_weights_scale(float(config.get("routed_scaling_factor") or 1.0))
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+    if entry.get("gating") == "sigmoid":
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_norm(bool(config.get("norm_topk_prob")))
+        if int(config.get("n_group") or 1) > 1:
+            writer.add_expert_group_count(int(config["n_group"]))
+            writer.add_expert_group_used_count(int(config["topk_group"]))
+    else:
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("mscale_all_dim") is not None:  # yarn's attention scale, in the converter's units (x 0.1)
         writer.add_rope_scaling_yarn_log_mul(0.1 * float(rope["mscale_all_dim"]))
