@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafit.errors import ExportError
+from lorafit.export import gguf_mla
 from lorafit.export.gguf_layers import full_head_dim, per_layer, proportional_factors, write_layer_shapes
 from lorafit.export.source import safetensors_header, weight_files
 from lorafit.options import GgufType
@@ -101,7 +102,8 @@ class Architecture:
     @property
     def experts(self) -> int:
         """The experts per MoE layer (0 for a dense model), under the name each family's config uses."""
-        return int(self.config.get("num_experts") or self.config.get("num_local_experts") or 0)
+        config = self.config
+        return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
 
     @property
     def tied(self) -> bool:
@@ -126,6 +128,8 @@ class Architecture:
         text-only name, None for the tensors of the vision tower and projector (not written)."""
         if source.startswith(tuple(self.entry.get("skip", ()))):
             return None
+        for saved, written in self.entry.get("rename_suffix", ()):
+            source = source.removesuffix(saved) + written if source.endswith(saved) else source
         for saved, text_only in self.entry.get("rename", ()):
             if source.startswith(saved):
                 return text_only + source.removeprefix(saved)
@@ -167,6 +171,8 @@ def architecture(model_dir: Path, *, dequantised: bool = False) -> Architecture:
     arch = Architecture(model_type, entry["arch"], entry["permute_qk"], offset, config, entry)
     if entry.get("query_scale"):
         _check_query_scale(arch)
+    if entry.get("mla"):
+        gguf_mla.check(config)
     return arch
 
 
@@ -669,7 +675,9 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
     writer.add_rope_freq_base(arch.rope_theta)
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-6))
     key_length = _catalog()["architectures"][arch.model_type].get("key_length", False)
-    if arch.head_dim != int(config["hidden_size"]) // arch.heads or key_length:
+    if arch.entry.get("mla"):  # DeepSeek: latent attention's own key, value and router keys
+        gguf_mla.write_metadata(writer, config, arch.entry)
+    elif arch.head_dim != int(config["hidden_size"]) // arch.heads or key_length:
         writer.add_key_length(arch.head_dim)
         writer.add_value_length(arch.head_dim)
     writer.add_vocab_size(len(vocabulary.tokens))
