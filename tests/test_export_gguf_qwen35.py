@@ -107,8 +107,8 @@ def test_value_heads_of_another_width_are_one_line(tmp_path: Path) -> None:
 
 def test_a_trained_qwen35_run_exports_to_checked_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`lorafit train` on a tiny Qwen3.5 (LoRA on both layer kinds), its adapter's B made random (a real update of
-    every adapted projection), then `export --to gguf` f32 and q4_k_m: the export's own check loads each file in
-    llama.cpp and compares it with the merged model in transformers."""
+    every adapted projection), then `export --to gguf` f16 and q4_k_m: the export's own check loads each file in
+    llama.cpp and compares it with the merged model in transformers (logits and greedy tokens for f16)."""
     from safetensors.torch import load_file, save_file
 
     run, _ = train_tiny(tmp_path, lambda vocab: small_hybrid(4).scaled(vocab_size=vocab), capsys)
@@ -120,11 +120,38 @@ def test_a_trained_qwen35_run_exports_to_checked_gguf(tmp_path: Path, capsys: py
     save_file(weights, run / "adapter_model.safetensors", metadata={"format": "pt"})
 
     output = tmp_path / "gguf"
-    args = ["export", str(run), "--to", "gguf", "-o", str(output), "--quant", "f32", "--quant", "q4_k_m", "--json"]
+    args = ["export", str(run), "--to", "gguf", "-o", str(output), "--quant", "f16", "--quant", "q4_k_m", "--json"]
     code, out, err = run_cli(args, capsys)
     assert code == 0, err
     report = json.loads(out)
-    f32 = report["verify"]["f32"]
-    assert f32["greedy_match"] is True and f32["max_abs_logit_diff"] <= f32["logit_tolerance"]
-    assert f32["tokenizer_match"] is True and report["verify"]["q4_k_m"]["top1_agreement"] > 0.5
-    assert sorted(path.name for path in output.glob("*.gguf")) == ["run-f32.gguf", "run-q4_k_m.gguf"]
+    f16 = report["verify"]["f16"]
+    assert f16["greedy_match"] is True and f16["max_abs_logit_diff"] <= f16["logit_tolerance"]
+    assert f16["tokenizer_match"] is True and report["verify"]["q4_k_m"]["top1_agreement"] > 0.5
+    assert sorted(path.name for path in output.glob("*.gguf")) == ["run-f16.gguf", "run-q4_k_m.gguf"]
+
+
+def test_the_language_model_of_qwen35_image_text_is_written(tokenizer: Any, tmp_path: Path) -> None:
+    """A hub checkpoint's layout (Qwen3_5ForConditionalGeneration: model.language_model.* beside model.visual.*):
+    its language model, renamed, gives llama.cpp the text logits of transformers; the vision tower is not written
+    (its tensors have no GGUF name: written, they would fail the export)."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from lorafit.export import gguf
+
+    text = tiny_qwen35(tmp_path / "text", tokenizer, 4).config.to_dict()
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 256}
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(config).float().eval()
+    weights = load_file(tmp_path / "text" / "model.safetensors")  # the 1-D parameters away from their init
+    with torch.no_grad():
+        model.lm_head.weight.copy_(weights.pop("lm_head.weight"))
+        model.model.language_model.load_state_dict({name.removeprefix("model."): w for name, w in weights.items()})
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
+    ids = tokenizer(TEXT)["input_ids"]
+    reference = hf_logits(model, ids)
+    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-3 * np.abs(reference).max()
