@@ -112,9 +112,8 @@ def write_hparams(writer: Any, entry: dict[str, Any], config: dict[str, Any]) ->
     writer.add_ssm_inner_size(int(config["linear_value_head_dim"]) * int(config["linear_num_value_heads"]))
     interval = int(config.get("full_attention_interval") or 4)
     writer.add_full_attention_interval(interval)
-    layers = int(config["num_hidden_layers"])
-    recurrent = [kind == "linear_attention" for kind in config.get("layer_types") or []]
-    if recurrent and recurrent != [(i + 1) % interval != 0 for i in range(layers)]:
+    if layer_types := config.get("layer_types"):  # as llama.cpp's converter writes it (older gguf-py lacks the adder)
+        recurrent = [kind == "linear_attention" for kind in layer_types]
         writer.add_array(f"{entry['arch']}.attention.recurrent_layers", recurrent)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     writer.add_rope_dimension_sections((list(rope.get("mrope_section") or DEFAULT_SECTIONS) + [0, 0, 0, 0])[:4])
