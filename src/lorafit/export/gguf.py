@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafit.errors import ExportError
-from lorafit.export import gguf_mla
+from lorafit.export import gguf_hybrid, gguf_mla
 from lorafit.export.gguf_layers import full_head_dim, per_layer, proportional_factors, write_layer_shapes
 from lorafit.export.source import safetensors_header, weight_files
 from lorafit.options import GgufType
@@ -173,6 +173,7 @@ def architecture(model_dir: Path, *, dequantised: bool = False) -> Architecture:
         _check_query_scale(arch)
     if entry.get("mla"):
         gguf_mla.check(config)
+    gguf_hybrid.check(entry, config)
     return arch
 
 
@@ -255,7 +256,8 @@ class TensorPlan:
 def _ggml_type_for(name: str, shape: tuple[int, ...], file_type: GgufType) -> str:
     """Norms, biases, other 1-D tensors and an MoE's router stay f32 (as llama.cpp's converter keeps them); a matrix
     whose rows are not whole q8_0 blocks falls back to f16."""
-    if len(shape) == 1 or file_type == "f32" or not name.endswith(".weight") or ".ffn_gate_inp." in name:
+    kept = ".ffn_gate_inp." in name or ".ssm_conv1d." in name  # the router; ggml's ssm_conv reads f32 kernels only
+    if len(shape) == 1 or file_type == "f32" or not name.endswith(".weight") or kept:
         return "F32"
     if file_type == "q8_0":
         return "Q8_0" if shape[-1] % 32 == 0 else "F16"
@@ -295,6 +297,8 @@ def tensor_plans(model_dir: Path, arch: Architecture, file_type: GgufType) -> li
                 plans += _fused_plans(match, source, shard, shape, arch, names, file_type)
                 continue
             name = _gguf_name(names, known)
+            if hybrid := gguf_hybrid.tensor_name(arch.entry, names, known, shape):
+                name, shape = hybrid
             if name is None:
                 raise ExportError(f"{shard.name}: no GGUF name for tensor {source} of a {arch.model_type} model")
             plans.append(TensorPlan(name, source, shard, shape, _ggml_type_for(name, shape, file_type)))
@@ -416,7 +420,8 @@ def tensor_data(plan: TensorPlan, arch: Architecture) -> np.ndarray:
         weight = _unpermute(weight, arch.heads)
     elif arch.permute_qk and plan.name.endswith(("attn_k.weight", "attn_k.bias")):
         weight = _unpermute(weight, arch.kv_heads)
-    if arch.norm_offset and plan.name.endswith("norm.weight"):
+    weight = gguf_hybrid.transform(arch.entry, arch.config, plan.name, weight)
+    if arch.norm_offset and plan.name.endswith("norm.weight") and not gguf_hybrid.plain_norm(arch.entry, plan.name):
         weight = weight.float() + arch.norm_offset
     if plan.ggml_type == "BF16":
         return weight.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
@@ -671,7 +676,7 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
     writer.add_head_count(arch.heads)
     shaped = arch.entry.get("layer_shapes")
     writer.add_head_count_kv(per_layer(config, "num_key_value_heads", arch.kv_heads) if shaped else arch.kv_heads)
-    writer.add_rope_dimension_count(arch.head_dim)
+    writer.add_rope_dimension_count(gguf_hybrid.rope_dimensions(arch.entry, config, arch.head_dim))
     writer.add_rope_freq_base(arch.rope_theta)
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-6))
     key_length = _catalog()["architectures"][arch.model_type].get("key_length", False)
@@ -682,6 +687,7 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
         writer.add_value_length(arch.head_dim)
     writer.add_vocab_size(len(vocabulary.tokens))
     _write_attention_layout(writer, arch)
+    gguf_hybrid.write_hparams(writer, arch.entry, config)
     if arch.experts:
         writer.add_expert_count(arch.experts)
         writer.add_expert_used_count(int(config["num_experts_per_tok"]))
