@@ -34,6 +34,17 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         {"q_lora_rank": 64, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5}
         | {"rope_parameters": YARN | {"mscale": 1.0, "mscale_all_dim": 1.0}},
     ),
+    # Mistral Small 4's: a softmax router within groups (the released one has a single group), renormalised; its
+    # query temperature (beta 0.4, the released 0.1) over an original context the text crosses four times
+    "mistral4": (
+        "mistral4",
+        {"q_lora_rank": 64, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.5}
+        | {
+            "rope_parameters": YARN
+            | {"mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.4}
+            | {"original_max_position_embeddings": 32}
+        },
+    ),
 }
 
 
@@ -71,13 +82,18 @@ def deepseek_model(folder: Path, tokenizer: Any, model_type: str, **extra: Any) 
         **extra,
     )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if model_type == "mistral4":  # transformers 5.25 lists Mistral4ForCausalLM in no auto table
+        from transformers import Mistral4ForCausalLM
+
+        model = Mistral4ForCausalLM(config).to(torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.dim() == 1:
                 parameter.normal_(1.0, 0.1)
             elif name.endswith("mlp.gate.weight"):
-                parameter.normal_(0.0, 0.5 if model_type == "deepseek_v2" else 0.05)
+                parameter.normal_(0.0, 0.05 if model_type == "deepseek_v3" else 0.5)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)
@@ -107,17 +123,32 @@ def test_deepseek_gives_llama_cpp_the_logits_of_transformers(
     assert {"blk.0.ffn_gate.weight", "blk.1.ffn_gate_exps.weight", "blk.2.ffn_up_shexp.weight"} <= tensors
     assert ("blk.0.attn_q_a.weight" in tensors) == (variant != "v2-lite")
     assert ("blk.1.exp_probs_b.bias" in tensors) == (variant == "v3")
+    if variant == "mistral4":
+        assert GGUFReader(written.path).get_field("mistral4.attention.temperature_length").contents() == 32
 
-    # the comparison can fail: experts stacked in another order, or (V2-Lite) yarn's attention scale left out
+    # the comparison can fail: experts stacked in another order (Mistral 4's fused gate_up: its gate and up halves
+    # swapped), or (V2-Lite) yarn's attention scale, or (Mistral 4) the query temperature, left out
     plans = gguf.tensor_plans
 
+    def swapped(part: tuple[int, int, int]) -> tuple[int, int, int]:
+        start, stop, step = part
+        shift = stop - start if start == 0 else start - stop
+        return start + shift, stop + shift, step
+
     def reversed_experts(*args: Any) -> Any:
-        return [gguf.TensorPlan(**(vars(p) | {"experts": p.experts[::-1]})) for p in plans(*args)]
+        return [
+            gguf.TensorPlan(**(vars(p) | {"experts": p.experts[::-1], "part": p.part and swapped(p.part)}))
+            for p in plans(*args)
+        ]
 
     with monkeypatch.context() as patch:
         patch.setattr(gguf, "tensor_plans", reversed_experts)
         wrong = gguf.write_gguf(folder, tmp_path / "wrong.gguf", "f32")
     assert np.abs(llama_cpp_logits(wrong.path, ids) - reference).max() > 1e-2 * np.abs(reference).max()
+    if variant == "mistral4":  # the query temperature left out
+        monkeypatch.setattr(gguf_py.GGUFWriter, "add_attn_temperature_scale", lambda *args: None)
+        wrong = gguf.write_gguf(folder, tmp_path / "wrong-temperature.gguf", "f32")
+        assert np.abs(llama_cpp_logits(wrong.path, ids) - reference).max() > 1e-2 * np.abs(reference).max()
     if variant == "v2-lite":
         monkeypatch.setattr(gguf_py.GGUFWriter, "add_rope_scaling_yarn_log_mul", lambda *args: None)
         wrong = gguf.write_gguf(folder, tmp_path / "wrong-yarn.gguf", "f32")

@@ -676,7 +676,8 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
     writer.add_head_count(arch.heads)
     shaped = arch.entry.get("layer_shapes")
     writer.add_head_count_kv(per_layer(config, "num_key_value_heads", arch.kv_heads) if shaped else arch.kv_heads)
-    writer.add_rope_dimension_count(gguf_hybrid.rope_dimensions(arch.entry, config, arch.head_dim))
+    rotated = config.get("qk_rope_head_dim") if arch.entry.get("mla") else None  # Mistral 4's head_dim is q+k wide
+    writer.add_rope_dimension_count(int(rotated or gguf_hybrid.rope_dimensions(arch.entry, config, arch.head_dim)))
     writer.add_rope_freq_base(arch.rope_theta)
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-6))
     key_length = _catalog()["architectures"][arch.model_type].get("key_length", False)

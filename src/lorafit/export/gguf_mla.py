@@ -35,7 +35,10 @@ def write_metadata(writer: Any, config: dict[str, Any], entry: dict[str, Any]) -
     renormalises (modeling_deepseek_v2.py DeepseekV2Moe.route_tokens_to_experts); DeepSeek-V3's (catalog
     gating = "sigmoid") sigmoid scores, chosen with e_score_correction_bias (ffn_exp_probs_b) within the
     topk_group groups of the best two-expert sums, renormalised as norm_topk_prob says (modeling_deepseek_v3.py
-    DeepseekV3TopkRouter; llama.cpp's llama-graph.cpp build_moe_ffn computes the same)."""
+    DeepseekV3TopkRouter; llama.cpp's llama-graph.cpp build_moe_ffn computes the same); Mistral 4's (catalog
+    grouped_softmax) softmax scores chosen within groups the same way, renormalised as norm_topk_prob says
+    (modeling_mistral4.py Mistral4TopkRouter). Mistral 4's query temperature is llama.cpp's attention.temperature_*
+    (llama-graph.cpp llm_graph_input_attn_temp: 1 + scale log(floor(pos / length) + 1))."""
     import gguf
 
     writer.add_key_length(int(config["qk_nope_head_dim"]) + int(config["qk_rope_head_dim"]))
@@ -49,14 +52,16 @@ def write_metadata(writer: Any, config: dict[str, Any], entry: dict[str, Any]) -
     if not experts:  # llama.cpp reads the expert width even with no experts
         writer.add_expert_feed_forward_length(int(config["intermediate_size"]))
     writer.add_expert_weights_scale(float(config.get("routed_scaling_factor") or 1.0))
-    if entry.get("gating") == "sigmoid":
-        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    sigmoid = entry.get("gating") == "sigmoid"
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
+    if sigmoid or entry.get("grouped_softmax"):
         writer.add_expert_weights_norm(bool(config.get("norm_topk_prob")))
         if int(config.get("n_group") or 1) > 1:
             writer.add_expert_group_count(int(config["n_group"]))
             writer.add_expert_group_used_count(int(config["topk_group"]))
-    else:
-        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("mscale_all_dim") is not None:  # yarn's attention scale, in the converter's units (x 0.1)
         writer.add_rope_scaling_yarn_log_mul(0.1 * float(rope["mscale_all_dim"]))
+    if rope.get("llama_4_scaling_beta"):  # Mistral 4's queries x (1 + beta log(1 + floor(pos / original context)))
+        writer.add_attn_temperature_scale(float(rope["llama_4_scaling_beta"]))
+        writer.add_attn_temperature_length(int(rope["original_max_position_embeddings"]))
