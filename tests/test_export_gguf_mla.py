@@ -175,7 +175,7 @@ def test_a_router_or_rope_llama_cpp_computes_otherwise_is_one_line(
         gguf.architecture(folder)
 
 
-@pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3", "mistral-small-4-119b"])
 def test_a_trained_deepseek_run_exports_to_checked_gguf(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -190,7 +190,7 @@ def test_the_671b_model_does_not_fit_one_gpu(capsys: pytest.CaptureFixture[str])
 
 # --- lorafit train on a tiny random model ---------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "deepseek-v3", "mistral-small-4-119b"])
-def test_train_adapts_the_latent_attention_and_exports_merged_not_gguf(
+def test_train_adapts_the_latent_attention_and_exports_merged(
     name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run, spec = train_tiny(tmp_path, lambda vocab: tiny_deepseek(name, vocab_size=vocab), capsys)
@@ -200,8 +200,4 @@ def test_train_adapts_the_latent_attention_and_exports_merged_not_gguf(
     code, _, err = run_cli(["export", str(run), "--to", "merged", "-o", str(tmp_path / "merged")], capsys)
     assert code == 0, err
     assert (tmp_path / "merged" / "model.safetensors").is_file()
-    if name != "mistral-small-4-119b":
-        return  # written as llama.cpp's deepseek2: test_export_gguf_mla.py
-    # one line naming the merged export, which llama.cpp's own converter reads
-    code, out, err = run_cli(["export", str(run), "--to", "gguf", "-o", str(tmp_path / "model.gguf")], capsys)
-    assert code == 2 and not out and err.count("\n") == 1 and "--to merged" in err
+    # --to gguf (llama.cpp's deepseek2, or mistral4) is test_export_gguf_mla.py's
