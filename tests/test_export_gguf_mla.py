@@ -199,3 +199,28 @@ def test_a_trained_deepseek_run_exports_to_checked_gguf(
         assert verify[quant]["max_abs_logit_diff"] <= verify[quant]["logit_tolerance"]
     assert verify["f32"]["tokenizer_match"] is True
     assert sorted(path.name for path in output.glob("*.gguf")) == ["run-f16.gguf", "run-f32.gguf"]
+
+
+def test_mistral_small_4_as_the_hub_ships_it(tokenizer: Any, tmp_path: Path) -> None:
+    """Mistral Small 4's hub folder is Mistral3ForConditionalGeneration with a mistral4 text_config: its language
+    model gives llama.cpp the logits of the same weights as a Mistral4ForCausalLM, the vision tower left out."""
+    from gguf import GGUFReader
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    from lorafit.export import gguf
+
+    text = deepseek_model(tmp_path / "text", tokenizer, "mistral4", **VARIANTS["mistral4"][1])
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision |= {"image_size": 32, "patch_size": 8, "head_dim": 16}
+    config = Mistral3Config(text_config=text.config.to_dict(), vision_config=vision, tie_word_embeddings=False)
+    model = Mistral3ForConditionalGeneration(config)
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
+    assert GGUFReader(written.path).get_field("general.architecture").contents() == "mistral4"
+    ids = tokenizer(TEXT)["input_ids"]
+    reference = hf_logits(text, ids)
+    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-3 * np.abs(reference).max()

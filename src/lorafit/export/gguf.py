@@ -161,6 +161,8 @@ def architecture(model_dir: Path, *, dequantised: bool = False) -> Architecture:
         raise ExportError(f"{model_dir} holds quantised weights; export --to gguf reads a 16-bit merged folder")
     if entry.get("text_config"):
         config = _text_config(model_dir)
+        if inner := entry.get("text_models", {}).get(config.get("model_type")):  # Mistral 3 holding a Mistral 4
+            model_type, entry = inner, known[inner]
     for key, expected in entry.get("requires", {}).items():
         if config.get(key, expected) != expected:
             raise ExportError(
