@@ -1,7 +1,8 @@
-"""GGUF export of DeepSeek-style latent attention (DeepSeek-V2, V2-Lite and V3 as llama.cpp's deepseek2): a dense first
-block then MoE blocks with a shared expert, queries from q_proj (V2-Lite) or the q_a/q_b low-rank pair (V2), yarn
-rope as the released checkpoints configure it; llama.cpp gives the logits of transformers, a trained run exports
-end to end through the export's own check, and a router or rope llama.cpp computes otherwise is one line."""
+"""GGUF export of DeepSeek-style latent attention (DeepSeek-V2, V2-Lite and V3 as llama.cpp's deepseek2, Mistral
+Small 4 as its mistral4): a dense first block then MoE blocks with a shared expert, queries from q_proj (V2-Lite) or
+the q_a/q_b low-rank pair (V2), yarn rope as the released checkpoints configure it; llama.cpp gives the logits of
+transformers, a trained run exports end to end through the export's own check, and a router or rope llama.cpp
+computes otherwise is one line."""
 
 from __future__ import annotations
 
