@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import random
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -73,6 +74,34 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
     return code, out, err
 
 
+def run_train(tmp_path: Path, rows: list[dict], capsys: pytest.CaptureFixture[str], *flags: str) -> Path:
+    """`lorafit train` of the model folder tmp_path/model on `rows` (written as JSONL) with `flags`: the run
+    folder, after asserting the command succeeded."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run = tmp_path / "run"
+    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run), *flags]
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    return run
+
+
+WORDS = ["the", "keeper", "paints", "a", "tower", "red", "while", "otters", "steal", "fish"]
+
+
+def word_rows(count: int, answer: str | None = None) -> list[dict]:
+    """`count` seeded rows of six random words, each answered `answer` or six more random words."""
+    rng = random.Random(0)
+    return [
+        {
+            "instruction": " ".join(rng.choices(WORDS, k=6)),
+            "input": "",
+            "output": answer or " ".join(rng.choices(WORDS, k=6)),
+        }
+        for _ in range(count)
+    ]
+
+
 def train_tiny(
     tmp_path: Path, spec_of: Callable[[int], ModelSpec], capsys: pytest.CaptureFixture[str], *flags: str
 ) -> tuple[Path, ModelSpec]:
@@ -84,11 +113,34 @@ def train_tiny(
     tokenizer = build_tokenizer(corpus(), vocab_size=512)
     spec = spec_of(len(tokenizer))
     build_model(tmp_path / "model", tokenizer, spec, seed=0)
-    data = tmp_path / "data.jsonl"
     rows = [{"instruction": f"count to {n}", "input": "", "output": " ".join(["one"] * n)} for n in range(1, 17)]
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    run = tmp_path / "run"
-    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run), *flags]
-    code, _, err = run_cli([*args, "--max-steps", "2", "--micro-batch", "2"], capsys)
+    return run_train(tmp_path, rows, capsys, *flags, "--max-steps", "2", "--micro-batch", "2"), spec
+
+
+def randomize_lora_b(run: Path) -> None:
+    """A seeded random B for every adapter of a run (a trained step leaves it near zero): a real update of every
+    adapted weight for a merge or an export to show."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(run / "adapter_model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for key, tensor in weights.items():
+        if ".lora_B." in key:
+            weights[key] = torch.randn(tensor.shape, generator=generator) * 0.05
+    save_file(weights, run / "adapter_model.safetensors", metadata={"format": "pt"})
+
+
+def export_checked(run: Path, output: Path, capsys: pytest.CaptureFixture[str], full: str, *quants: str) -> dict:
+    """`lorafit export RUN --to gguf` at `full` (and `quants`), asserting the export's own llama.cpp check of the
+    `full` file (greedy tokens, logits within tolerance, tokenizer) and a top-1 agreement above one half for each
+    of `quants`: the report."""
+    flags = [flag for quant in (full, *quants) for flag in ("--quant", quant)]
+    code, out, err = run_cli(["export", str(run), "--to", "gguf", "-o", str(output), *flags, "--json"], capsys)
     assert code == 0, err
-    return run, spec
+    report = json.loads(out)
+    checked = report["verify"][full]
+    assert checked["greedy_match"] is True and checked["max_abs_logit_diff"] <= checked["logit_tolerance"]
+    assert checked["tokenizer_match"] is True
+    assert all(report["verify"][quant]["top1_agreement"] > 0.5 for quant in quants)
+    return report

@@ -5,14 +5,12 @@ trained run exports end to end through the export's own check, and the sizes lor
 
 from __future__ import annotations
 
-import json
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import run_cli
+from conftest import export_checked, randomize_lora_b, run_train, word_rows
 from lorafit.errors import ExportError
 
 torch = pytest.importorskip("torch")
@@ -120,33 +118,15 @@ def test_a_trained_gemma4_run_exports_through_the_check(
 ) -> None:
     """QLoRA on a tiny image-text Gemma 4, then `export --to gguf` f16 and q4_k_m: the export's own check loads each
     file in llama.cpp and compares it with the merged model (f16: logits within tolerance, the same greedy tokens)."""
-    from safetensors.torch import load_file, save_file
 
     gemma4_model(tmp_path / "model", tokenizer, image_text=True)
-    rng = random.Random(0)
-    words = ["the", "keeper", "paints", "a", "tower", "red", "while", "otters", "steal", "fish"]
-    rows = [{"instruction": " ".join(rng.choices(words, k=6)), "input": "", "output": "yes"} for _ in range(8)]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    run = tmp_path / "run"
-    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
-    code, _, err = run_cli([*args, "--method", "qlora", "--micro-batch", "4", "--max-steps", "1"], capsys)
-    assert code == 0, err
-    weights = load_file(run / "adapter_model.safetensors")
-    generator = torch.Generator().manual_seed(0)
-    for key, tensor in weights.items():  # a real update of every adapted weight
-        if ".lora_B." in key:
-            weights[key] = torch.randn(tensor.shape, generator=generator) * 0.05
-    save_file(weights, run / "adapter_model.safetensors", metadata={"format": "pt"})
+    run = run_train(
+        tmp_path, word_rows(8, "yes"), capsys, "--method", "qlora", "--micro-batch", "4", "--max-steps", "1"
+    )
+    randomize_lora_b(run)  # a real update of every adapted weight
 
     output = tmp_path / "gguf"
-    args = ["export", str(run), "--to", "gguf", "-o", str(output), "--quant", "f16", "--quant", "q4_k_m", "--json"]
-    code, out, err = run_cli(args, capsys)
-    assert code == 0, err
-    report = json.loads(out)
-    f16 = report["verify"]["f16"]
-    assert f16["greedy_match"] is True and f16["max_abs_logit_diff"] <= f16["logit_tolerance"]
-    assert f16["tokenizer_match"] is True and report["verify"]["q4_k_m"]["top1_agreement"] > 0.5
+    report = export_checked(run, output, capsys, "f16", "q4_k_m")
     assert sorted(path.name for path in output.glob("*.gguf")) == ["run-f16.gguf", "run-q4_k_m.gguf"]
     (note,) = [line for line in report["notes"] if "vision tower" in line]
     assert "--mmproj" in note and "--to merged" in note

@@ -7,13 +7,12 @@ through the export's own check."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import run_cli
+from conftest import randomize_lora_b, run_cli, run_train, word_rows
 from lorafit.errors import ExportError
 
 torch = pytest.importorskip("torch")
@@ -170,24 +169,12 @@ def test_a_trained_run_exports_its_language_model(
     """QLoRA on the language model of a tiny image-text model, then `export --to gguf`: checked in llama.cpp
     against the merged model (f16 logits and greedy tokens), with one line saying the vision tower is not in
     the file and how llama.cpp writes it."""
-    from safetensors.torch import load_file, save_file
 
     image_text_model(tmp_path / "model", tokenizer, family)
-    rng = random.Random(0)
-    words = ["the", "keeper", "paints", "a", "tower", "red", "while", "otters", "steal", "fish"]
-    rows = [{"instruction": " ".join(rng.choices(words, k=6)), "input": "", "output": "yes"} for _ in range(8)]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    run = tmp_path / "run"
-    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
-    code, _, err = run_cli([*args, "--method", "qlora", "--micro-batch", "4", "--max-steps", "1"], capsys)
-    assert code == 0, err
-    weights = load_file(run / "adapter_model.safetensors")
-    generator = torch.Generator().manual_seed(0)
-    for key, tensor in weights.items():  # a real update of every adapted weight
-        if ".lora_B." in key:
-            weights[key] = torch.randn(tensor.shape, generator=generator) * 0.05
-    save_file(weights, run / "adapter_model.safetensors", metadata={"format": "pt"})
+    run = run_train(
+        tmp_path, word_rows(8, "yes"), capsys, "--method", "qlora", "--micro-batch", "4", "--max-steps", "1"
+    )
+    randomize_lora_b(run)  # a real update of every adapted weight
 
     output = tmp_path / "gguf"
     code, out, err = run_cli(["export", str(run), "--to", "gguf", "-o", str(output), "--json"], capsys)

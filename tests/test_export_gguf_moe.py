@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from conftest import run_cli
+from conftest import export_checked, randomize_lora_b, run_cli
 from lorafit.errors import ExportError
 
 torch = pytest.importorskip("torch")
@@ -123,7 +123,6 @@ def test_a_trained_moe_run_exports_to_checked_gguf(
     """`lorafit train --lora-targets experts` on a tiny model of the family, its adapter's B made random (a real
     update of every expert), then `export --to gguf` f32 and q4_k_m: the export's own check loads each file in
     llama.cpp and compares it with the merged model in transformers (logits and greedy tokens for f32)."""
-    from safetensors.torch import load_file, save_file
 
     from lorafit.train.demo import build_model, build_tokenizer, corpus
     from test_moe import tiny_moe
@@ -143,23 +142,12 @@ def test_a_trained_moe_run_exports_to_checked_gguf(
     args += ["--max-steps", "1", "--micro-batch", "2", "--lora-targets", "experts", "--lora-dropout", "0"]
     code, _, err = run_cli(args, capsys)
     assert code == 0, err
-    weights = load_file(run / "adapter_model.safetensors")
-    generator = torch.Generator().manual_seed(0)
-    for key, tensor in weights.items():
-        if ".lora_B." in key:
-            weights[key] = torch.randn(tensor.shape, generator=generator) * 0.05
-    save_file(weights, run / "adapter_model.safetensors", metadata={"format": "pt"})
+    randomize_lora_b(run)
 
     # f32: the check's 24 greedy tokens of a random model (flat next-token distributions) then see the file, not
     # llama.cpp's f16 rounding of activations; the f16 tensors are llama.cpp's converter's (test_bench_export.py)
     output = tmp_path / "gguf"
-    args = ["export", str(run), "--to", "gguf", "-o", str(output), "--quant", "f32", "--quant", "q4_k_m", "--json"]
-    code, out, err = run_cli(args, capsys)
-    assert code == 0, err
-    report = json.loads(out)
-    f32 = report["verify"]["f32"]
-    assert f32["greedy_match"] is True and f32["max_abs_logit_diff"] <= f32["logit_tolerance"]
-    assert f32["tokenizer_match"] is True and report["verify"]["q4_k_m"]["top1_agreement"] > 0.5
+    export_checked(run, output, capsys, "f32", "q4_k_m")
     assert sorted(path.name for path in output.glob("*.gguf")) == ["run-f32.gguf", "run-q4_k_m.gguf"]
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from conftest import run_cli, train_tiny
+from conftest import export_checked, randomize_lora_b, train_tiny
 from lorafit.errors import ExportError
 
 torch = pytest.importorskip("torch")
@@ -110,24 +110,12 @@ def test_a_trained_qwen35_run_exports_to_checked_gguf(tmp_path: Path, capsys: py
     """`lorafit train` on a tiny Qwen3.5 (LoRA on both layer kinds), its adapter's B made random (a real update of
     every adapted projection), then `export --to gguf` f16 and q4_k_m: the export's own check loads each file in
     llama.cpp and compares it with the merged model in transformers (logits and greedy tokens for f16)."""
-    from safetensors.torch import load_file, save_file
 
     run, _ = train_tiny(tmp_path, lambda vocab: small_hybrid(4).scaled(vocab_size=vocab), capsys)
-    weights = load_file(run / "adapter_model.safetensors")
-    generator = torch.Generator().manual_seed(0)
-    for key, tensor in weights.items():
-        if ".lora_B." in key:
-            weights[key] = torch.randn(tensor.shape, generator=generator) * 0.05
-    save_file(weights, run / "adapter_model.safetensors", metadata={"format": "pt"})
+    randomize_lora_b(run)
 
     output = tmp_path / "gguf"
-    args = ["export", str(run), "--to", "gguf", "-o", str(output), "--quant", "f16", "--quant", "q4_k_m", "--json"]
-    code, out, err = run_cli(args, capsys)
-    assert code == 0, err
-    report = json.loads(out)
-    f16 = report["verify"]["f16"]
-    assert f16["greedy_match"] is True and f16["max_abs_logit_diff"] <= f16["logit_tolerance"]
-    assert f16["tokenizer_match"] is True and report["verify"]["q4_k_m"]["top1_agreement"] > 0.5
+    export_checked(run, output, capsys, "f16", "q4_k_m")
     assert sorted(path.name for path in output.glob("*.gguf")) == ["run-f16.gguf", "run-q4_k_m.gguf"]
 
 

@@ -10,12 +10,11 @@ read 2026-12), written here from that file, not from the catalog.
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_train, word_rows
 from lorafit.models import ModelSpec, from_config_json, resolve
 from lorafit.schema import Settings
 
@@ -223,18 +222,7 @@ def test_train_runs_on_a_tiny_gemma4_and_merges(tmp_path: Path, capsys: pytest.C
 
     tokenizer = build_tokenizer(corpus(), vocab_size=512)
     build_model(tmp_path / "model", tokenizer, tiny_spec(tmp_path, vocab_size=len(tokenizer)), seed=0)
-    rng = random.Random(0)
-    words = ["the", "keeper", "paints", "a", "tower", "red", "while", "otters", "steal", "fish"]
-    rows = [
-        {"instruction": " ".join(rng.choices(words, k=6)), "input": "", "output": " ".join(rng.choices(words, k=6))}
-        for _ in range(16)
-    ]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    run = tmp_path / "run"
-    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
-    code, _, err = run_cli([*args, "--method", "qlora", "--micro-batch", "4", "--max-steps", "2"], capsys)
-    assert code == 0, err
+    run = run_train(tmp_path, word_rows(16), capsys, "--method", "qlora", "--micro-batch", "4", "--max-steps", "2")
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert metrics and all(row.get("loss", 1.0) == row.get("loss", 1.0) for row in metrics)  # no NaN
     with safe_open(run / "adapter_model.safetensors", "pt") as adapter:

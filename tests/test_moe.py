@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, train_tiny
+from conftest import randomize_lora_b, run_cli, train_tiny
 from lorafit import memory
 from lorafit.errors import InvalidConfig
 from lorafit.models import ModelSpec, catalog, from_config_json, resolve
@@ -270,7 +270,7 @@ def test_an_expert_adapter_trains_and_merges_into_the_saved_experts(
     writes B A into either layout, and the export's own check compares the merged model's logits with base +
     adapter run by peft. The adapter's B matrices are made random first, so the check sees a real update."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from lorafit.train.demo import build_model, build_tokenizer, corpus
 
@@ -289,12 +289,7 @@ def test_an_expert_adapter_trains_and_merges_into_the_saved_experts(
     adapter = json.loads((run / "adapter_config.json").read_text())
     assert sorted(adapter["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]  # a set
 
-    weights = load_file(run / "adapter_model.safetensors")
-    generator = torch.Generator().manual_seed(0)
-    for key, tensor in weights.items():
-        if ".lora_B." in key:
-            weights[key] = torch.randn(tensor.shape, generator=generator) * 0.05
-    save_file(weights, run / "adapter_model.safetensors", metadata={"format": "pt"})
+    randomize_lora_b(run)
     code, out, err = run_cli(["export", str(run), "--to", "merged", "-o", str(tmp_path / "merged")], capsys)
     assert code == 0, err
     base, merged = (

@@ -7,12 +7,11 @@ random models of each family on the CPU."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_train, word_rows
 from lorafit import memory
 from lorafit.errors import InvalidConfig
 from lorafit.models import ModelSpec, catalog, from_config_json, resolve
@@ -479,17 +478,7 @@ def test_train_runs_on_a_tiny_image_text_model_and_export_says_what_works(
     from lorafit.train.demo import build_model
 
     build_model(tmp_path / "model", tokenizer, tiny(ONE_PER_FAMILY[family], vocab_size=len(tokenizer)), seed=0)
-    rng = random.Random(0)
-    words = ["the", "keeper", "paints", "a", "tower", "red", "while", "otters", "steal", "fish"]
-    rows = [
-        {"instruction": " ".join(rng.choices(words, k=6)), "input": "", "output": " ".join(rng.choices(words, k=6))}
-        for _ in range(16)
-    ]
-    data = write_rows(tmp_path / "data.jsonl", rows)
-    run = tmp_path / "run"
-    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
-    code, _, err = run_cli([*args, "--method", "qlora", "--micro-batch", "4", "--max-steps", "2"], capsys)
-    assert code == 0, err
+    run = run_train(tmp_path, word_rows(16), capsys, "--method", "qlora", "--micro-batch", "4", "--max-steps", "2")
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert metrics and all(row.get("loss", 1.0) == row.get("loss", 1.0) for row in metrics)  # no NaN
     with safe_open(run / "adapter_model.safetensors", "pt") as adapter:
