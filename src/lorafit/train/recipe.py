@@ -442,21 +442,20 @@ def _write_outputs(
     report.plot_loss(
         metrics, output_dir / "loss.png", f"{output_dir.name}: {plan.model.name}, {config.method}", eval_before
     )
-    card = report.model_card(
-        run_name=str(output_dir),
+    finished = report.Finished(
+        output_dir=output_dir,
         base_model=str(model_dir),
-        method=config.method,
-        plan=plan,
         data=str(data_path),
         rows=len(train_set.input_ids),
         eval_rows=len(eval_set.input_ids),
         steps=trainer.state.global_step,
+        seconds=seconds,
+        speed=speed,
         train_loss=train_loss,
         eval_before=eval_before,
         eval_after=eval_after,
-        seconds=seconds,
-        speed=speed,
     )
+    card = report.model_card(finished, plan)
     write_atomic(output_dir / "README.md", card)
     fingerprint = (runfolder.read_run_file(output_dir) or {}).get("fingerprint", {})
     runfolder.save_run(

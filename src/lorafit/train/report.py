@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,30 +57,32 @@ def plot_loss(metrics: list[dict[str, Any]], path: Path, title: str, eval_before
         plt.close(figure)
 
 
-def model_card(
-    *,
-    run_name: str,
-    base_model: str,
-    method: str,
-    plan: Plan,
-    data: str,
-    rows: int,
-    eval_rows: int,
-    steps: int,
-    train_loss: float | None,
-    eval_before: float | None,
-    eval_after: float | None,
-    seconds: float,
-    speed: Speed,
-) -> str:
+@dataclass(frozen=True)
+class Finished:
+    """What a finished run reports, in its model card and its last console lines."""
+
+    output_dir: Path
+    base_model: str
+    data: str
+    rows: int
+    eval_rows: int
+    steps: int
+    seconds: float
+    speed: Speed
+    train_loss: float | None
+    eval_before: float | None
+    eval_after: float | None
+
+
+def model_card(run: Finished, plan: Plan) -> str:
     """A short README.md: what was trained on what, how well, and how to use it. It travels with the run folder,
     so it names no absolute path of this machine (`runfolder.shown_path`): the snippets load the run by its
     folder name from the folder above it."""
-    run_dir = Path(run_name)
-    run_name = run_dir.expanduser().resolve().name
-    base_model = runfolder.shown_path(base_model, run_dir)
-    data = runfolder.shown_path(data, run_dir)
+    run_name = run.output_dir.expanduser().resolve().name
+    base_model = runfolder.shown_path(run.base_model, run.output_dir)
+    data = runfolder.shown_path(run.data, run.output_dir)
     settings = plan.settings
+    method = settings.method
     adapter = method != "full"
     lines = [
         f"# {run_name}",
@@ -89,16 +92,16 @@ def model_card(
         "| | |",
         "|---|---|",
         f"| base model | `{base_model}` |",
-        f"| data | `{data}` ({rows} training rows, {eval_rows} held out) |",
+        f"| data | `{data}` ({run.rows} training rows, {run.eval_rows} held out) |",
         f"| settings | {settings_line(settings)} |",
-        f"| steps | {steps} (effective batch {settings.effective_batch} sequences) |",
-        f"| time | {seconds:.0f} s; {speed.label()} (trained: the answer tokens of the loss) |",
+        f"| steps | {run.steps} (effective batch {settings.effective_batch} sequences) |",
+        f"| time | {run.seconds:.0f} s; {run.speed.label()} (trained: the answer tokens of the loss) |",
     ]
-    if train_loss is not None:
-        lines.append(f"| final training loss | {train_loss:.4f} |")
-    if eval_after is not None:
-        before = f"{eval_before:.4f} before training, " if eval_before is not None else ""
-        lines.append(f"| eval loss (held-out rows, answer tokens) | {before}{eval_after:.4f} after |")
+    if run.train_loss is not None:
+        lines.append(f"| final training loss | {run.train_loss:.4f} |")
+    if run.eval_after is not None:
+        before = f"{run.eval_before:.4f} before training, " if run.eval_before is not None else ""
+        lines.append(f"| eval loss (held-out rows, answer tokens) | {before}{run.eval_after:.4f} after |")
     lines += [
         "",
         "The loss curve is `loss.png`; every logged step is a line of `metrics.jsonl`. The settings "
