@@ -88,18 +88,7 @@ class Tracer:
         if key not in self._depths:
             self._depths[key] = api.trace_runtime(spec, traced, memory.Runtime())
         depth = self._depths[key]
-        estimate = memory.assemble(
-            depth.breakdown,
-            depth.peak_phase,
-            depth.transient_bytes,
-            depth.paged_bytes,
-            settings,
-            memory.Runtime(),
-            gpu,
-            DEFAULT_HEADROOM,
-            trainable=depth.trainable_params,
-            total=depth.total_params,
-        )
+        estimate = memory.assemble(depth.step_peak(None), settings, memory.Runtime(), gpu, DEFAULT_HEADROOM)
         return estimate, depth.host_peak_bytes / 2**30
 
 

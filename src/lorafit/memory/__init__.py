@@ -10,6 +10,8 @@ kv = kv_heads x head_dim, I intermediate, V vocabulary, r LoRA rank, c bytes of 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from lorafit.gemma4 import last_layer
 from lorafit.hardware import GpuSpec
 from lorafit.memory.activations import (
@@ -104,6 +106,7 @@ __all__ = [
     "activation_bytes_per_layer",
     "activation_parts_per_token",
     "adapter_bytes",
+    "StepPeak",
     "assemble",
     "bnb_held_bytes",
     "breakdown",
@@ -264,20 +267,17 @@ def estimate(
     parts, phase = breakdown(spec, settings, runtime, gpu_bytes)
     transient = transient_bytes(spec, settings, runtime, gpu_bytes)
     paged_state = optimizer_bytes(spec, settings, runtime) * shard_factors(settings)[2] if paged(settings) else 0.0
-    return assemble(
+    peak = StepPeak(
         parts,
         phase,
         transient,
         paged_state,
-        settings,
-        runtime,
-        gpu,
-        headroom,
         trainable=trainable_params(spec, settings),
         total=spec.num_params,
         host_ram=host_ram_parts(spec, settings, runtime),
         loading_bytes=gpu_loading_bytes(spec, settings, runtime),
     )
+    return assemble(peak, settings, runtime, gpu, headroom)
 
 
 # The per-GPU view of a multi-GPU step (Estimate.per_gpu_gib): which breakdown parts make up each figure.
@@ -308,28 +308,31 @@ def per_gpu_figures(parts: dict[str, float], settings: Settings, runtime: Runtim
     return figures
 
 
-def assemble(
-    parts: dict[str, float],
-    phase: str,
-    transient_bytes: float,
-    paged_state_bytes: float,
-    settings: Settings,
-    runtime: Runtime,
-    gpu: GpuSpec | None,
-    headroom: float,
-    *,
-    trainable: int,
-    total: int,
-    host_ram: dict[str, float] | None = None,
-    simulated_reserved: float | None = None,
-    loading_bytes: float = 0.0,
-) -> Estimate:
-    """An Estimate from the allocated peak's parts (bytes): the device side and the verdict added the same way
-    for the analytic estimate and the `--exact` trace; `host_ram`: the host RAM parts one machine needs;
-    `simulated_reserved`: the `--exact` trace's caching allocator simulation, in place of `reserved_bytes`."""
+@dataclass(frozen=True)
+class StepPeak:
+    """What a step's peak is made of, in bytes, counted by the analytic estimate or the `--exact` trace:
+    the allocated parts at the peak phase, the largest transient block, the paged optimizer states, the host
+    RAM parts one machine needs, the trace's caching allocator simulation (None: modelled), and the whole base
+    on the GPU while it loads before it is sharded (0: not loaded whole)."""
+
+    parts: dict[str, float]
+    phase: str
+    transient_bytes: float
+    paged_state_bytes: float
+    trainable: int
+    total: int
+    host_ram: dict[str, float] | None = None
+    simulated_reserved: float | None = None
+    loading_bytes: float = 0.0
+
+
+def assemble(peak: StepPeak, settings: Settings, runtime: Runtime, gpu: GpuSpec | None, headroom: float) -> Estimate:
+    """An Estimate from a step's peak: the device side and the verdict added the same way for the analytic
+    estimate and the `--exact` trace."""
+    parts, paged_state_bytes, host_ram = peak.parts, peak.paged_state_bytes, peak.host_ram
     allocated = sum(parts.values())
     reserved, device = device_side(
-        allocated, transient_bytes, settings, runtime, paged_state_bytes, reserved=simulated_reserved
+        allocated, peak.transient_bytes, settings, runtime, paged_state_bytes, reserved=peak.simulated_reserved
     )
     breakdown_gib = {name: round(gib(value), 4) for name, value in parts.items() if value > 0}
     breakdown_gib["allocator_reserve"] = round(gib(reserved - allocated), 4)
@@ -337,19 +340,19 @@ def assemble(
     if paged_state_bytes:
         breakdown_gib["paged_optimizer_states"] = round(gib(paged_state_bytes), 4)
     # loading: the whole base on the GPU before it is sharded, with the CUDA context (gpu_loading_bytes)
-    loading = loading_bytes + runtime.cuda_context_gib * GIB if loading_bytes else None
+    loading = peak.loading_bytes + runtime.cuda_context_gib * GIB if peak.loading_bytes else None
     usable = gpu.usable_gib(headroom) if gpu else None
     return Estimate(
         peak_allocated_gib=round(gib(allocated), 4),
         peak_reserved_gib=round(gib(reserved), 4),
         peak_device_gib=round(gib(device), 4),
         breakdown_gib=breakdown_gib,
-        peak_phase=phase,
+        peak_phase=peak.phase,
         gpu_memory_gib=gpu.memory_gib * gpu.usable_fraction if gpu else None,
         headroom=headroom,
         fits=None if usable is None else gib(max(device, loading or 0.0)) <= usable,
-        trainable_params=trainable,
-        total_params=total,
+        trainable_params=peak.trainable,
+        total_params=peak.total,
         world_size=world_size(settings),
         per_gpu_gib={
             name: round(gib(value), 4)

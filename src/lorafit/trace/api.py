@@ -224,6 +224,19 @@ class DepthTrace:
         reserved = self.expandable_reserved_bytes if settings.expandable_segments else self.reserved_bytes
         return max(reserved, self.peak_bytes)
 
+    def step_peak(self, settings: Settings | None) -> memory.StepPeak:
+        """The traced peak for `memory.assemble`; `settings`: whose allocator mode the simulated reserve is
+        taken under (None: the reserve modelled, not simulated)."""
+        return memory.StepPeak(
+            self.breakdown,
+            self.peak_phase,
+            self.transient_bytes,
+            self.paged_bytes,
+            trainable=self.trainable_params,
+            total=self.total_params,
+            simulated_reserved=None if settings is None else self.reserved_for(settings),
+        )
+
 
 def _phase_class(phase: Phase, num_layers: int) -> tuple:
     """A phase with its layer index made relative: first, last or an inner layer."""
@@ -352,16 +365,4 @@ def exact_estimate(
     optimizer states) as the analytic estimate (`memory.device_side`)."""
     runtime = runtime or memory.Runtime()
     depth = trace_runtime(spec, settings, runtime)
-    return memory.assemble(
-        depth.breakdown,
-        depth.peak_phase,
-        depth.transient_bytes,
-        depth.paged_bytes,
-        settings,
-        runtime,
-        gpu,
-        headroom,
-        trainable=depth.trainable_params,
-        total=depth.total_params,
-        simulated_reserved=depth.reserved_for(settings),
-    )
+    return memory.assemble(depth.step_peak(settings), settings, runtime, gpu, headroom)
