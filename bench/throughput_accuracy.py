@@ -59,12 +59,6 @@ PM = dict(
 )
 # philschmid fine-tune-llms-in-2025 recipe llama-3-1-8b-qlora.yaml @391f19b (per-row batch, accumulation, kernels)
 PS = dict(method="qlora", seq_len=1024, grad_ckpt=True, attn="flash", lora_r=16, lora_targets="all", stack="trl")
-# fms-acceleration l40_40gb.csv @8af8fa7d: the A100 file's scenario (FMS above) with torch_dtype float16
-FL = dict(FMS, precision="fp16")
-# its standard-peft scenario sets torch_dtype float16 without the fp16 flag: the Trainer runs no autocast, and the
-# peft of that date (the commit pins transformers < 4.40, peft unpinned: 0.10, 2024-03) made new adapters in the
-# base weight's dtype (fp16); peft casts them to fp32 only from 0.12 (autocast_adapter_dtype, huggingface/peft#1706)
-FL_LORA = dict(FL, method="lora", quant="none", autocast=False, fp32_adapters=False)
 # AnswerDotAI/fsdp_qlora benchmarks_03_2024.md: train.py's template command and defaults (2024-03): dummy rows filled
 # to the context length, reentrant checkpointing, grad accum 1, pure bf16, AdamW, LoRA r64 on q,k,v,gate,up,down
 # (lorafit's 'all' adds o), sdpa, 2 GPUs with FSDP FULL_SHARD ('ddp' rows: replicated, shard none; 'CPU offload'
@@ -273,7 +267,6 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     # timed with the liger facet: its RMSNorm, SwiGLU and rotary kernels (TRL 0.12.1 also let Liger's fused linear
     # cross-entropy run, which TRL 1.16, the pinned stack, turns off for its own fused head: the loss is a few
     # tenths of a percent of the step either way); 4 and 8 GPUs ran DeepSpeed ZeRO-3
-    "TP-PS-02": ("llama-3.1-8b", "L4", dict(PS, micro_batch=2, grad_accum=2, attn="sdpa")),
     "TP-PS-03": ("llama-3.1-8b", "L4", dict(PS, micro_batch=2, grad_accum=4)),
     "TP-PS-04": ("llama-3.1-8b", "L4", dict(PS, micro_batch=4, grad_accum=4, liger=True)),
     "TP-PS-05": ("llama-3.1-8b", "L4", dict(PS, micro_batch=8, grad_accum=2, liger=True, n_gpus=4, shard="zero3")),
@@ -298,34 +291,6 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     ),
     # peft method_comparison on one L40S: rsLoRA r64 on q,v (the same matmuls as LoRA r64), the PM loop and data
     "TP-PM-06": ("llama-3.2-3b", "L40S", dict(PM, method="lora", lora_r=64)),
-    # fms-acceleration on L40s (@8af8fa7d): LoRA r16 q,k,v,o in fp16 weights, packed 4096, checkpointing, flash
-    # attention; 2 GPUs under accelerate's FSDP FULL_SHARD
-    "TP-FL-01": ("mistral-7b-v0.1", "L40", dict(FL_LORA, micro_batch=4)),
-    "TP-FL-02": ("mistral-7b-v0.1", "L40", dict(FL_LORA, micro_batch=8)),
-    "TP-FL-03": (
-        "mistral-7b-v0.1",
-        "L40",
-        dict(FL_LORA, micro_batch=2, n_gpus=2, shard="fsdp"),
-    ),
-    "TP-FL-04": (
-        "mistral-7b-v0.1",
-        "L40",
-        dict(FL_LORA, micro_batch=4, n_gpus=2, shard="fsdp"),
-    ),
-    # accelerated-peft-bnb: bitsandbytes nf4 through the fms plugin, fp16=True
-    "TP-FL-05": ("mistral-7b-v0.1", "L40", dict(FL, method="qlora", micro_batch=4)),
-    "TP-FL-06": ("mistral-7b-v0.1", "L40", dict(FL, method="qlora", micro_batch=8)),
-    # full fine-tuning (pure fp16 weights and AdamW states) on 2 GPUs, FSDP FULL_SHARD
-    "TP-FL-09": (
-        "mistral-7b-v0.1",
-        "L40",
-        dict(FL, method="full", quant="none", micro_batch=2, n_gpus=2, shard="fsdp"),
-    ),
-    "TP-FL-10": (
-        "mistral-7b-v0.1",
-        "L40",
-        dict(FL, method="full", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
-    ),
     # fms-acceleration a100_80gb.csv @24bdadb lines the FMS rows do not use: the same scenario (FMS), bf16; 2 GPUs
     # under accelerate's FSDP FULL_SHARD; baseline-peft-bnb is HF's bitsandbytes nf4
     "TP-FA-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS_PURE, method="full", quant="none", micro_batch=8)),
@@ -351,20 +316,9 @@ ROWS: dict[str, tuple[str, str, dict]] = {
         "A100 80GB",
         dict(FMS_PURE, method="lora", quant="none", micro_batch=4, n_gpus=2, shard="fsdp"),
     ),
-    # fsdp_qlora on two RTX 3090s (power limited to 280 W, older PCIe: the catalog's 3090 is the 350 W card)
-    "TP-AQ-01": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=1, seq_len=512)),
-    "TP-AQ-02": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=1)),
-    "TP-AQ-03": ("llama-2-7b", "RTX 3090", dict(AQ, method="lora", quant="none", micro_batch=1, seq_len=512)),
-    "TP-AQ-04": ("llama-2-7b", "RTX 3090", dict(AQ, method="lora", quant="none", micro_batch=1)),
-    "TP-AQ-05": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=4)),
-    "TP-AQ-06": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=10)),
-    "TP-AQ-07": ("llama-2-7b", "RTX 3090", dict(AQ, method="lora", quant="none", micro_batch=4)),
-    "TP-AQ-08": ("llama-2-7b", "RTX 3090", dict(AQ, method="lora", quant="none", micro_batch=6)),
+    # fsdp_qlora on two RTX 3090s (power limited to 280 W, the catalog's 3090 is the 350 W card), replicated ('ddp')
     "TP-AQ-09": ("llama-2-7b", "RTX 3090", dict(AQ, method="qlora", micro_batch=8, shard="none")),
     "TP-AQ-10": ("llama-2-7b", "RTX 3090", dict(AQ, method="lora", quant="none", micro_batch=4, shard="none")),
-    "TP-AQ-13": ("llama-2-70b", "RTX 3090", dict(AQ, method="qlora", micro_batch=2, offload="params")),
-    "TP-AQ-11": ("yi-34b", "RTX 3090", dict(AQ, method="qlora", micro_batch=2)),
-    "TP-AQ-12": ("yi-34b", "RTX 3090", dict(AQ, method="qlora", micro_batch=4, offload="params")),
     # fsdp_qlora on two RTX 4090s, each on PCIe 4.0 x16
     "TP-AQ-14": ("llama-2-7b", "RTX 4090", dict(AQ, method="lora", quant="none", micro_batch=4, shard="none")),
     "TP-AQ-15": ("llama-2-7b", "RTX 4090", dict(AQ, method="lora", quant="none", micro_batch=6)),
@@ -448,6 +402,27 @@ SKIPPED = {
         for n in range(25, 34)
     },
     "TP-PS-01": "not packed: the tokens of a step are not stated (the row has a step time only)",
+    # the 2 x RTX 3090 rig's host link is not stated: 'an older motherboard and slow PCI lanes', and the source's
+    # conclusion that such a rig, unlike the 4090s' 'full PCIe v4 x16 lanes', lacks x16 to both cards; the rows that
+    # move weights over it every micro-batch (FSDP FULL_SHARD gathers through host memory, CPU parameter offload)
+    # cannot be timed. Its DDP rows (AQ-09/10) send only the adapters' gradients once a step (about 0.3 GB, a few
+    # percent of the step on any PCIe 3.0 x4 or wider link) and stay.
+    **{
+        f"TP-AQ-{n:02d}": "2 x RTX 3090 on 'an older motherboard and slow PCI lanes': the host link generation and "
+        "width are not stated, and this row moves weights over it every micro-batch (FSDP FULL_SHARD gathers "
+        "through host memory or CPU parameter offload)"
+        for n in (*range(1, 9), 11, 12, 13)
+    },
+    "TP-PS-02": "the attention kernel is not stated (the table says only that it is not flash-attention 2: "
+    "transformers 4.46's sdpa or eager); with sdpa, transformers drops the all-ones mask of packed rows and runs "
+    "the flash kernel, which would not give the table's 32 % gap to its flash-attention row of the same settings",
+    # fms-acceleration's l40_40gb.csv: not the committed scenario, and an unnamed card
+    **{
+        f"TP-FL-{n:02d}": "fms-acceleration's 'L40-40GB' file (@8af8fa7d, withdrawn 2024-06-01 'remove l40'): no "
+        "L40 has 40 GB, so the card is not identified, and the runs took 20 steps where the commit's "
+        "defaults.yaml says 100, so their settings are not the committed scenario's"
+        for n in (1, 2, 3, 4, 5, 6, 9, 10)
+    },
     # the rows bench/memory_accuracy.py excludes for the same reason: a step lorafit does not model
     **{
         row_id: "QLoRA of Mixtral under transformers 4.48 (the row's stack), which holds the experts as nn.Linear "

@@ -232,6 +232,23 @@ def test_optimizer_traffic_by_implementation(spec, a100) -> None:
     assert timing.optimizer_seconds(spec, full(fused_optimizer=False), a100) == pytest.approx(fused * 44 / 20)
 
 
+def test_the_cpu_step_of_an_offload_moves_what_its_optimizer_keeps(spec, a100) -> None:
+    """The offloaded optimizer step runs on the host at HOST_MEMORY_GBS, shared by the machine's 8 GPUs' shards of
+    7B/8 parameters each. FSDP's CPU offload steps bf16 parameters with torch's fused AdamW, whose moments stay bf16
+    (2p + g + 4s = 14 bytes, plus clipping's 6); ZeRO-3's CPU Adam steps an fp32 master copy with fp32 moments and
+    writes the bf16 copy back (2 x 4 + 2 + 4 x 4 + 2 = 28, plus 6)."""
+    host = timing.HOST_MEMORY_GBS * 1e9
+    fsdp = full(n_gpus=8, shard="fsdp", offload="params")
+    zero3 = full(n_gpus=8, shard="zero3", offload="params")
+
+    def cpu_step(settings: Settings) -> float:
+        copies = spec.num_params / 8 * (2 + 2) / timing.host_link_bytes_per_second(a100)  # gradients out, weights in
+        return timing.offload_seconds(spec, settings, a100)[1] - copies
+
+    assert cpu_step(fsdp) == pytest.approx(spec.num_params * 20 / host)
+    assert cpu_step(zero3) == pytest.approx(spec.num_params * 34 / host)
+
+
 def test_paged_states_that_do_not_fit_cross_the_host_link_every_step(spec) -> None:
     """7B full fine-tuning with bitsandbytes' paged 32-bit AdamW: 54 GB of fp32 moments cannot sit beside the
     bf16 weights on a 24 GB card, so what does not fit is migrated in and out each step; a 3B model's fit on an

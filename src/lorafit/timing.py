@@ -688,9 +688,11 @@ def offload_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> tuple[
 
     offload params: each micro-batch copies the GPU's parameter shard in from host memory for the forward
     gather and again for the backward one (2 x Psi / n over the card's PCIe link). Either offload: once a step
-    the gradient shard goes out and the updated trainable shard comes back over PCIe, and the CPU steps the
-    shard's fp32 states (16 bytes a parameter, read and written), at the host memory bandwidth every process
-    of the machine shares."""
+    the gradient shard goes out and the updated trainable shard comes back over PCIe, and the CPU steps the shard,
+    moving what the same optimizer moves on a GPU (optimizer_traffic_bytes): ZeRO-Offload's fp32 master copy
+    and moments; under FSDP's CPU offload, torch's AdamW on the parameters in their own dtype, whose moments it
+    makes in that dtype (torchtune's bf16 full fine-tune keeps no fp32 copy). At the host memory bandwidth
+    every process of the machine shares."""
     offload = memory.offload_of(settings)
     if offload == "none":
         return 0.0, 0.0
@@ -702,7 +704,7 @@ def offload_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> tuple[
         per_micro = 2 * memory.gathered_param_bytes(spec, settings, runtime) / n / pcie
     shard = memory.trainable_params(spec, settings) / n
     copies = shard * (memory.trainable_dtype_bytes(settings, runtime) + DTYPE_BYTES[settings.precision]) / pcie
-    cpu_step = settings.n_gpus * shard * 2 * memory.HOST_OPTIMIZER_BYTES_PER_PARAM / (HOST_MEMORY_GBS * 1e9)
+    cpu_step = settings.n_gpus * shard * optimizer_traffic_bytes(settings, runtime) / (HOST_MEMORY_GBS * 1e9)
     return per_micro, copies + cpu_step
 
 
