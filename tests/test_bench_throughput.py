@@ -54,19 +54,25 @@ def test_a_step_time_is_read_as_the_tokens_of_one_step_on_one_gpu(bench):
 
 
 def test_check_figures_come_from_check_rows_only(bench, monkeypatch, capsys):
-    # one fit row predicted 2x its published speed, two check rows 10% and 30% under theirs
+    # one fit row predicted 2x its published speed, two check rows 10% and 30% under theirs, and a row of an
+    # unidentified card 5x: scored apart, never in the headline
     rows = {row_id: bench.ROWS[row_id] for row_id in ("FMS-01", "TT-02", "TT-06")}
-    factor = {"FMS-01": 2.0, "TT-02": 0.9, "TT-06": 0.7}
+    unidentified = {"TP-FL-01": bench.UNIDENTIFIED["TP-FL-01"]}
+    factor = {"FMS-01": 2.0, "TT-02": 0.9, "TT-06": 0.7, "TP-FL-01": 5.0}
     measured = bench.published()
     assert [measured[row_id]["split"] for row_id in rows] == ["fit", "check", "check"]
 
     def fake_speed(spec, settings, gpu):
-        row_id = next(row_id for row_id, (_, _, fields) in rows.items() if Settings(**fields) == settings)
+        every = rows | unidentified
+        row_id = next(row_id for row_id, (_, _, fields) in every.items() if Settings(**fields) == settings)
         return factor[row_id] * bench.published_tokens_per_gpu(measured[row_id], settings) * settings.n_gpus
 
     monkeypatch.setattr(bench, "ROWS", rows)
+    monkeypatch.setattr(bench, "UNIDENTIFIED", unidentified)
     monkeypatch.setattr(bench, "tokens_per_second", fake_speed)
     result = bench.main()
+    assert result["unidentified"]["n"] == 1 and result["unidentified"]["worst_abs_pct"] == pytest.approx(400.0)
+    assert result["unidentified"]["with_check_rows"]["n"] == 3
     assert result["check"]["n"] == 2
     assert result["check"]["median_abs_pct"] == pytest.approx(20.0)
     assert result["check"]["worst_abs_pct"] == pytest.approx(30.0)
