@@ -51,3 +51,13 @@ def test_a_dynamic_4bit_repo_is_said_to_keep_16bit_layers(capsys: pytest.Capture
     # a plain pre-quantised copy packs every linear, and is not said to
     code, out, _ = run_cli(["plan", "--model", "unsloth/llama-3-8b-bnb-4bit", "--gpu", "a100-80gb", "--json"], capsys)
     assert code == 0 and "dynamic 4-bit" not in " ".join(json.loads(out)["reasons"])
+
+
+def test_unsloths_4bit_load_of_a_16bit_name_is_said_to_take_its_dynamic_copy(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    job = ["plan", "--model", "gemma-3-27b", "--gpu", "a100-80gb", "--method", "qlora", "--json"]
+    code, out, _ = run_cli([*job, "--stack", "unsloth"], capsys)
+    assert code == 0 and "Unsloth's dynamic 4-bit copy" in " ".join(json.loads(out)["reasons"])
+    code, out, _ = run_cli([*job, "--stack", "trl"], capsys)  # transformers' own load packs every linear
+    assert code == 0 and "dynamic 4-bit" not in " ".join(json.loads(out)["reasons"])

@@ -376,6 +376,10 @@ def automatic_choices(request: PlanRequest, settings: Settings) -> list[str]:
         # published nowhere else; the estimate packs every linear, so it says so
         if is_unsloth_dynamic_quant(request.model.hf_id or request.model.name):
             reasons.append(say("plan.dynamic_4bit", model=request.model.hf_id or request.model.name))
+    elif settings.stack == "unsloth" and settings.quant == "nf4":
+        # with load_in_4bit Unsloth swaps a 16-bit name for its mapper's dynamic 4-bit key where it has one
+        # (unsloth/models/loader_utils.py @ 015bdef0 __get_model_name l. 163-174, mapper.py)
+        reasons.append(say("plan.unsloth_dynamic_4bit", model=request.model.hf_id or request.model.name))
     if "attn" not in request.pinned and settings.attn != options.BY_NAME["attn"].default:
         reasons.append(say("plan.attn", attn=settings.attn, model=request.model.name))
     if "precision" not in request.pinned and settings.precision == "fp32" and request.device == "cpu":
