@@ -533,7 +533,7 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
     # those sources; the rows' errors were looked at first, so they stay check rows only on that ground
     "PFD-01": dict(
         settings=dict(lora_dropout=0.1, grad_accum=4, shard="zero3"),
-        runtime=dict(zero_reduce_bucket=500_000_000),
+        runtime=dict(zero3_reduce_bucket=500_000_000),
         unit="GiB",
         notes=[
             "DeepSpeed ZeRO-3 over 8 GPUs; nvidia-smi screenshot read as GiB (nvidia-smi prints MiB; "
@@ -543,7 +543,7 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
     ),
     "PFD-02": dict(
         settings=dict(lora_dropout=0.1, grad_accum=2, shard="zero3", double_quant=True),
-        runtime=dict(zero_reduce_bucket=500_000_000),
+        runtime=dict(zero3_reduce_bucket=500_000_000),
         unit="GiB",
         notes=[
             "DeepSpeed ZeRO-3 (zero3_init_flag) over 2 GPUs, bnb quant_storage bf16; nvidia-smi screenshot read as GiB",

@@ -132,10 +132,10 @@ class Runtime(BaseModel):
     # pinned versions the attention has no rotary_emb line (patch_linear_scaling returns None) and one cache
     # serves the model (16 MB for a 128-wide head), not counted
     per_layer_rope_cache: bool = False
-    # DeepSpeed's zero_optimization.reduce_bucket_size, in elements; None: the 5e7 lorafit's own deepspeed.json
-    # writes (memory.weights.DEEPSPEED_BUCKET_ELEMENTS). ZeRO-3 allocates one buffer of that many elements in the
-    # communication dtype (communication_buffer_bytes)
-    zero_reduce_bucket: int | None = Field(default=None, gt=0)
+    # DeepSpeed's zero_optimization.reduce_bucket_size under ZeRO-3, in elements; None: the 5e7 lorafit's own
+    # deepspeed.json writes (memory.weights.DEEPSPEED_BUCKET_ELEMENTS). ZeRO-3 allocates one buffer of that many
+    # elements in the communication dtype (communication_buffer_bytes)
+    zero3_reduce_bucket: int | None = Field(default=None, gt=0)
 
 
 def triton_kernels_apply(spec: ModelSpec, runtime: Runtime) -> bool:

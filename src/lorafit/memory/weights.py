@@ -227,8 +227,9 @@ def communication_buffer_bytes(spec: ModelSpec, settings: Settings, runtime: Run
     hold a second copy of every gradient; DeepSpeed allocates its reduce buckets whole, whatever the model's
     size: ZeRO-2 two of them with overlap_comm (stage_1_and_2.py, the double buffer of each ipg bucket), ZeRO-3
     one (stage3.py @ v0.19.8 l. 780-784: reduce_bucket_size elements of the communication dtype, which
-    engine.py's communication_data_type makes the bf16/fp16 compute dtype, l. 1719-1730), Runtime.zero_reduce_bucket
-    elements where the run's config sets another size; FSDP reduce-scatters each layer's gradients as they come
+    engine.py's communication_data_type makes the bf16/fp16 compute dtype, l. 1719-1730), Runtime.zero3_reduce_bucket
+    elements where the run's config sets another size (ZeRO-2's buffers are lorafit's own deepspeed.json's, with
+    overlap_comm); FSDP reduce-scatters each layer's gradients as they come
     (in gathered_layer_bytes)."""
     if world_size(settings) == 1 and settings.offload == "none":
         return 0.0
@@ -236,9 +237,8 @@ def communication_buffer_bytes(spec: ModelSpec, settings: Settings, runtime: Run
     n = trainable_params(spec, settings)
     if settings.shard in ("none", "ddp"):
         return n * grad
-    bucket = runtime.zero_reduce_bucket or DEEPSPEED_BUCKET_ELEMENTS
     if settings.shard == "zero3":
-        return bucket * DTYPE_BYTES[settings.precision]
+        return (runtime.zero3_reduce_bucket or DEEPSPEED_BUCKET_ELEMENTS) * DTYPE_BYTES[settings.precision]
     if settings.shard == "zero2":
-        return 2 * bucket * grad
+        return 2 * DEEPSPEED_BUCKET_ELEMENTS * grad
     return 0.0
