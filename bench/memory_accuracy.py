@@ -592,17 +592,17 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
     # rows' errors were seen: check rows on that ground only
     **{
         row: dict(
-            runtime=dict(per_layer_rope_cache=True),
+            runtime=dict(per_layer_rope_cache=dtype),
             notes=[f"Unsloth {version}: a rotary cos/sin cache in every attention layer (transformers < 4.48)"],
         )
-        for row, version in (
-            ("USN-01", "2024.8"),
-            ("USN-02", "2024.5"),
-            ("USN-03", "2024.5"),
-            ("USN-04", "2024.9.post1"),
-            ("USN-06", "2024.7"),
-            ("USN-07", "2024.7"),
-            ("USN-10", "2024.9"),
+        for row, version, dtype in (
+            ("USN-01", "2024.8", "compute"),
+            ("USN-02", "2024.5", "compute"),
+            ("USN-03", "2024.5", "compute"),
+            ("USN-04", "2024.9.post1", "compute"),
+            ("USN-06", "2024.7", "compute"),
+            ("USN-07", "2024.7", "fp32"),  # gemma.py keeps Gemma's RoPE in fp32
+            ("USN-10", "2024.9", "compute"),
         )
     },
     "USM-02": dict(settings=dict(grad_accum=1)),  # Unsloth's gpt-oss-120b notebook: gradient accumulation 1

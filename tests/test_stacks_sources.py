@@ -36,10 +36,11 @@ def test_unsloth_2024_keeps_a_rotary_cache_in_every_layer(model: str, positions:
     spec = models.resolve(model)
     settings = Settings(stack="unsloth", method="qlora", precision="fp16", micro_batch=1, grad_accum=1, seq_len=512)
     pinned = stack_runtime(settings)
-    then = pinned.model_copy(update={"per_layer_rope_cache": True})
-    grown = estimate(spec, settings, runtime=then).breakdown_gib["weights"]
-    grown -= estimate(spec, settings, runtime=pinned).breakdown_gib["weights"]
-    assert grown == pytest.approx(32 * 2 * positions * 128 * 2 / GIB, abs=1e-3)
+    weights = estimate(spec, settings, runtime=pinned).breakdown_gib["weights"]
+    for dtype, size in (("compute", 2), ("fp32", 4)):  # Gemma's stay fp32
+        then = pinned.model_copy(update={"per_layer_rope_cache": dtype})
+        grown = estimate(spec, settings, runtime=then).breakdown_gib["weights"] - weights
+        assert grown == pytest.approx(32 * 2 * positions * 128 * size / GIB, abs=1e-3)
 
 
 def test_a_dynamic_4bit_repo_is_said_to_keep_16bit_layers(capsys: pytest.CaptureFixture[str]) -> None:

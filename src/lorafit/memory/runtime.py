@@ -128,10 +128,11 @@ class Runtime(BaseModel):
     # Unsloth under a transformers whose attention layers still built their own rotary embedding (before 4.48):
     # its patched attention __init__ (unsloth/models/_utils.py @ c7c67447 patch_linear_scaling, which swaps the
     # `self.rotary_emb = ...` line of the attention's __init__ for its own class) gives every layer cos/sin caches,
-    # downcast to the model's dtype (llama.py post_patch, "Downcast RoPE embedding"): rope_cache_bytes. At the
+    # "compute": downcast to the model's dtype (llama.py post_patch, "Downcast RoPE embedding"); "fp32": Gemma's,
+    # kept in fp32 (gemma.py post_patch, "RoPE must be done in float32 for Gemma"): rope_cache_bytes. At the
     # pinned versions the attention has no rotary_emb line (patch_linear_scaling returns None) and one cache
     # serves the model (16 MB for a 128-wide head), not counted
-    per_layer_rope_cache: bool = False
+    per_layer_rope_cache: Literal["compute", "fp32"] | None = None
     # DeepSpeed's zero_optimization.reduce_bucket_size under ZeRO-3, in elements; None: the 5e7 lorafit's own
     # deepspeed.json writes (memory.weights.DEEPSPEED_BUCKET_ELEMENTS). ZeRO-3 allocates one buffer of that many
     # elements in the communication dtype (communication_buffer_bytes)
@@ -165,11 +166,12 @@ def packed_params(spec: ModelSpec, settings: Settings, runtime: Runtime) -> int:
 
 def rope_cache_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     """Unsloth's per-layer rotary caches (Runtime.per_layer_rope_cache): cos and sin, each positions x head_dim in
-    the compute dtype, in every layer; resident from the load on, like the weights."""
-    if not runtime.per_layer_rope_cache:
+    the compute dtype (fp32 for Gemma), in every layer; resident from the load on, like the weights."""
+    if runtime.per_layer_rope_cache is None:
         return 0.0
     positions = min(UNSLOTH_ROPE_CACHE_POSITIONS, spec.max_position_embeddings)
-    return spec.num_hidden_layers * 2 * positions * spec.head_size * DTYPE_BYTES[settings.precision]
+    c = 4 if runtime.per_layer_rope_cache == "fp32" else DTYPE_BYTES[settings.precision]
+    return spec.num_hidden_layers * 2 * positions * spec.head_size * c
 
 
 def stack_runtime(settings: Settings, **overrides: Any) -> Runtime:
