@@ -525,20 +525,29 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
             (9, 2, False),
         )
     },
-    # peft docs (examples/sft/train.py flags quoted in the notes): dropout 0.1, AC, flash attention, packing
+    # peft docs (examples/sft/train.py flags quoted in the notes): dropout 0.1, AC, flash attention, packing.
+    # The ZeRO-3 rows launch from an accelerate config (examples/sft/configs/deepspeed_config.yaml,
+    # deepspeed_config_z3_qlora.yaml @ 6008f272) that sets no reduce_bucket_size: accelerate's DeepSpeedPlugin
+    # writes none, the Trainer fills only "auto" keys, so DeepSpeed's default 5e8 holds (zero/config.py), one
+    # buffer of 5e8 bf16 elements (zero/stage3.py) where lorafit's own deepspeed.json writes 5e7. Chosen from
+    # those sources; the rows' errors were looked at first, so they stay check rows only on that ground
     "PFD-01": dict(
         settings=dict(lora_dropout=0.1, grad_accum=4, shard="zero3"),
+        runtime=dict(zero3_reduce_bucket=500_000_000),
         unit="GiB",
         notes=[
             "DeepSpeed ZeRO-3 over 8 GPUs; nvidia-smi screenshot read as GiB (nvidia-smi prints MiB; "
-            "'64 GB (80%)' of an 80 GB H100 is 80% only in GiB)"
+            "'64 GB (80%)' of an 80 GB H100 is 80% only in GiB)",
+            "DeepSpeed's default reduce bucket (5e8): the accelerate config sets none",
         ],
     ),
     "PFD-02": dict(
         settings=dict(lora_dropout=0.1, grad_accum=2, shard="zero3", double_quant=True),
+        runtime=dict(zero3_reduce_bucket=500_000_000),
         unit="GiB",
         notes=[
-            "DeepSpeed ZeRO-3 (zero3_init_flag) over 2 GPUs, bnb quant_storage bf16; nvidia-smi screenshot read as GiB"
+            "DeepSpeed ZeRO-3 (zero3_init_flag) over 2 GPUs, bnb quant_storage bf16; nvidia-smi screenshot read as GiB",
+            "DeepSpeed's default reduce bucket (5e8): the accelerate config sets none",
         ],
     ),
     "PFD-04": dict(
@@ -574,6 +583,28 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
         notes=["transformers 4.48 holds Mixtral's experts as nn.Linear modules, quantised by bnb"],
     ),
     **{f"USC-{n:02d}": dict(settings=dict(grad_accum=1)) for n in range(1, 10)},
+    # The notebooks' banners name Unsloth 2024.5-2024.9 under transformers 4.44 (USN-01/04/10 print it; 2024.5 and
+    # 2024.7 predate it): each attention layer then built its own rotary embedding, which Unsloth's
+    # patch_linear_scaling swaps for its class with cos/sin caches of min(32768, max positions) (Runtime.
+    # per_layer_rope_cache; unsloth/models/_utils.py, llama.py, gemma.py @ c7c67447 / 9852fdb6 / dde6a0f0). The
+    # later rows (USN-08: 2025.4.4 under 4.51.3; USN-09, USM-*: 2025.9 under 4.55) hold one cache for the model;
+    # USN-05 (2024.10.0) prints no transformers version and is left without. Read from those sources after the
+    # rows' errors were seen: check rows on that ground only
+    **{
+        row: dict(
+            runtime=dict(per_layer_rope_cache=dtype),
+            notes=[f"Unsloth {version}: a rotary cos/sin cache in every attention layer (transformers < 4.48)"],
+        )
+        for row, version, dtype in (
+            ("USN-01", "2024.8", "compute"),
+            ("USN-02", "2024.5", "compute"),
+            ("USN-03", "2024.5", "compute"),
+            ("USN-04", "2024.9.post1", "compute"),
+            ("USN-06", "2024.7", "compute"),
+            ("USN-07", "2024.7", "fp32"),  # gemma.py keeps Gemma's RoPE in fp32
+            ("USN-10", "2024.9", "compute"),
+        )
+    },
     "USM-02": dict(settings=dict(grad_accum=1)),  # Unsloth's gpt-oss-120b notebook: gradient accumulation 1
     # Unsloth context-length table, HF + FA2 columns (kind = estimate): shown beside their bound, not scored
     "US-09": dict(settings=dict(lora_dropout=0.0, grad_accum=1, grad_ckpt=True)),
@@ -695,7 +726,8 @@ def map_row(row: Row, spec: ModelSpec) -> Mapping:
     if raw["stack"] in STACK_ROWS and prefix_of(row.id) not in FRAMEWORK_OF_PREFIX:
         # a stack lorafit offers: its own Runtime and defaults, as `--stack NAME` estimates it
         fields |= STACK_ROWS[raw["stack"]] | setup.get("settings", {})
-        facts = stacks.resolve(raw["stack"]).facts(quant != "none")
+        # with what the row's own versions ran beyond the pinned preset (ROW_SETUP's runtime)
+        facts = stacks.resolve(raw["stack"]).facts(quant != "none") | setup.get("runtime", {})
         gpu = hardware.custom(gpu_gib_of(raw["gpu"]))  # a card sold as "24 GB" has 24 GiB (hardware.custom)
         return Mapping(spec, Settings(**fields), Runtime(**facts), notes, gpu)
     runtime = dict(FRAMEWORK_OF_PREFIX[prefix_of(row.id)])

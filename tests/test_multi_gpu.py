@@ -126,14 +126,15 @@ def test_communication_volume_follows_zero(spec: models.ModelSpec) -> None:
 
 
 def test_deepspeed_buckets_are_allocated_whole(spec: models.ModelSpec) -> None:
-    """ZeRO-2 double-buffers each reduce bucket (overlap_comm), ZeRO-3 keeps one, of 5e7 elements whatever the
-    model's size; DDP's buckets are a second copy of every gradient; FSDP has none of its own."""
+    """ZeRO-2 double-buffers each reduce bucket (overlap_comm), ZeRO-3 keeps one in the communication dtype
+    (bf16 here), of 5e7 elements whatever the model's size; DDP's buckets are a second copy of every gradient;
+    FSDP has none of its own."""
     runtime = Runtime()
     fp32 = 4  # the adapters' gradients
     buffers = {shard: memory.communication_buffer_bytes(spec, qlora(n_gpus=2, shard=shard), runtime) for shard in
                ("ddp", "zero2", "zero3", "fsdp")}  # fmt: skip
     assert buffers["zero2"] == 2 * 50_000_000 * fp32
-    assert buffers["zero3"] == 50_000_000 * fp32
+    assert buffers["zero3"] == 50_000_000 * 2
     assert buffers["ddp"] == spec.lora_params(16, "all") * fp32
     assert buffers["fsdp"] == 0.0
 

@@ -70,6 +70,10 @@ EN: dict[str, str] = {
     "stored); LoRA or full fine-tuning need {base}",
     "plan.prequantized_double": "QLoRA only: {model} is a pre-quantised checkpoint (bitsandbytes {quant}, "
     "double-quantised, loaded as stored); LoRA or full fine-tuning need {base}",
+    "plan.dynamic_4bit": "{model} is an Unsloth dynamic 4-bit checkpoint: it keeps some layers in 16-bit (its "
+    "config.json's llm_int8_skip_modules, chosen per model), counted here as 4-bit, so the estimate may be low",
+    "plan.unsloth_dynamic_4bit": "stack unsloth loads {model} in 4-bit from Unsloth's dynamic 4-bit copy where it "
+    "publishes one, which keeps some layers in 16-bit; counted here as 4-bit, so the estimate may be low",
     "plan.base_named": "the 16-bit base {base}",
     "plan.base_unnamed": "its 16-bit base",
     "plan.attn": "attention {attn}: {model} has no sdpa kernel in transformers",

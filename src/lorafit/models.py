@@ -720,6 +720,13 @@ UNSLOTH_4BIT = PreQuantized(quant="nf4", double_quant=True)
 DROPPED_PREFIXES = ("meta-",)
 
 
+def is_unsloth_dynamic_quant(name: str) -> bool:
+    """An Unsloth "dynamic 4-bit" repo (`*-unsloth-bnb-4bit`): some modules stay 16-bit through its config.json's
+    llm_int8_skip_modules, chosen per model (unsloth_zoo/vllm_utils.py @ ce232d6c reads them from each repo's
+    config; vLLM PR 12974 quotes one: DeepSeek-R1-Distill-Llama-8B's keeps lm_head and model.layers.1.mlp)."""
+    return name.lower().endswith(PREQUANTIZED_SUFFIXES[0])
+
+
 def prequantized_base_name(key: str) -> str | None:
     """The repository name a `*-bnb-4bit` / `*-unsloth-bnb-4bit` name is a copy of, or None for another name."""
     suffix = next((tag for tag in PREQUANTIZED_SUFFIXES if key.lower().endswith(tag)), None)

@@ -17,7 +17,7 @@ from lorafit.errors import LorafitError
 from lorafit.hardware import GpuSpec
 from lorafit.memory import estimate
 from lorafit.messages import say
-from lorafit.models import ModelSpec
+from lorafit.models import ModelSpec, is_unsloth_dynamic_quant
 from lorafit.schema import TIGHT_SHARE, Plan, PlanRequest, Settings, Suggestion, TrainerFit, is_tight
 from lorafit.search import SAVERS, Candidate, best, candidates, savers_on, smallest
 from lorafit.timing import (
@@ -372,6 +372,14 @@ def automatic_choices(request: PlanRequest, settings: Settings) -> list[str]:
         reasons.append(
             say(said, model=request.model.hf_id or request.model.name, quant=stored.quant.upper(), base=base)
         )
+        # stacks (issue 28): which modules a dynamic 4-bit repo keeps 16-bit is its own config.json's choice,
+        # published nowhere else; the estimate packs every linear, so it says so
+        if is_unsloth_dynamic_quant(request.model.hf_id or request.model.name):
+            reasons.append(say("plan.dynamic_4bit", model=request.model.hf_id or request.model.name))
+    elif settings.stack == "unsloth" and settings.quant == "nf4":
+        # with load_in_4bit Unsloth swaps a 16-bit name for its mapper's dynamic 4-bit key where it has one
+        # (unsloth/models/loader_utils.py @ 015bdef0 __get_model_name l. 163-174, mapper.py)
+        reasons.append(say("plan.unsloth_dynamic_4bit", model=request.model.hf_id or request.model.name))
     if "attn" not in request.pinned and settings.attn != options.BY_NAME["attn"].default:
         reasons.append(say("plan.attn", attn=settings.attn, model=request.model.name))
     if "precision" not in request.pinned and settings.precision == "fp32" and request.device == "cpu":

@@ -61,7 +61,13 @@ from lorafit.memory.loss import (
     unsloth_chunk_target,
     unsloth_chunk_tokens,
 )
-from lorafit.memory.runtime import LOSS_CHUNK_TOKENS, Runtime, quantized_expert_params, stack_runtime
+from lorafit.memory.runtime import (
+    LOSS_CHUNK_TOKENS,
+    Runtime,
+    quantized_expert_params,
+    rope_cache_bytes,
+    stack_runtime,
+)
 from lorafit.memory.weights import (
     DEEPSPEED_BUCKET_ELEMENTS,
     adapter_bytes,
@@ -171,7 +177,8 @@ def breakdown(
     w_share, g_share, o_share = shard_factors(settings)
     weights_host, grads_host, optimizer_host = on_host(settings)  # offloaded: in host RAM, not on the GPU
     g_share, o_share = (0.0 if grads_host else g_share), (0.0 if optimizer_host else o_share)
-    weights = sharded_weight_bytes(spec, settings, runtime)
+    # (with Unsloth's per-layer rotary caches where the run's versions built them: resident from the load on)
+    weights = sharded_weight_bytes(spec, settings, runtime) + rope_cache_bytes(spec, settings, runtime)
     adapters = 0.0 if weights_host else adapter_bytes(spec, settings, runtime) * w_share
     gradients = gradient_bytes(spec, settings, runtime) * g_share
     optimizer = optimizer_bytes(spec, settings, runtime) * o_share

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from lorafit import stacks
 from lorafit.models import ModelSpec
 from lorafit.schema import Settings
+from lorafit.units import DTYPE_BYTES
 
 NF4_BLOCK = 64  # bitsandbytes blocksize for 4-bit weights
 NESTED_BLOCK = 256  # double quantisation groups 256 absmax values
@@ -30,6 +31,10 @@ UNSLOTH_LAYERS_ON_GPU = 3
 # chunks of at most min(half the free memory, 4 GiB) of fp32 logits, their number a multiple of 4 unless one fits;
 # the cap, and the target where no GPU is given (unsloth_chunk_target)
 UNSLOTH_CHUNK_TARGET_BYTES = 4 * 2**30
+# Unsloth's rotary embeddings (unsloth/models/llama.py @ c7c67447, 2024.9: LlamaRotaryEmbedding and
+# LlamaExtendedRotaryEmbedding `current_rope_size = min(4 * 8192, max_position_embeddings)`; gemma.py's
+# GemmaFixedRotaryEmbedding the same): cos and sin caches of this many positions, built at load
+UNSLOTH_ROPE_CACHE_POSITIONS = 4 * 8192
 
 
 class Runtime(BaseModel):
@@ -120,6 +125,18 @@ class Runtime(BaseModel):
     # _should_use_separated_lora l. 1095-1097, forward_native_grouped_mm l. 1619-1680): no merged weight is kept
     # (merged_expert_bytes); the N k x r products it saves are not counted (read from the source, not traced)
     separated_expert_lora: bool = False
+    # Unsloth under a transformers whose attention layers still built their own rotary embedding (before 4.48):
+    # its patched attention __init__ (unsloth/models/_utils.py @ c7c67447 patch_linear_scaling, which swaps the
+    # `self.rotary_emb = ...` line of the attention's __init__ for its own class) gives every layer cos/sin caches,
+    # "compute": downcast to the model's dtype (llama.py post_patch, "Downcast RoPE embedding"); "fp32": Gemma's,
+    # kept in fp32 (gemma.py post_patch, "RoPE must be done in float32 for Gemma"): rope_cache_bytes. At the
+    # pinned versions the attention has no rotary_emb line (patch_linear_scaling returns None) and one cache
+    # serves the model (16 MB for a 128-wide head), not counted
+    per_layer_rope_cache: Literal["compute", "fp32"] | None = None
+    # DeepSpeed's zero_optimization.reduce_bucket_size under ZeRO-3, in elements; None: the 5e7 lorafit's own
+    # deepspeed.json writes (memory.weights.DEEPSPEED_BUCKET_ELEMENTS). ZeRO-3 allocates one buffer of that many
+    # elements in the communication dtype (communication_buffer_bytes)
+    zero3_reduce_bucket: int | None = Field(default=None, gt=0)
 
 
 def triton_kernels_apply(spec: ModelSpec, runtime: Runtime) -> bool:
@@ -145,6 +162,16 @@ def packed_params(spec: ModelSpec, settings: Settings, runtime: Runtime) -> int:
     unsloth_zoo/peft_utils.py @ ce232d6c SKIP_QUANTIZATION_MODULES l. 35-52), and the experts where it packs them."""
     vision = 0 if runtime.quantized_vision or not spec.vision else spec.vision.linear_params(spec.hidden_size)
     return spec.quantized_linear_params - vision + quantized_expert_params(spec, settings, runtime)
+
+
+def rope_cache_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """Unsloth's per-layer rotary caches (Runtime.per_layer_rope_cache): cos and sin, each positions x head_dim in
+    the compute dtype (fp32 for Gemma), in every layer; resident from the load on, like the weights."""
+    if runtime.per_layer_rope_cache is None:
+        return 0.0
+    positions = min(UNSLOTH_ROPE_CACHE_POSITIONS, spec.max_position_embeddings)
+    c = 4 if runtime.per_layer_rope_cache == "fp32" else DTYPE_BYTES[settings.precision]
+    return spec.num_hidden_layers * 2 * positions * spec.head_size * c
 
 
 def stack_runtime(settings: Settings, **overrides: Any) -> Runtime:

@@ -226,14 +226,19 @@ def communication_buffer_bytes(spec: ModelSpec, settings: Settings, runtime: Run
     """Gradient buffers of the collective itself, per GPU, beside NCCL's own (Runtime.nccl_gib): DDP's buckets
     hold a second copy of every gradient; DeepSpeed allocates its reduce buckets whole, whatever the model's
     size: ZeRO-2 two of them with overlap_comm (stage_1_and_2.py, the double buffer of each ipg bucket), ZeRO-3
-    one (stage3.py, the ipg bucket's buffer); FSDP reduce-scatters each layer's gradients as they come (in
-    gathered_layer_bytes)."""
+    one (stage3.py @ v0.19.8 l. 780-784: reduce_bucket_size elements of the communication dtype, which
+    engine.py's communication_data_type makes the bf16/fp16 compute dtype, l. 1719-1730), Runtime.zero3_reduce_bucket
+    elements where the run's config sets another size (ZeRO-2's buffers are lorafit's own deepspeed.json's, with
+    overlap_comm); FSDP reduce-scatters each layer's gradients as they come
+    (in gathered_layer_bytes)."""
     if world_size(settings) == 1 and settings.offload == "none":
         return 0.0
     grad = trainable_dtype_bytes(settings, runtime)
     n = trainable_params(spec, settings)
     if settings.shard in ("none", "ddp"):
         return n * grad
-    if settings.shard in ("zero2", "zero3"):
-        return (2 if settings.shard == "zero2" else 1) * DEEPSPEED_BUCKET_ELEMENTS * grad
+    if settings.shard == "zero3":
+        return (runtime.zero3_reduce_bucket or DEEPSPEED_BUCKET_ELEMENTS) * DTYPE_BYTES[settings.precision]
+    if settings.shard == "zero2":
+        return 2 * DEEPSPEED_BUCKET_ELEMENTS * grad
     return 0.0
