@@ -72,6 +72,18 @@ def test_plan_answers_for_llama_3_2_vision(capsys: pytest.CaptureFixture[str]) -
     assert "8 cross-attention layers" in said and "images in the data are not modelled" in said
 
 
+def test_image_rows_are_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    turns = [
+        {"role": "user", "content": [{"type": "image", "url": "heron.png"}, {"type": "text", "text": "What?"}]},
+        {"role": "assistant", "content": "A heron."},
+    ]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(3)))
+    args = ["plan", "--model", "meta-llama/Llama-3.2-11B-Vision-Instruct", "--gpu", "rtx-4090", "--data", str(data)]
+    code, out, err = run_cli(args, capsys)
+    assert code == 2 and not out and err.count("\n") == 1 and "keep only the text rows" in err
+
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_a_preset_is_the_language_model_auto_model_for_causal_lm_builds(name: str) -> None:
     """MllamaForCausalLM: the self- and cross-attention layers, no vision tower, untied head, 8 extra embedding
@@ -164,6 +176,16 @@ def test_a_config_json_reads_as_its_preset(tmp_path: Path) -> None:
     assert read.num_params == listed.num_params
     assert read.quantized_linear_params == listed.quantized_linear_params
     assert read.lora_params(16, "all") == listed.lora_params(16, "all")
+
+
+@pytest.mark.parametrize("layers", [[0, 3], [1], [2, 3]], ids=["first-and-last", "middle", "last-two"])
+def test_a_config_json_counts_as_transformers_builds_it(layers: list[int], tmp_path: Path) -> None:
+    text = LLAMA_3_2_11B_VISION["text_config"] | TINY | {"num_hidden_layers": 4, "cross_attention_layers": layers}
+    del text["head_dim"]  # MllamaTextConfig has none
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_2_11B_VISION | {"text_config": text}))
+    spec = from_config_json(tmp_path)
+    assert spec.num_hidden_layers == 4 - len(layers)
+    assert sum(p.numel() for p in build_on_meta(spec).parameters()) == spec.num_params
 
 
 @pytest.mark.parametrize(

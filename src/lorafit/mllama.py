@@ -53,10 +53,10 @@ class CrossAttention(BaseModel):
 
     def kept(self, self_layers: int) -> tuple[int, ...]:
         """The cross-attention layers of a model cut to `self_layers` self-attention layers with the same layout:
-        those with fewer than `self_layers` self-attention layers before them (the trace builds such models)."""
+        those with at most `self_layers` self-attention layers before them (the trace builds such models)."""
         kept: list[int] = []
         for index in sorted(self.layers):
-            if index - len(kept) < self_layers:
+            if index - len(kept) <= self_layers:
                 kept.append(index)
         return tuple(kept)
 
@@ -76,9 +76,9 @@ class CrossAttention(BaseModel):
         return len(self.kept(spec.num_hidden_layers)) * one
 
     def other_params(self, spec: ModelSpec) -> int:
-        """Their norms, q/k norms and gates, and the embedding's extra rows."""
+        """Their norms, q/k norms and gates (the embedding's extra rows are in `ModelSpec.embedding_params`)."""
         one = 2 * spec.hidden_size + 2 * spec.head_size + GATES
-        return len(self.kept(spec.num_hidden_layers)) * one + EXTRA_EMBEDDING_ROWS * spec.hidden_size
+        return len(self.kept(spec.num_hidden_layers)) * one
 
     def hf_keys(self, self_layers: int, vocab_size: int) -> dict[str, Any]:
         """text_config keys: all the decoder layers, and which of them cross-attend; a shrunken vocabulary (a tiny

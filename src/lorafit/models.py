@@ -339,8 +339,7 @@ class ModelSpec(BaseModel):
         """Llama 3.2 Vision's cross-attention layers (0 for any other model): stored, never run for text rows."""
         if not self.cross_attention:
             return 0
-        own_rows = mllama.EXTRA_EMBEDDING_ROWS * self.hidden_size  # counted in embedding_params
-        return self.cross_attention.linear_params(self) + self.cross_attention.other_params(self) - own_rows
+        return self.cross_attention.linear_params(self) + self.cross_attention.other_params(self)
 
     @property
     @memoised
