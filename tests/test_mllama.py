@@ -70,6 +70,9 @@ def test_plan_answers_for_llama_3_2_vision(capsys: pytest.CaptureFixture[str]) -
     assert code == 0, err
     said = " ".join(out.split())
     assert "8 cross-attention layers" in said and "images in the data are not modelled" in said
+    code, out, err = run_cli(["plan", "--model", "llama-3.2-11b-vision", "--gpu", "h100-80gb", "--json"], capsys)
+    served = [row["format"] for row in json.loads(out)["serving"]["formats"]]
+    assert code == 0 and "bf16" in served and not [name for name in served if "gguf" in name]  # llama.cpp has none
 
 
 def test_image_rows_are_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
