@@ -3,9 +3,10 @@
 Each row traces the real transformers step of the full-size model (Gemma3ForConditionalGeneration,
 Mistral3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration,
 Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration, Gemma4ForConditionalGeneration, with their
-vision towers packed by transformers' bitsandbytes quantizer) on fake tensors at the real shapes, a text-only batch,
-and prints the traced peak beside `memory.estimate` for the same settings. These are check rows: nothing here was
-fitted.
+vision towers packed by transformers' bitsandbytes quantizer; Llama 3.2 Vision's MllamaForCausalLM, the language
+model that AutoModelForCausalLM loads, its cross-attention layers packed too) on fake tensors at the real shapes, a
+text-only batch, and prints the traced peak beside `memory.estimate` for the same settings. These are check rows:
+nothing here was fitted.
 
     python bench/image_text_trace.py [--models gemma-3-12b,...] [--json PATH]
 """
@@ -32,6 +33,8 @@ QLORA_2048 = dict(method="qlora", quant="nf4", micro_batch=1, seq_len=2048, grad
 ROWS: tuple[tuple[str, dict], ...] = (
     ("gemma-3-12b", QLORA_2048),
     ("mistralai/Mistral-Small-3.2-24B-Instruct-2506", QLORA_2048),
+    # Llama 3.2 Vision: MllamaForCausalLM, its cross-attention layers stored and skipped (src/lorafit/mllama.py)
+    ("meta-llama/Llama-3.2-11B-Vision", QLORA_2048),
     ("gemma-3-4b", QLORA_2048),
     ("gemma-3-27b", QLORA_2048),
     ("qwen2.5-vl-7b", QLORA_2048),
@@ -44,6 +47,8 @@ ROWS: tuple[tuple[str, dict], ...] = (
     ("qwen3-vl-4b", dict(method="lora", quant="none", micro_batch=1, seq_len=2048, grad_ckpt=True)),
     ("qwen2.5-vl-7b", dict(method="qlora", quant="nf4", micro_batch=2, seq_len=1024, grad_ckpt=False)),
     ("mistral-small-3.1-24b", QLORA_2048 | {"lora_targets": "qv"}),
+    ("meta-llama/Llama-3.2-90B-Vision-Instruct", QLORA_2048),
+    ("llama-3.2-11b-vision", dict(method="lora", quant="none", micro_batch=1, seq_len=2048, grad_ckpt=True)),
     # Gemma 4 31B: global layers of their own head size (traced at 6 and 12 layers, one and two periods)
     ("google/gemma-4-31B-it", QLORA_2048),
     ("gemma-4-31b", dict(method="lora", quant="none", micro_batch=1, seq_len=2048, grad_ckpt=True)),

@@ -638,8 +638,6 @@ def test_close_names_are_suggested() -> None:
 @pytest.mark.parametrize(
     ("hub_id", "family", "nearest"),
     [
-        ("meta-llama/Llama-3.2-11B-Vision-Instruct", "Llama 3.2 Vision (mllama", "llama-3.1-8b"),
-        ("meta-llama/Llama-3.2-90B-Vision", "Llama 3.2 Vision (mllama", "llama-3.1-70b"),
         ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "Llama 4", "llama-3.1-70b"),
         ("tiiuae/falcon-7b", "Falcon", "mistral-7b-v0.1"),
         ("openai-community/gpt2", "GPT-2 (gpt2)", "smollm2-135m"),
@@ -666,24 +664,17 @@ def test_the_unmodelled_table_is_consistent_with_the_catalog() -> None:
         assert not [hub_id for hub_id in hub_index() if family.matches_hub_id(hub_id)], family.family
 
 
-LLAMA_3_2_11B_VISION = {  # the shape of meta-llama/Llama-3.2-11B-Vision's config.json: gated cross-attention
-    # layers to the image among Llama 3.1's self-attention layers (transformers models/mllama)
-    "architectures": ["MllamaForConditionalGeneration"],
-    "model_type": "mllama",
-    "text_config": {"model_type": "mllama_text_model", "hidden_size": 4096, "cross_attention_layers": [3, 8, 13]},
-    "vision_config": {"model_type": "mllama_vision_model", "hidden_size": 1280},
-}
+GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 768}
 
 
 @pytest.mark.parametrize(
     ("config", "family"),
     [
-        (LLAMA_3_2_11B_VISION, "Llama 3.2 Vision (mllama: cross-attention layers to the image are not modelled)"),
         ({"model_type": "llava", "text_config": {"model_type": "phimoe", "hidden_size": 8}}, "(phimoe)"),
         ({"model_type": "phimoe", "hidden_size": 4096, "num_local_experts": 16}, "Phi-3.5-MoE (phimoe)"),
-        ({"model_type": "gpt2", "n_embd": 768}, "GPT-2 (gpt2)"),
+        (GPT2, "GPT-2 (gpt2)"),
     ],
-    ids=["mllama", "wrapped-phimoe", "phimoe", "gpt2"],
+    ids=["wrapped-phimoe", "phimoe", "gpt2"],
 )
 def test_a_local_config_of_an_unmodelled_family_names_it(tmp_path: Path, config: dict, family: str) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -695,16 +686,14 @@ def test_a_local_config_of_an_unmodelled_family_names_it(tmp_path: Path, config:
 
 
 def test_the_cli_refuses_an_unmodelled_family_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run_cli(["estimate", "--model", "meta-llama/Llama-3.2-11B-Vision-Instruct"], capsys)
+    code, out, err = run_cli(["estimate", "--model", "openai-community/gpt2"], capsys)
     assert code == 2 and not out
-    assert err.startswith(
-        "lorafit: error: meta-llama/Llama-3.2-11B-Vision-Instruct: Llama 3.2 Vision (mllama: cross-attention layers"
-    )
-    assert "the nearest supported preset is llama-3.1-8b " in err
+    assert err.startswith("lorafit: error: openai-community/gpt2: GPT-2 (gpt2)")
+    assert "the nearest supported preset is smollm2-135m " in err
     assert err.count("\n") == 1 and "Traceback" not in err
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_2_11B_VISION))
+    (tmp_path / "config.json").write_text(json.dumps(GPT2))
     code, out, err = run_cli(["plan", "--model", str(tmp_path)], capsys)
-    assert code == 2 and "Llama 3.2 Vision (mllama" in err and err.count("\n") == 1
+    assert code == 2 and "GPT-2 (gpt2)" in err and err.count("\n") == 1
 
 
 def test_the_cli_estimates_a_variant_by_its_hub_id(capsys: pytest.CaptureFixture[str]) -> None:

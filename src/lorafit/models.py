@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
-from lorafit import families, gemma4, mla
+from lorafit import families, gemma4, mla, mllama
 from lorafit import linear_attention as hybrid
 from lorafit.errors import InvalidConfig, UnknownModel
 from lorafit.families import Architecture, ArchitectureSpec, known_architecture
@@ -121,6 +121,9 @@ class ModelSpec(BaseModel):
     global_layers: gemma4.GlobalLayers | None = Field(default=None, description="Gemma 4's full-attention layers")
     latent: mla.LatentAttention | None = Field(default=None, description="DeepSeek-style MLA and MoE keys (mla.py)")
     linear_attention: hybrid.LinearAttention | None = Field(default=None, description="a hybrid's DeltaNet layers")
+    cross_attention: mllama.CrossAttention | None = Field(
+        default=None, description="Llama 3.2 Vision's cross-attention layers (mllama.py): stored, skipped by text"
+    )
 
     # --- derived shapes -------------------------------------------------------------------------------------
     @property
@@ -244,7 +247,8 @@ class ModelSpec(BaseModel):
     # --- parameter counts -----------------------------------------------------------------------------------
     @property
     def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
+        extra = mllama.EXTRA_EMBEDDING_ROWS if self.cross_attention else 0  # Llama 3.2 Vision's image-token rows
+        return (self.vocab_size + extra) * self.hidden_size
 
     @property
     def lm_head_params(self) -> int:
@@ -311,6 +315,7 @@ class ModelSpec(BaseModel):
         """Every weight bitsandbytes packs: the decoder's linears and the vision tower's and projector's
         (`vision.py`: transformers' quantizer skips neither)."""
         vision = self.vision.linear_params(self.hidden_size) if self.vision else 0
+        vision += self.cross_attention.linear_params(self) if self.cross_attention else 0
         return self.num_hidden_layers * self.layer_linear_params + vision + mla.dense_deltas(self)[0]
 
     @property
@@ -326,7 +331,15 @@ class ModelSpec(BaseModel):
             blocks = self.num_hidden_layers * per_layer
         text = blocks + self.embedding_params + self.lm_head_params + self.hidden_size  # and the final norm
         text += sum(mla.dense_deltas(self))  # DeepSeek's dense first layers (mla.py)
-        return text + self.vision_params
+        return text + self.vision_params + self.cross_attention_params
+
+    @property
+    @memoised
+    def cross_attention_params(self) -> int:
+        """Llama 3.2 Vision's cross-attention layers (0 for any other model): stored, never run for text rows."""
+        if not self.cross_attention:
+            return 0
+        return self.cross_attention.linear_params(self) + self.cross_attention.other_params(self)
 
     @property
     @memoised
@@ -334,7 +347,7 @@ class ModelSpec(BaseModel):
         """Parameters one text token passes through (MoE routes each token to `num_experts_per_tok` experts; an
         image-text model's vision tower runs only for images)."""
         if not self.is_moe:
-            return self.num_params - self.vision_params
+            return self.num_params - self.vision_params - self.cross_attention_params
         idle_experts = self.num_local_experts - self.num_experts_per_tok
         one_expert = (self.expert_params + self.expert_bias_params) // self.num_local_experts
         idle = idle_experts * one_expert * mla.moe_layers(self)
@@ -392,6 +405,10 @@ class ModelSpec(BaseModel):
                 config["norm_topk_prob"] = self.norm_topk_prob
         config |= self.global_layers.hf_keys(self.num_hidden_layers) if self.global_layers else {}
         config |= self.linear_attention.hf_keys(self.num_hidden_layers) if self.linear_attention else {}
+        if self.cross_attention is not None:  # Llama 3.2 Vision: MllamaConfig, its vision_config left to defaults
+            del config["model_type"], config["head_dim"]  # MllamaTextConfig: head_dim is hidden / heads
+            text = config | self.cross_attention.hf_keys(self.num_hidden_layers, self.vocab_size)
+            return {"model_type": mllama.MODEL_TYPE, "text_config": text}
         if self.vision is None:
             return config
         # an image-text model: its family's config class takes the text model's keys (the text model_type left
@@ -537,8 +554,11 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
         if isinstance(layer, dict) and (family := unmodelled_model_type(layer.get("model_type"))):
             raise InvalidConfig(family.refusal(str(file), layer["model_type"]))
     vision = read_vision(config, file)
+    cross = mllama.read_text_config(config, file)
     if vision is not None:
         spec = _image_text_spec(file, config, vision, name)
+    elif cross is not None:  # Llama 3.2 Vision: the language model that AutoModelForCausalLM builds (mllama.py)
+        spec = _text_spec(file, cross[0], "llama", name).model_copy(update={"cross_attention": cross[1]})
     else:
         config = config.get("text_config", config) if "hidden_size" not in config else config
         model_type = config.get("model_type")
@@ -597,7 +617,15 @@ def _text_spec(
 
 
 # ModelSpec fields that are lorafit's own records, never read from a config.json key of the same name
-NOT_CONFIG_KEYS = ("variant_of", "prequantized", "vision", "global_layers", "latent", "linear_attention")
+NOT_CONFIG_KEYS = (
+    "variant_of",
+    "prequantized",
+    "vision",
+    "global_layers",
+    "latent",
+    "linear_attention",
+    "cross_attention",
+)
 
 
 def bitsandbytes_quantization(file: Path, quantization: object) -> PreQuantized | None:

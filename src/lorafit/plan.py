@@ -576,6 +576,8 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None, details: 
         reasons.append(say("plan.truncates", seq_len=seq_len, rows=truncated_rows))
     if request.model.vision is not None:
         reasons.append(say("plan.vision"))
+    if request.model.cross_attention is not None:  # Llama 3.2 Vision (mllama.py)
+        reasons.append(say("plan.mllama", layers=len(request.model.cross_attention.layers)))
     speed = chosen.tokens_per_s if gpu else 0.0
     epoch_tokens = tokens_per_epoch(request)
     timing = time_and_cost(

@@ -353,11 +353,12 @@ class Serving(Frozen):
 
 
 def served_formats(spec: ModelSpec) -> list[tuple[str, str, float]]:
-    """(format, runtime key, weight bytes) for the table: the shown GGUF types, GPTQ, AWQ, bf16."""
+    """(format, runtime key, weight bytes) for the table: the shown GGUF types, GPTQ, AWQ, bf16. llama.cpp has
+    no Llama 3.2 Vision (catalog/gguf.toml [unsupported]), so it gets no GGUF rows."""
     rows = [
         (f"gguf {name}", "llama_cpp", float(gguf_weight_bytes(spec, name)))
         for name, entry in formats()["gguf"].items()
-        if entry["shown"]
+        if entry["shown"] and spec.cross_attention is None
     ]
     rows += [(name, "hf", packed_weight_bytes(spec, name)) for name in ("gptq", "awq")]
     rows.append(("bf16", "hf", float(bf16_weight_bytes(spec))))

@@ -151,6 +151,8 @@ def architecture(model_dir: Path, *, dequantised: bool = False) -> Architecture:
         raise ExportError(f"{model_dir}/config.json is not a JSON object")
     model_type = config.get("model_type", "?")
     known = _catalog()["architectures"]
+    if reason := _catalog().get("unsupported", {}).get(model_type):
+        raise ExportError(reason)
     if model_type not in known:
         raise ExportError(
             f"lorafit cannot write {model_type!r} models as GGUF yet (it writes: {', '.join(known)}); "

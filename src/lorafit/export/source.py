@@ -225,6 +225,9 @@ SAVED_PREFIXES: tuple[tuple[str, str], ...] = (
     ("model.language_model.", "language_model.model."),  # Gemma 3, Mistral 3
     ("lm_head.", "language_model.lm_head."),
     ("model.language_model.", "model."),  # Qwen2-VL, Qwen2.5-VL
+    # Llama 3.2 Vision, loaded as MllamaForCausalLM: the checkpoint's `language_model.` prefix is its
+    # base_model_prefix, stripped on load (modeling_mllama.py:1170); lm_head is the pair above
+    ("model.", "language_model.model."),
 )
 
 

@@ -141,10 +141,12 @@ class Runtime(BaseModel):
 
 def triton_kernels_apply(spec: ModelSpec, runtime: Runtime) -> bool:
     """Unsloth's Triton kernels run only in the families FastLanguageModel patches (Runtime.kernel_families); an
-    image-text model is its own model_type (mistral3, qwen2_5_vl), which it loads through FastModel."""
+    image-text model is its own model_type (mistral3, qwen2_5_vl, Llama 3.2 Vision's mllama), which it loads
+    through FastModel."""
     if not runtime.kernel_families:
         return runtime.triton_kernels
-    return runtime.triton_kernels and spec.vision is None and spec.architecture in runtime.kernel_families
+    text_model = spec.vision is None and spec.cross_attention is None
+    return runtime.triton_kernels and text_model and spec.architecture in runtime.kernel_families
 
 
 def quantized_expert_params(spec: ModelSpec, settings: Settings, runtime: Runtime) -> int:

@@ -254,6 +254,8 @@ def trace_depths(spec: ModelSpec) -> tuple[int, int]:
         period = spec.global_layers.interval
     elif spec.linear_attention:
         period = spec.linear_attention.full_attention_interval
+    elif spec.cross_attention:  # Llama 3.2 Vision: a cross-attention layer after every 4 self-attention layers
+        period = spec.cross_attention.period()
     else:
         period = 1
     return TRACE_DEPTHS if period == 1 else (period, 2 * period)

@@ -94,12 +94,14 @@ class PhaseLabels:
 
 
 def model_parts(model: torch.nn.Module) -> dict[str, Any]:
-    """Embeddings, decoder layers, final norm and LM head of a (peft-wrapped) transformers causal LM."""
+    """Embeddings, decoder layers, final norm and LM head of a (peft-wrapped) transformers causal LM. The layers
+    are those text rows run: Llama 3.2 Vision's cross-attention layers are skipped (mllama.py)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = base.get_decoder()
+    decoder = savers.decoder_of(base)
+    skipped = set(getattr(decoder, "cross_attention_layers", None) or ())
     return {
         "embeddings": base.get_input_embeddings(),
-        "layers": list(decoder.layers),
+        "layers": [layer for index, layer in enumerate(decoder.layers) if index not in skipped],
         "norm": getattr(decoder, "norm", None),
         "lm_head": base.get_output_embeddings(),
     }

@@ -72,12 +72,16 @@ def lora_kwargs(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
     """peft LoraConfig arguments. An MoE's fused experts (not modules) are adapted through `target_parameters`. An
     image-text model's vision tower has modules of the same names (SigLIP's and Pixtral's q_proj, Qwen's
     gate_proj), so its targets are a pattern peft matches against the full module name (`re.fullmatch`) that keeps
-    the adapters on the language model."""
+    the adapters on the language model; Llama 3.2 Vision's pattern leaves out the cross-attention layers, which
+    text rows skip."""
     experts = spec.expert_target_names(settings.lora_targets)
     names = [name for name in spec.lora_target_names(settings.lora_targets) if name not in experts]
     targets: list[str] | str = names
     if spec.vision is not None:
         targets = rf".*\.language_model\..*\.({'|'.join(names)})"
+    elif spec.cross_attention is not None:  # Llama 3.2 Vision: the self-attention layers only (mllama.py)
+        skipped = "|".join(str(index) for index in spec.cross_attention.kept(spec.num_hidden_layers))
+        targets = rf"(.*\.)?layers\.(?!(?:{skipped})\.)\d+\..*\.({'|'.join(names)})"
     kwargs: dict[str, Any] = {
         "r": settings.lora_r,
         "lora_alpha": settings.lora_alpha,

@@ -95,7 +95,7 @@ def micro_batch_loss(
     `on_host` is told of each host copy (the trace counts them as host memory, not device memory)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     batch = {key: value for key, value in inputs.items() if key != "labels"}
-    decoder = base.get_decoder()
+    decoder = decoder_of(base)
     offload = (
         ActivationOffload(base.config.hidden_size, on_host, stop_at=getattr(decoder, "norm", None))
         if settings.offload_activations
@@ -112,6 +112,14 @@ def micro_batch_loss(
         num_items_in_batch=num_items_in_batch,
         softcap=getattr(base.config, "final_logit_softcapping", None),
     )
+
+
+def decoder_of(base: torch.nn.Module) -> Any:
+    """The causal LM's decoder (`get_decoder()`), except where transformers' lookup returns the whole model:
+    MllamaForCausalLM's base_model_prefix names a `language_model` it does not have; its decoder is `model`
+    (transformers 5.25 modeling_mllama.py:1170-1177, modeling_utils.py get_decoder)."""
+    decoder = base.get_decoder()
+    return base.model if decoder is base and hasattr(base, "model") else decoder
 
 
 # --- activation offload ----------------------------------------------------------------------------------------
