@@ -119,6 +119,10 @@ def test_catalog_has_the_models_people_fine_tune() -> None:
         "smollm2-1.7b",
         "r1-distill-qwen-1.5b",
         "gemma-3-1b",
+        # issue 27's second pass: the small sizes people fine-tune on one consumer card
+        "gemma-3-270m",
+        "qwen3.5-4b",
+        "qwen3.5-9b",
     }
     assert wanted <= set(catalog())
     assert all(name == name.lower() for name in catalog())
@@ -778,6 +782,18 @@ def test_gemma3_text_counts_its_qk_norms_and_four_layer_norms() -> None:
         ("Qwen/Qwen3.5-9B", "qwen3.5-9b", 262144),
         ("Qwen/Qwen3-VL-2B-Instruct", "qwen3-vl-2b", 262144),
         ("Qwen/Qwen3-VL-2B-Thinking", "qwen3-vl-2b", 262144),
+        # names from unsloth's mapper.py whose family was modelled but had no preset
+        ("google/gemma-3-270m", "gemma-3-270m", 32768),
+        ("google/gemma-3-270m-it", "gemma-3-270m", 32768),
+        ("google/functiongemma-270m-it", "gemma-3-270m", 32768),
+        ("codellama/CodeLlama-7b-hf", "codellama-7b", 16384),
+        ("codellama/CodeLlama-7b-Instruct-hf", "codellama-7b", 16384),
+        ("codellama/CodeLlama-13b-hf", "codellama-13b", 16384),
+        ("HuggingFaceTB/SmolLM-135M", "smollm2-135m", 2048),
+        ("HuggingFaceTB/SmolLM-360M-Instruct", "smollm2-360m", 2048),
+        ("HuggingFaceTB/SmolLM-1.7B-Instruct", "smollm2-1.7b", 2048),
+        ("google/gemma-1.1-2b-it", "gemma-2b", 8192),
+        ("google/gemma-1.1-7b-it", "gemma-7b", 8192),
     ],
 )
 def test_the_names_people_type_resolve_to_their_shapes(typed: str, preset: str, positions: int) -> None:
