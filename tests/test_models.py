@@ -606,6 +606,24 @@ PUBLISHED_CONFIGS = {  # config.json values of variant checkpoints, as published
         "sliding_window": 512,
         "vocab_size": 262144,
     },
+    "Qwen/Qwen3-Coder-30B-A3B-Instruct": {  # the copy in ztxz16/fastllm (the qwen3-coder-30b-a3b preset's source)
+        "model_type": "qwen3_moe",
+        "decoder_sparse_step": 1,
+        "head_dim": 128,
+        "hidden_size": 2048,
+        "intermediate_size": 5472,
+        "max_position_embeddings": 262144,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+        "vocab_size": 151936,
+    },
     "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": {
         "model_type": "qwen2",
         "hidden_size": 1536,
@@ -794,6 +812,7 @@ def test_gemma3_text_counts_its_qk_norms_and_four_layer_norms() -> None:
         ("HuggingFaceTB/SmolLM-1.7B-Instruct", "smollm2-1.7b", 2048),
         ("google/gemma-1.1-2b-it", "gemma-2b", 8192),
         ("google/gemma-1.1-7b-it", "gemma-7b", 8192),
+        ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "qwen3-coder-30b-a3b", 262144),
     ],
 )
 def test_the_names_people_type_resolve_to_their_shapes(typed: str, preset: str, positions: int) -> None:
