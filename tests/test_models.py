@@ -119,6 +119,10 @@ def test_catalog_has_the_models_people_fine_tune() -> None:
         "smollm2-1.7b",
         "r1-distill-qwen-1.5b",
         "gemma-3-1b",
+        # issue 27's second pass: the small sizes people fine-tune on one consumer card
+        "gemma-3-270m",
+        "qwen3.5-4b",
+        "qwen3.5-9b",
     }
     assert wanted <= set(catalog())
     assert all(name == name.lower() for name in catalog())
@@ -602,6 +606,24 @@ PUBLISHED_CONFIGS = {  # config.json values of variant checkpoints, as published
         "sliding_window": 512,
         "vocab_size": 262144,
     },
+    "Qwen/Qwen3-Coder-30B-A3B-Instruct": {  # the copy in ztxz16/fastllm (the qwen3-coder-30b-a3b preset's source)
+        "model_type": "qwen3_moe",
+        "decoder_sparse_step": 1,
+        "head_dim": 128,
+        "hidden_size": 2048,
+        "intermediate_size": 5472,
+        "max_position_embeddings": 262144,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+        "vocab_size": 151936,
+    },
     "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": {
         "model_type": "qwen2",
         "hidden_size": 1536,
@@ -760,6 +782,26 @@ def test_gemma3_text_counts_its_qk_norms_and_four_layer_norms() -> None:
         ("google/codegemma-7b", "gemma-7b", 8192),
         ("google/codegemma-7b-it", "gemma-7b", 8192),
         ("google/codegemma-1.1-7b-it", "gemma-7b", 8192),
+        # the second pass of issue 27: the Qwen3.5 sizes fine-tuned on consumer cards, Qwen3-VL-2B
+        ("Qwen/Qwen3.5-0.8B", "qwen3.5-0.8b", 262144),
+        ("Qwen/Qwen3.5-2B", "qwen3.5-2b", 262144),
+        ("Qwen/Qwen3.5-4B", "qwen3.5-4b", 262144),
+        ("Qwen/Qwen3.5-9B", "qwen3.5-9b", 262144),
+        ("Qwen/Qwen3-VL-2B-Instruct", "qwen3-vl-2b", 262144),
+        ("Qwen/Qwen3-VL-2B-Thinking", "qwen3-vl-2b", 262144),
+        # names from unsloth's mapper.py whose family was modelled but had no preset
+        ("google/gemma-3-270m", "gemma-3-270m", 32768),
+        ("google/gemma-3-270m-it", "gemma-3-270m", 32768),
+        ("google/functiongemma-270m-it", "gemma-3-270m", 32768),
+        ("codellama/CodeLlama-7b-hf", "codellama-7b", 16384),
+        ("codellama/CodeLlama-7b-Instruct-hf", "codellama-7b", 16384),
+        ("codellama/CodeLlama-13b-hf", "codellama-13b", 16384),
+        ("HuggingFaceTB/SmolLM-135M", "smollm2-135m", 2048),
+        ("HuggingFaceTB/SmolLM-360M-Instruct", "smollm2-360m", 2048),
+        ("HuggingFaceTB/SmolLM-1.7B-Instruct", "smollm2-1.7b", 2048),
+        ("google/gemma-1.1-2b-it", "gemma-2b", 8192),
+        ("google/gemma-1.1-7b-it", "gemma-7b", 8192),
+        ("Qwen/Qwen3-Coder-30B-A3B-Instruct", "qwen3-coder-30b-a3b", 262144),
     ],
 )
 def test_the_names_people_type_resolve_to_their_shapes(typed: str, preset: str, positions: int) -> None:
@@ -804,6 +846,43 @@ def test_a_downloaded_qwen2_or_yi_reads_as_its_hub_id(hub_id: str, config: dict,
     (tmp_path / "config.json").write_text(json.dumps(config))
     local, listed = from_config_json(tmp_path), resolve(hub_id)
     assert (local.num_params, local.lora_params(16, "all")) == (listed.num_params, listed.lora_params(16, "all"))
+    assert local.max_position_embeddings == listed.max_position_embeddings
+
+
+# Qwen3.5-4B's config.json as a C++ engine's test copies it (the qwen3.5-4b preset's source), with the model_type
+# keys of the hub's configs. The hub's Qwen3.5 configs state the tie twice, beside and inside text_config (the
+# 0.8B's copy shows both): transformers 5.25 builds Qwen3_5ForCausalLM from text_config alone, so the inner one counts.
+QWEN3_5_4B_CONFIG = {
+    "model_type": "qwen3_5",
+    "tie_word_embeddings": True,
+    "text_config": {
+        "model_type": "qwen3_5_text",
+        "tie_word_embeddings": True,
+        "vocab_size": 248320,
+        "hidden_size": 2560,
+        "num_hidden_layers": 32,
+        "full_attention_interval": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "intermediate_size": 9216,
+        "max_position_embeddings": 262144,
+    },
+}
+
+
+def test_a_downloaded_qwen3_5_4b_reads_as_its_hub_id(tmp_path: Path) -> None:
+    """The folder and the name give the same model: one tied 248320 x 2560 embedding, the hybrid's layers."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_5_4B_CONFIG))
+    local, listed = from_config_json(tmp_path), resolve("Qwen/Qwen3.5-4B")
+    assert local.tie_word_embeddings and listed.tie_word_embeddings
+    assert (local.num_params, local.lora_params(16, "all")) == (listed.num_params, listed.lora_params(16, "all"))
+    assert local.linear_attention == listed.linear_attention
     assert local.max_position_embeddings == listed.max_position_embeddings
 
 
