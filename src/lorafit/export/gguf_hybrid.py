@@ -1,5 +1,6 @@
 """The linear-attention half of a hybrid model (Qwen3.5's Gated DeltaNet layers) as llama.cpp's qwen35 reads it,
-and Qwen3.5 MoE's (qwen35moe: the same layers, the MoE block's shared expert and its gate beside the experts).
+and Qwen3.5 MoE's (qwen35moe: the same layers, the MoE block's shared expert and its gate beside the experts) and
+Qwen3-Next's (qwen3next: the fused in_proj_qkvz / in_proj_ba as ssm_in / ssm_beta_alpha, value heads left grouped).
 
 llama.cpp (llama-cpp-python 0.3.36: src/models/qwen35.cpp, conversion/qwen.py Qwen3NextModel and
 _LinearAttentionVReorderBase) holds the DeltaNet's decay as A = -exp(A_log) (ssm_a, a bare tensor with no
@@ -83,7 +84,8 @@ def transform(entry: dict[str, Any], config: dict[str, Any], name: str, weight: 
     value heads tiled where there are more of them than key heads."""
     import torch
 
-    if _table(entry) is None or not name.startswith("blk.") or not name.split(".")[2].startswith(("ssm_", "attn_")):
+    table = _table(entry)
+    if table is None or not name.startswith("blk.") or not name.split(".")[2].startswith(("ssm_", "attn_")):
         return weight.reshape(-1) if name.endswith("ffn_gate_inp_shexp.weight") else weight
     part = name.split(".")[2]
     if part == "ssm_a":
@@ -91,7 +93,7 @@ def transform(entry: dict[str, Any], config: dict[str, Any], name: str, weight: 
     if part == "ssm_conv1d":
         weight = weight.reshape(weight.shape[0], -1)
     key_heads, value_heads = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
-    if key_heads == value_heads:
+    if key_heads == value_heads or table.get("grouped"):  # qwen3next reads them grouped by key head
         return weight
     key, head = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"])
     keys = 2 * key * key_heads  # q and k rows (in_proj_qkv) or channels (conv1d) before the values
