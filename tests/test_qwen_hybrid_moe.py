@@ -86,6 +86,17 @@ def test_counts_equal_the_models_transformers_builds(tmp_path: Path, model_type:
     assert "shared_expert_gate" in dict(layers[0].mlp.named_children())
 
 
+@pytest.mark.parametrize("changes", [{"decoder_sparse_step": 2}, {"mlp_only_layers": [0]}], ids=["step", "dense"])
+def test_a_qwen3_next_with_dense_mlp_layers_is_one_line(
+    tmp_path: Path, changes: dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Qwen3NextConfig can make some layers a dense MLP; lorafit plans every layer sparse, as every released
+    checkpoint is, and says so rather than miscount."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY | {"model_type": "qwen3_next"} | changes))
+    code, out, err = run_cli(["estimate", "--model", str(tmp_path)], capsys)
+    assert code == 2 and not out and err.count("\n") == 1 and "sparse" in err
+
+
 def test_an_image_text_qwen35_moe_config_reads_as_its_text_model(tmp_path: Path) -> None:
     """A hub checkpoint's config.json (model_type qwen3_5_moe: text_config and vision_config): AutoModelForCausalLM,
     which `lorafit train` uses, builds Qwen3_5MoeForCausalLM from it, without the vision tower."""
