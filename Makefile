@@ -116,7 +116,8 @@ bench-tokens: $(LLAMA_CPP_SDIST)/.extracted
 bench-moe: $(STAMP)
 	$(BIN)/python bench/moe_trace.py --time
 
-# Qwen3.5's linear-attention hybrid: estimate beside the --exact trace at real shapes (bench/hybrid_trace.py)
+# The linear-attention hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): estimate beside the --exact trace at real shapes
+# (bench/hybrid_trace.py)
 bench-hybrid: $(STAMP)
 	$(BIN)/python bench/hybrid_trace.py --time
 

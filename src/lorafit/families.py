@@ -17,7 +17,8 @@ from lorafit import mla
 Families = Literal[
     "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss"
 ]
-Architecture = Literal[Families, "gemma4", "qwen3_5_text", mla.LatentFamily]  # gemma4.py, linear_attention.py, mla.py
+# gemma4.py, linear_attention.py (Qwen3.5 and, with a shared expert, Qwen3-Next and Qwen3.5 MoE), mla.py
+Architecture = Literal[Families, "gemma4", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text", mla.LatentFamily]
 AttentionKernel = Literal["sdpa", "flash", "eager"]
 
 

@@ -8,6 +8,13 @@ and the decay's input), out_proj (value_dim -> hidden), all bias-free `nn.Linear
 the q/k/v channels (conv_dim x kernel, no bias), `dt_bias` and `A_log` (one per value head) and the gated RMSNorm's
 head_v_dim-wide weight. The full-attention layers are Qwen3's with an output gate (q_proj twice as wide). Every
 layer has the same MLP. The counts are checked against the meta-device build in tests/test_qwen35.py.
+
+The hybrid MoE families (Qwen3-Next, Qwen3.5 MoE: models/qwen3_next, models/qwen3_5_moe) run the same block, and
+in every layer a sparse MoE block whose routed experts are Qwen3-MoE's (ModelSpec's MoE terms) plus a shared
+SwiGLU expert (`mlp.shared_expert`: gate_proj, up_proj, down_proj, shared_expert_intermediate_size wide) scaled by
+sigmoid(`mlp.shared_expert_gate`(x)), a hidden -> 1 `nn.Linear`: all four bias-free Linears, which 4-bit packs.
+Qwen3-Next fuses the DeltaNet inputs: in_proj_qkvz (hidden -> 2 key_dim + 2 value_dim) and in_proj_ba (hidden ->
+2 value heads), the same weights as Qwen3.5's four. Counts checked in tests/test_qwen_hybrid_moe.py.
 """
 
 from __future__ import annotations
@@ -29,12 +36,18 @@ KEYS = (
     "linear_value_head_dim",
     "linear_conv_kernel_dim",
 )
+# The hybrid families whose every MLP is the sparse MoE block with a gated shared expert
+MOE_FAMILIES = ("qwen3_next", "qwen3_5_moe_text")
 # Qwen3_5TextConfig.__post_init__: with no `layer_types`, every `full_attention_interval`-th layer (default 4) is
 # full attention, the others linear
 DEFAULT_INTERVAL = 4
 # The projections LoRA adapts in a linear-attention layer ("all" and "attn"): the two wide inputs and the output;
 # in_proj_b / in_proj_a are one column per value head, too narrow for a rank-r adapter to be worth it
 LORA_NAMES = ("in_proj_qkv", "in_proj_z", "out_proj")
+# Qwen3-Next's: its fused input in_proj_qkvz carries what in_proj_qkv and in_proj_z do
+FUSED_LORA_NAMES = ("in_proj_qkvz", "out_proj")
+# The families whose DeltaNet inputs are fused (catalog/architectures.toml)
+FUSED_FAMILIES = ("qwen3_next",)
 
 
 class LinearAttention(BaseModel):
@@ -48,6 +61,10 @@ class LinearAttention(BaseModel):
     linear_value_head_dim: int = Field(gt=0, le=4096)
     linear_conv_kernel_dim: int = Field(gt=0, le=64)
     full_attention_interval: int = Field(default=DEFAULT_INTERVAL, gt=0, le=1024)
+    fused_inputs: bool = Field(default=False, description="Qwen3-Next's in_proj_qkvz / in_proj_ba")
+    shared_expert_intermediate_size: int | None = Field(
+        default=None, gt=0, le=1 << 18, description="a hybrid MoE's gated shared expert (Qwen3-Next, Qwen3.5 MoE)"
+    )
 
     @property
     def key_dim(self) -> int:
@@ -69,12 +86,34 @@ class LinearAttention(BaseModel):
     def linears(self, hidden: int) -> dict[str, tuple[int, int]]:
         """(in, out) of each linear-attention projection, by transformers' module name."""
         heads = self.linear_num_value_heads
+        if self.fused_inputs:
+            return {
+                "in_proj_qkvz": (hidden, self.conv_dim + self.value_dim),
+                "in_proj_ba": (hidden, 2 * heads),
+                "out_proj": (self.value_dim, hidden),
+            }
         return {
             "in_proj_qkv": (hidden, self.conv_dim),
             "in_proj_z": (hidden, self.value_dim),
             "in_proj_b": (hidden, heads),
             "in_proj_a": (hidden, heads),
             "out_proj": (self.value_dim, hidden),
+        }
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        return FUSED_LORA_NAMES if self.fused_inputs else LORA_NAMES
+
+    def shared_expert_linears(self, hidden: int) -> dict[str, tuple[int, int]]:
+        """(in, out) of a hybrid MoE's shared expert and its gate, by module name under `mlp` (none without)."""
+        width = self.shared_expert_intermediate_size
+        if width is None:
+            return {}
+        return {
+            "shared_expert.gate_proj": (hidden, width),
+            "shared_expert.up_proj": (hidden, width),
+            "shared_expert.down_proj": (width, hidden),
+            "shared_expert_gate": (hidden, 1),
         }
 
     def other_params(self) -> int:
@@ -89,13 +128,20 @@ class LinearAttention(BaseModel):
 
     def hf_keys(self, layers: int) -> dict[str, Any]:
         """The config.json keys transformers builds the block from."""
-        return {key: getattr(self, key) for key in KEYS} | {"layer_types": self.layer_types(layers)}
+        keys = {key: getattr(self, key) for key in KEYS} | {"layer_types": self.layer_types(layers)}
+        width = self.shared_expert_intermediate_size
+        return keys | ({"shared_expert_intermediate_size": width} if width is not None else {})
 
 
-def read_linear_attention(file: object, config: dict[str, Any], layers: int) -> LinearAttention:
+def read_linear_attention(file: object, config: dict[str, Any], layers: int, family: str) -> LinearAttention:
     """The block's keys of a hybrid config.json (class defaults for those left out); `layer_types` must be the
-    regular pattern of one full-attention layer in every `interval` (every released Qwen3.5 / Qwen3-Next is)."""
-    fields = {key: config[key] for key in KEYS if config.get(key) is not None}
+    regular pattern of one full-attention layer in every `interval` (every released Qwen3.5 / Qwen3-Next is).
+    An MoE hybrid's shared expert is as wide as its config says (Qwen3NextConfig's and Qwen3_5MoeTextConfig's
+    default: 512)."""
+    fields: dict[str, Any] = {key: config[key] for key in KEYS if config.get(key) is not None}
+    fields["fused_inputs"] = family in FUSED_FAMILIES
+    if family in MOE_FAMILIES:
+        fields["shared_expert_intermediate_size"] = config.get("shared_expert_intermediate_size", 512)
     defaults = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_conv_kernel_dim": 4}
     defaults |= {"linear_key_head_dim": 128, "linear_value_head_dim": 128}  # Qwen3_5TextConfig's defaults
     fields = defaults | fields
@@ -128,7 +174,7 @@ def _attention_other(plain: ModelSpec) -> int:
 def block_totals(spec: ModelSpec) -> tuple[int, int]:
     """Weights of all decoder blocks: (their `nn.Linear`s, everything else). A hybrid's full-attention layers
     are what `ModelSpec` counts for a uniform model; each linear-attention layer swaps the attention's
-    projections and q/k norms for the DeltaNet block's."""
+    projections and q/k norms for the DeltaNet block's; an MoE hybrid's every layer adds the shared expert."""
     block, layers = spec.linear_attention, spec.num_hidden_layers
     if block is None:
         return layers * spec.layer_linear_params, layers * spec.layer_other_params
@@ -136,7 +182,8 @@ def block_totals(spec: ModelSpec) -> tuple[int, int]:
     swapped = layers - block.full_layers(layers)
     attention = sum(i * o for i, o in plain.attention_linears().values())
     mixer = sum(i * o for i, o in block.linears(spec.hidden_size).values())
-    linear = layers * plain.layer_linear_params + swapped * (mixer - attention)
+    shared = sum(i * o for i, o in block.shared_expert_linears(spec.hidden_size).values())
+    linear = layers * (plain.layer_linear_params + shared) + swapped * (mixer - attention)
     other = layers * plain.layer_other_params + swapped * (block.other_params() - _attention_other(plain))
     return linear, other
 
@@ -153,23 +200,36 @@ def lora_params(spec: ModelSpec, r: int, targets: LoraTargets) -> int:
         return sum(r * (i + o) * n for name, (i, o) in modules.items() if name in names)
 
     shared = adapters(spec.mlp_linears(), copies)
+    shared += adapters(block.shared_expert_linears(spec.hidden_size)) if block else 0
     per_full = adapters(spec.attention_linears()) + shared
     per_linear = adapters(block.linears(spec.hidden_size)) + shared if block else 0
     return full * per_full + (layers - full) * per_linear
 
 
 def linear_attention_rows(spec: ModelSpec) -> list[tuple[str, int, int, int]]:
-    """`ModelSpec.layer_linears` rows of a hybrid's linear-attention projections (none for another model)."""
+    """`ModelSpec.layer_linears` rows of a hybrid's linear-attention projections and, in an MoE hybrid, its
+    shared expert's (none for another model)."""
     block = spec.linear_attention
-    return [(name, i, o, 1) for name, (i, o) in block.linears(spec.hidden_size).items()] if block else []
+    if block is None:
+        return []
+    modules = block.linears(spec.hidden_size) | block.shared_expert_linears(spec.hidden_size)
+    return [(name, i, o, 1) for name, (i, o) in modules.items()]
 
 
-def config_fields(file: object, config: dict[str, Any], hybrid: bool) -> dict[str, Any]:
+def shared_expert_width_share(spec: ModelSpec) -> float:
+    """A hybrid MoE's shared expert as a number of routed experts' widths (0 for another model)."""
+    block = spec.linear_attention
+    width = block.shared_expert_intermediate_size if block else None
+    return width / spec.mlp_width if width else 0.0
+
+
+def config_fields(file: object, config: dict[str, Any], family: str, hybrid: bool) -> dict[str, Any]:
     """The ModelSpec field a hybrid family's config.json sets (its family has the attention output gate)."""
     if not hybrid:
         return {}
     layers = config.get("num_hidden_layers")
-    return {"linear_attention": read_linear_attention(file, config, layers if isinstance(layers, int) else 0)}
+    layers = layers if isinstance(layers, int) else 0
+    return {"linear_attention": read_linear_attention(file, config, layers, family)}
 
 
 def chunk_flops_per_token(block: LinearAttention, chunk: int = 64) -> float:

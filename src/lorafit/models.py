@@ -219,7 +219,7 @@ class ModelSpec(BaseModel):
         whose wrapper refuses lora_dropout, so on an MoE "all" adapts the attention projections, as "attn" does,
         and "experts" adapts the attention and every expert's gate_up_proj and down_proj (`expert_target_names`).
         """
-        attn = tuple(self.attention_linears()) + (hybrid.LORA_NAMES if self.linear_attention else ())
+        attn = tuple(self.attention_linears()) + (self.linear_attention.lora_names if self.linear_attention else ())
         if targets == "experts":
             return attn + self.expert_target_names(targets)
         if targets == "all":
@@ -603,7 +603,7 @@ def _text_spec(
     fields.setdefault("num_key_value_heads", config.get("num_attention_heads"))
     fields.update(moe_fields(file, config, arch))
     fields.update(gemma4.config_fields(file, config, architecture == "gemma4"))
-    fields.update(hybrid.config_fields(file, config, arch.attention_output_gate))
+    fields.update(hybrid.config_fields(file, config, arch.name, arch.attention_output_gate))
     check_dimensions(file, fields)
     if arch.qkv_bias:
         fields["attention_bias"] = True  # Qwen2 always has q/k/v biases; its config has no key for it

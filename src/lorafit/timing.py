@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 from lorafit import hardware, memory
 from lorafit.hardware import GpuSpec
-from lorafit.linear_attention import chunk_flops_per_token
+from lorafit.linear_attention import chunk_flops_per_token, shared_expert_width_share
 from lorafit.models import ModelSpec
 from lorafit.schema import Settings
 from lorafit.units import DTYPE_BYTES
@@ -336,7 +336,9 @@ def elementwise_bytes_per_token(spec: ModelSpec, settings: Settings) -> float:
     c, s = DTYPE_BYTES[settings.precision], memory.stream_dtype_bytes(settings, runtime)
     h = spec.hidden_size
     # DeepSeek's shared experts (mla.py) run the same SwiGLU, n_shared_experts x the routed expert's width
+    # and Qwen3-Next's / Qwen3.5 MoE's gated shared expert, in routed experts' widths (linear_attention.py)
     experts = max(spec.num_experts_per_tok, 1) + (spec.latent.n_shared_experts if spec.latent else 0)
+    experts_run = experts + shared_expert_width_share(spec)
     if runtime.compiled:
         return compiled_elementwise_bytes_per_token(spec, settings, runtime)
     if runtime.liger_kernels:
@@ -345,7 +347,7 @@ def elementwise_bytes_per_token(spec: ModelSpec, settings: Settings) -> float:
         spec.norms_per_layer * NORM_BYTES * h
         + 2 * 3 * s * h
         + ROTARY_ELEMENT_PASSES * c * (spec.q_size + spec.kv_size)
-        + 5 * memory.swiglu_dtype_bytes(settings, runtime) * spec.mlp_width * experts
+        + 5 * memory.swiglu_dtype_bytes(settings, runtime) * spec.mlp_width * experts_run
         + 2 * c * spec.q_size
     )
 

@@ -1,4 +1,6 @@
-"""The linear-attention half of a hybrid model (Qwen3.5's Gated DeltaNet layers) as llama.cpp's qwen35 reads it.
+"""The linear-attention half of a hybrid model (Qwen3.5's Gated DeltaNet layers) as llama.cpp's qwen35 reads it,
+and Qwen3.5 MoE's (qwen35moe: the same layers, the MoE block's shared expert and its gate beside the experts) and
+Qwen3-Next's (qwen3next: the fused in_proj_qkvz / in_proj_ba as ssm_in / ssm_beta_alpha, value heads left grouped).
 
 llama.cpp (llama-cpp-python 0.3.36: src/models/qwen35.cpp, conversion/qwen.py Qwen3NextModel and
 _LinearAttentionVReorderBase) holds the DeltaNet's decay as A = -exp(A_log) (ssm_a, a bare tensor with no
@@ -43,8 +45,12 @@ def check(entry: dict[str, Any], config: dict[str, Any]) -> None:
 def tensor_name(
     entry: dict[str, Any], names: Any, known: str, shape: tuple[int, ...]
 ) -> tuple[str, tuple[int, ...]] | None:
-    """The GGUF name and stored shape of a linear-attention parameter; None for any other tensor."""
+    """The GGUF name and stored shape of a linear-attention parameter, or of a hybrid MoE's shared-expert gate
+    (ffn_gate_inp_shexp, a vector in llama.cpp's qwen35moe: the hidden -> 1 Linear squeezed); None for any other
+    tensor."""
     table = _table(entry)
+    if table is not None and known.endswith(".mlp.shared_expert_gate.weight"):
+        return names.get_name(known, try_suffixes=(".weight",)), shape[-1:]
     if table is None or ".linear_attn." not in known:
         return None
     for saved, renamed in table.get("rename", ()):
@@ -78,15 +84,16 @@ def transform(entry: dict[str, Any], config: dict[str, Any], name: str, weight: 
     value heads tiled where there are more of them than key heads."""
     import torch
 
-    if _table(entry) is None or not name.startswith("blk.") or not name.split(".")[2].startswith(("ssm_", "attn_")):
-        return weight
+    table = _table(entry)
+    if table is None or not name.startswith("blk.") or not name.split(".")[2].startswith(("ssm_", "attn_")):
+        return weight.reshape(-1) if name.endswith("ffn_gate_inp_shexp.weight") else weight
     part = name.split(".")[2]
     if part == "ssm_a":
         weight = -torch.exp(weight.float())
     if part == "ssm_conv1d":
         weight = weight.reshape(weight.shape[0], -1)
     key_heads, value_heads = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
-    if key_heads == value_heads:
+    if key_heads == value_heads or table.get("grouped"):  # qwen3next reads them grouped by key head
         return weight
     key, head = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"])
     keys = 2 * key * key_heads  # q and k rows (in_proj_qkv) or channels (conv1d) before the values
@@ -112,6 +119,8 @@ def write_hparams(writer: Any, entry: dict[str, Any], config: dict[str, Any]) ->
     writer.add_ssm_inner_size(int(config["linear_value_head_dim"]) * int(config["linear_num_value_heads"]))
     interval = int(config.get("full_attention_interval") or 4)
     writer.add_full_attention_interval(interval)
+    if shared := config.get("shared_expert_intermediate_size"):  # a hybrid MoE's (conversion/qwen.py Qwen2MoeModel)
+        writer.add_expert_shared_feed_forward_length(int(shared))
     if layer_types := config.get("layer_types"):  # as llama.cpp's converter writes it (older gguf-py lacks the adder)
         recurrent = [kind == "linear_attention" for kind in layer_types]
         writer.add_array(f"{entry['arch']}.attention.recurrent_layers", recurrent)

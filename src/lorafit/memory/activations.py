@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from lorafit.memory.linear_attention import mixed_layer_parts
+from lorafit.memory.linear_attention import mixed_layer_parts, shared_expert_saved_bytes
 from lorafit.memory.runtime import (
     OFFLOAD_LAYERS_ON_GPU,
     UNSLOTH_LAYERS_ON_GPU,
@@ -136,6 +136,8 @@ def activation_parts_per_token(
         # DeepSeek (mla.py): the latent norms and rope parts, narrower values; the shared experts' SwiGLU
         parts["latent_attention"] = spec.latent.saved_bytes_per_token(c, heads, a)
         parts["shared_experts"] = spec.latent.n_shared_experts * gated
+    if spec.linear_attention:  # Qwen3-Next's and Qwen3.5 MoE's gated shared expert (memory/linear_attention.py)
+        parts["shared_expert"] = shared_expert_saved_bytes(spec, settings, gated / inter)
     if spec.norms_per_layer > 2:
         # Gemma-2 and Gemma 3 normalise the attention and MLP outputs too, before adding them to the residual stream
         parts["post_norms"] = (spec.norms_per_layer - 2) * norm_saved_bytes(spec, settings, runtime)

@@ -56,6 +56,22 @@ def deltanet_saved_bytes(spec: ModelSpec, settings: Settings) -> float:
     )
 
 
+def shared_expert_saved_bytes(spec: ModelSpec, settings: Settings, gated_per_width: float) -> float:
+    """Bytes a hybrid MoE's gated shared expert (Qwen3-Next, Qwen3.5 MoE) saves per token beside the routed
+    experts: its SwiGLU as a routed expert's (`gated_per_width` x its width), and for sigmoid(gate(x)) x
+    shared(x) the shared output (c x hidden) and the sigmoid (c); its frozen Linears nothing under (Q)LoRA, under
+    full fine-tuning their inputs (x, shared by gate_proj / up_proj / shared_expert_gate, and down_proj's). Read
+    from Qwen3_5MoeSparseMoeBlock.forward; checked against the block's saved tensors in
+    tests/test_qwen_hybrid_moe.py."""
+    block = spec.linear_attention
+    width = block.shared_expert_intermediate_size if block else None
+    if width is None:
+        return 0.0
+    c = DTYPE_BYTES[settings.precision]
+    inputs = c * (spec.hidden_size + width) if settings.method == "full" else 0.0
+    return gated_per_width * width + c * (spec.hidden_size + 1) + inputs
+
+
 # The parts of `activation_parts_per_token` that belong to the attention block, which a linear-attention layer
 # does not have
 ATTENTION_PARTS = ("qkv_inputs", "attention", "o_proj_input", "qk_norms", "output_gate")
