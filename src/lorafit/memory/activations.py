@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from lorafit import gemma4
 from lorafit.memory.linear_attention import mixed_layer_parts
 from lorafit.memory.runtime import (
     OFFLOAD_LAYERS_ON_GPU,
@@ -136,6 +137,15 @@ def activation_parts_per_token(
         # DeepSeek (mla.py): the latent norms and rope parts, narrower values; the shared experts' SwiGLU
         parts["latent_attention"] = spec.latent.saved_bytes_per_token(c, heads, a)
         parts["shared_experts"] = spec.latent.n_shared_experts * gated
+    if gemma4.is_moe(spec):
+        # Gemma 4 26B-A4B (gemma4.py): the dense MLP beside the experts (its SwiGLU, its adapters' inputs), the MoE
+        # block's three norms and the router's unweighted one, the router's fp32 softmax over the experts
+        dense = {name: (i, o) for name, i, o, _ in gemma4.dense_mlp_rows(spec)}
+        dense_down = {"mlp.down_proj": dense.pop("mlp.down_proj")}
+        dense_lora = linear_inputs_grad(dense, shared_input=True) + linear_inputs_grad(dense_down, shared_input=False)
+        parts["dense_mlp"] = gated * spec.intermediate_size / inter + dense_lora
+        parts["moe_norms"] = (gemma4.MOE_NORMS + 1) * norm_saved_bytes(spec, settings, runtime)
+        parts["router"] = 4 * spec.num_local_experts
     if spec.norms_per_layer > 2:
         # Gemma-2 and Gemma 3 normalise the attention and MLP outputs too, before adding them to the residual stream
         parts["post_norms"] = (spec.norms_per_layer - 2) * norm_saved_bytes(spec, settings, runtime)
