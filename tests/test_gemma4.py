@@ -224,6 +224,14 @@ def test_the_trace_extends_whole_periods_of_layers(moe: bool, tmp_path: Path) ->
     assert traced.total_params == spec.num_params and traced.trainable_params == spec.lora_params(16, "all")
 
 
+def test_the_26b_a4b_plan_says_what_is_16_bit_and_what_lora_adapts(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(["plan", "--model", "google/gemma-4-26B-A4B-it", "--gpu", "h100"], capsys)
+    said = " ".join(out.split())
+    assert code == 0, err
+    assert "128 experts a layer, 8 per token, held in 16 bit" in said
+    assert "LoRA adapts the attention and the dense MLP" in said and "vision tower" in said
+
+
 # --- what stays refused -------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("hub_id", "words"),
