@@ -236,7 +236,7 @@ def test_the_26b_a4b_plan_says_what_is_16_bit_and_what_lora_adapts(capsys: pytes
 @pytest.mark.parametrize(
     ("hub_id", "words"),
     [
-        ("google/gemma-4-E2B-it", "Gemma 4 E2B / E4B (per-layer input embeddings"),
+        ("google/gemma-4-E2B-it", "Gemma 4 E2B / E4B (per-layer input embeddings, shared-KV layers, an audio"),
         ("unsloth/gemma-4-E4B-it-unsloth-bnb-4bit", "Gemma 4 E2B / E4B (per-layer input embeddings"),
         ("google/gemma-4-12B-it", "Gemma 4 12B (gemma4_unified"),
     ],
