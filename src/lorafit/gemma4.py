@@ -87,7 +87,7 @@ def hf_keys(spec: ModelSpec) -> dict[str, Any]:
 
 def is_moe(spec: ModelSpec) -> bool:
     """A Gemma 4 with the MoE block beside its dense MLP (the 26B-A4B)."""
-    return spec.global_layers is not None and spec.is_moe
+    return spec.architecture == "gemma4" and spec.is_moe
 
 
 def dense_mlp_rows(spec: ModelSpec) -> tuple[tuple[str, int, int, int], ...]:

@@ -398,7 +398,20 @@ def grad_buffer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime = Ru
         per_token = inter + c * h
     else:
         per_token = (4 + c) * inter
-    return per_token * settings.tokens_per_micro_batch
+    return per_token * settings.tokens_per_micro_batch + fp32_routing_backward_bytes(spec, settings)
+
+
+def fp32_routing_backward_bytes(spec: ModelSpec, settings: Settings) -> float:
+    """Gemma 4 26B-A4B's routing weights stay fp32 (Gemma4TextRouter: softmax in float32, times per_expert_scale),
+    so transformers' grouped_mm_experts_forward weighs the expert outputs into fp32 (`proj_out * sample_weights_g`,
+    then `weighted_out[inv_perm]`); backward through them holds, per token and routed expert, the reordered fp32
+    gradient, the expert output's fp32 gradient and its cast to the compute dtype: (4 + 4 + c) x hidden. Read from
+    transformers 5.25 integrations/moe.py; checked against the trace: `make bench-image-text`, the 26B-A4B at
+    micro-batch 4 with the chunked loss, whose peak is a layer's backward."""
+    if not gemma4.is_moe(spec):
+        return 0.0
+    c = DTYPE_BYTES[settings.precision]
+    return (8 + c) * spec.num_experts_per_tok * spec.hidden_size * settings.tokens_per_micro_batch
 
 
 def compute_dtype_adapters_under_autocast(settings: Settings, runtime: Runtime) -> bool:
@@ -424,6 +437,7 @@ def recompute_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> fl
         in_flight = (c * spec.intermediate_size + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
     else:
         in_flight = (5 * c * spec.mlp_width + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
+    in_flight += 0.0 if settings.method == "full" else fp32_routing_backward_bytes(spec, settings)  # full: above
     return activation_bytes_per_layer(spec, settings, runtime) + in_flight
 
 
