@@ -40,6 +40,7 @@ UNMODELLED_KEYS = {
 # the MoE block's own norms besides the four of every layer: pre_feedforward_layernorm_2, post_feedforward_layernorm_1
 # and _2 (Gemma4TextDecoderLayer)
 MOE_NORMS = 3
+GGUF_MOE_NORMS = ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2")  # their llama.cpp names (gguf-py's map)
 
 
 class GlobalLayers(BaseModel):
