@@ -163,6 +163,13 @@ def architecture(model_dir: Path, *, dequantised: bool = False) -> Architecture:
         config = _text_config(model_dir)
         if inner := entry.get("text_models", {}).get(config.get("model_type")):  # Mistral 3 holding a Mistral 4
             model_type, entry = inner, known[inner]
+    for key, what in entry.get("unwritten", {}).items():
+        if config.get(key):
+            raise ExportError(
+                f"lorafit does not write {what} as GGUF yet ({key} = {json.dumps(config[key])}), though llama.cpp's "
+                f"{entry['arch']} reads them: export --to merged and convert that folder with llama.cpp's "
+                "convert_hf_to_gguf.py"
+            )
     for key, expected in entry.get("requires", {}).items():
         if config.get(key, expected) != expected:
             raise ExportError(
