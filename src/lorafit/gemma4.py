@@ -87,16 +87,16 @@ def hf_keys(spec: ModelSpec) -> dict[str, Any]:
 
 
 def is_moe(spec: ModelSpec) -> bool:
-    """A Gemma 4 with the MoE block beside its dense MLP (the 26B-A4B)."""
+    """A Gemma 4 with the MoE block beside its dense MLP (the 26B-A4B). By the family's name, as it is asked of
+    the spec without its global layers too (`block_totals` counts a sliding layer, `last_layer` the last one)."""
     return spec.architecture == "gemma4" and spec.is_moe
 
 
 def dense_mlp_rows(spec: ModelSpec) -> tuple[tuple[str, int, int, int], ...]:
     """The dense MLP that the 26B-A4B runs beside its experts, as `ModelSpec.layer_linears` rows (name, in, out,
     copies), `intermediate_size` wide; none for another model. Named by their parent, as peft matches a name's
-    last parts, since the experts' `down_proj` shares the last one. (Asked of the spec without its global
-    layers too, as `block_totals` counts a sliding layer, so by the family's name.)"""
-    if spec.architecture != "gemma4" or not spec.is_moe:
+    last parts, since the experts' `down_proj` shares the last one."""
+    if not is_moe(spec):
         return ()
     h, i = spec.hidden_size, spec.intermediate_size
     return (("mlp.gate_proj", h, i, 1), ("mlp.up_proj", h, i, 1), ("mlp.down_proj", i, h, 1))
