@@ -54,6 +54,9 @@ ROWS: tuple[tuple[str, dict], ...] = (
     ("gemma-4-31b", dict(method="lora", quant="none", micro_batch=1, seq_len=2048, grad_ckpt=True)),
     # the plan's choice on an H100 (chunked loss, micro-batch 8): the peak is the last layer's, a global one
     ("gemma-4-31b", QLORA_2048 | {"micro_batch": 8, "loss": "chunked"}),
+    # Gemma 4 26B-A4B: the 31B's layers with an MoE block (128 fused experts left 16-bit) beside a dense MLP
+    ("google/gemma-4-26B-A4B-it", QLORA_2048),
+    ("gemma-4-26b-a4b", QLORA_2048 | {"micro_batch": 4, "loss": "chunked"}),  # the peak: a layer's backward
 )
 TOLERANCE = 0.03
 

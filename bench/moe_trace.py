@@ -4,7 +4,7 @@ closed form beside its roofline over the traced op list.
 
 Rows: Qwen3-30B-A3B, gpt-oss-20b (eager attention: transformers has no sdpa path for it), Mixtral-8x7B and
 DeepSeek-V2-Lite (latent attention, shared experts, a dense first layer: src/lorafit/mla.py), Mistral Small 4
-(the same blocks), QLoRA, one row of
+(the same blocks), Gemma 4 26B-A4B (a dense MLP beside the experts: src/lorafit/gemma4.py), QLoRA, one row of
 2048 tokens, with and without gradient checkpointing, LoRA on the attention (`all`) or on the attention and the
 experts (`experts`, lora_dropout 0). These are check rows: no constant was fitted on them
 (timing.MOE_ROUTING_KERNELS was fitted on Mixtral's traced kernel count, so its time row is a fit row).
@@ -26,7 +26,7 @@ from lorafit import hardware, memory, timing  # noqa: E402
 from lorafit.models import resolve  # noqa: E402
 from lorafit.schema import Settings  # noqa: E402
 
-MODELS = ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b", "deepseek-v2-lite", "mistral-small-4-119b")
+MODELS = ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b", "deepseek-v2-lite", "mistral-small-4-119b", "gemma-4-26b-a4b")
 
 
 def settings_for(name: str, targets: str, ckpt: bool) -> Settings:

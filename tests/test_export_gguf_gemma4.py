@@ -1,7 +1,8 @@
 """GGUF export of Gemma 4 (the 31B's layout) as llama.cpp's gemma4: sliding layers with one head size, global
 layers with their own wider heads, fewer KV heads, no v_proj (K doubles as V) and a proportional rope on a quarter
-of the head; the text model and the image-text model's language model give llama.cpp the logits of transformers, a
-trained run exports end to end through the export's own check, and the sizes lorafit does not write are one line."""
+of the head; the 26B-A4B's MoE block beside the dense MLP (fused experts, the router's scales, three more norms);
+the text model and the image-text model's language model give llama.cpp the logits of transformers, a trained run
+exports end to end through the export's own check, and the sizes lorafit does not write are one line."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ np = pytest.importorskip("numpy")
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is the [gguf] extra")
 
 from test_export_gguf import TEXT, llama_cpp_logits  # noqa: E402
-from test_gemma4 import TINY_TEXT, TINY_VISION, gemma4_config, write_config  # noqa: E402
+from test_gemma4 import TINY_MOE, TINY_TEXT, TINY_VISION, gemma4_config, write_config  # noqa: E402
 
 # a window narrower than the test text, so that the sliding layers' mask shows in the logits
 TEXT_CHANGES = {"sliding_window": 8}
@@ -31,12 +32,12 @@ def tokenizer() -> Any:
     return build_tokenizer(corpus(), vocab_size=512)
 
 
-def gemma4_model(folder: Path, tokenizer: Any, *, image_text: bool) -> None:
+def gemma4_model(folder: Path, tokenizer: Any, *, image_text: bool, moe: bool = False) -> None:
     """A tiny random Gemma 4 saved as transformers saves it: Gemma4ForConditionalGeneration (vision tower and
-    all) or Gemma4ForCausalLM (the text config alone)."""
+    all) or Gemma4ForCausalLM (the text config alone); with `moe`, the 26B-A4B's MoE block in every layer."""
     from transformers import AutoModelForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
-    text = TINY_TEXT | TEXT_CHANGES | {"vocab_size": len(tokenizer)}
+    text = TINY_TEXT | TEXT_CHANGES | {"vocab_size": len(tokenizer)} | (TINY_MOE if moe else {})
     torch.manual_seed(0)
     if image_text:
         config = Gemma4ForConditionalGeneration.config_class.from_dict(gemma4_config(text, TINY_VISION))
@@ -54,6 +55,13 @@ def gemma4_model(folder: Path, tokenizer: Any, *, image_text: bool) -> None:
                 parameter.uniform_(0.2, 0.4)
             elif "norm" in name:
                 parameter.uniform_(0.8, 1.2)
+            elif name.endswith(("router.scale", "per_expert_scale")):
+                parameter.uniform_(0.5, 1.5)  # off 1, so that a scale read wrongly shows
+            elif name.endswith("router.proj.weight"):
+                # a random router's scores are near ties, and rounding to f16 then sends a token to other experts
+                # (greedy tokens differed after training, measured once); a router of decisive scores, as a trained
+                # one has, keeps the comparison about the file's weights
+                parameter.mul_(16)
         for name, buffer in model.named_buffers():
             if name.endswith("layer_scalar"):
                 buffer.uniform_(0.8, 1.2)
@@ -68,14 +76,18 @@ def reference_logits(folder: Path, ids: list[int]) -> Any:
         return reference_model(folder)(torch.tensor([ids])).logits[0].numpy()
 
 
-@pytest.mark.parametrize("image_text", [False, True], ids=["text", "image-text"])
-def test_gemma4_gives_llama_cpp_the_logits_of_transformers(image_text: bool, tokenizer: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("image_text", "moe"), [(False, False), (True, False), (True, True)], ids=["text", "image-text", "26b-a4b-layout"]
+)
+def test_gemma4_gives_llama_cpp_the_logits_of_transformers(
+    image_text: bool, moe: bool, tokenizer: Any, tmp_path: Path
+) -> None:
     from gguf import GGUFReader
 
     from lorafit.export import gguf
 
     folder = tmp_path / "model"
-    gemma4_model(folder, tokenizer, image_text=image_text)
+    gemma4_model(folder, tokenizer, image_text=image_text, moe=moe)
     written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
     ids = tokenizer(TEXT)["input_ids"]
     assert len(ids) > 8 * 4  # several sliding windows long
@@ -87,6 +99,8 @@ def test_gemma4_gives_llama_cpp_the_logits_of_transformers(image_text: bool, tok
     assert "blk.5.attn_v.weight" not in names and "blk.0.attn_v.weight" in names  # the global layer's K is its V
     kv_heads = reader.fields["gemma4.attention.head_count_kv"]
     assert [int(kv_heads.parts[i][0]) for i in kv_heads.data] == [2, 2, 2, 2, 2, 1]
+    moe_tensors = {"blk.0.ffn_gate_up_exps.weight", "blk.0.ffn_gate_inp.scale", "blk.0.ffn_down_exps.scale"}
+    assert (moe_tensors <= set(names)) == moe and "blk.0.ffn_down.weight" in names
 
 
 def test_gemma4_without_its_proportional_rope_would_be_caught(
@@ -109,19 +123,23 @@ def test_gemma4_sizes_lorafit_does_not_write_are_one_line(change: dict[str, int]
     from lorafit.export import gguf
 
     folder = write_config(tmp_path, gemma4_config(TINY_TEXT | change))
-    with pytest.raises(ExportError, match=rf"{next(iter(change))}.*--to merged"):
+    with pytest.raises(ExportError, match=rf"does not write .*{next(iter(change))}.*--to merged") as error:
         gguf.architecture(folder)
+    assert "llama.cpp's gemma4 reads them" in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["31b-layout", "26b-a4b-layout-experts"])
 def test_a_trained_gemma4_run_exports_through_the_check(
-    tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    moe: bool, tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """QLoRA on a tiny image-text Gemma 4, then `export --to gguf` f16 and q4_k_m: the export's own check loads each
-    file in llama.cpp and compares it with the merged model (f16: logits within tolerance, the same greedy tokens)."""
+    """QLoRA on a tiny image-text Gemma 4 (the 26B-A4B's layout with adapters on its fused experts), then `export
+    --to gguf` f16 and q4_k_m: the export's own check loads each file in llama.cpp and compares it with the merged
+    model (f16: logits within tolerance, the same greedy tokens)."""
 
-    gemma4_model(tmp_path / "model", tokenizer, image_text=True)
+    gemma4_model(tmp_path / "model", tokenizer, image_text=True, moe=moe)
+    experts = ["--lora-targets", "experts", "--lora-dropout", "0"] if moe else []
     run = run_train(
-        tmp_path, word_rows(8, "yes"), capsys, "--method", "qlora", "--micro-batch", "4", "--max-steps", "1"
+        tmp_path, word_rows(8, "yes"), capsys, "--method", "qlora", "--micro-batch", "4", "--max-steps", "1", *experts
     )
     randomize_lora_b(run)  # a real update of every adapted weight
 

@@ -1,9 +1,10 @@
-"""Gemma 4: the dense 31B modelled (its global layers' own head size and KV heads, keys as values, its own vision
-tower), counted as transformers builds it, traced and trained; the sizes lorafit does not model (E2B, E4B with
-per-layer embeddings and shared-KV layers, 26B-A4B with an MoE block, the gemma4_unified 12B) refused in one line.
+"""Gemma 4: the dense 31B and the 26B-A4B (the 31B's layers with an MoE block beside the dense MLP) modelled (global
+layers' own head size and KV heads, keys as values, their own vision tower; the 26B-A4B's experts, router and norms),
+counted as transformers builds them, traced and trained; the sizes lorafit does not model (E2B, E4B with per-layer
+embeddings and shared-KV layers, the gemma4_unified 12B) refused in one line.
 
-The 31B's shapes are transformers' converter's (convert_gemma4_weights.py _VARIANT_GEMMA_4_31B and
-_LARGE_MODEL_VISION_CONFIG, https://github.com/huggingface/transformers/blob/0f3f0632a38798af2adf264adc752130ecc5fa66,
+The 31B's and 26B-A4B's shapes are transformers' converter's (convert_gemma4_weights.py _VARIANT_GEMMA_4_31B,
+_VARIANT_GEMMA_4_26B_A4B and _LARGE_MODEL_VISION_CONFIG, https://github.com/huggingface/transformers/blob/0f3f0632a38798af2adf264adc752130ecc5fa66,
 read 2026-12), written here from that file, not from the catalog.
 """
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, run_train, word_rows
+from conftest import randomize_lora_b, run_cli, run_train, word_rows
 from lorafit.models import ModelSpec, from_config_json, resolve
 from lorafit.schema import Settings
 
@@ -32,6 +33,26 @@ CONVERTER_31B_TEXT = dict(
     attention_k_eq_v=True,
     use_bidirectional_attention="vision",
     num_kv_shared_layers=0,
+    sliding_window=1024,
+    final_logit_softcapping=30.0,
+    max_position_embeddings=262_144,
+)
+CONVERTER_26B_A4B_TEXT = dict(
+    hidden_size=2816,
+    hidden_size_per_layer_input=0,
+    intermediate_size=2112,
+    num_hidden_layers=30,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    num_global_key_value_heads=2,
+    attention_k_eq_v=True,
+    use_bidirectional_attention="vision",
+    num_kv_shared_layers=0,
+    enable_moe_block=True,
+    num_experts=128,
+    moe_intermediate_size=704,
+    top_k_experts=8,
     sliding_window=1024,
     final_logit_softcapping=30.0,
     max_position_embeddings=262_144,
@@ -64,6 +85,8 @@ TINY_TEXT = dict(
     vocab_size=512,
     final_logit_softcapping=30.0,
 )
+# the 26B-A4B's MoE block at toy sizes: 4 experts of 32, 2 per token, beside the dense MLP
+TINY_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16)
 
 
@@ -94,41 +117,66 @@ def tiny_spec(tmp_path: Path, **text: object) -> ModelSpec:
     return from_config_json(write_config(tmp_path / "tiny", gemma4_config(TINY_TEXT | text, TINY_VISION)))
 
 
-# --- the 31B: names, counts ---------------------------------------------------------------------------------
+CONVERTER = {"gemma-4-31b": CONVERTER_31B_TEXT, "gemma-4-26b-a4b": CONVERTER_26B_A4B_TEXT}
+
+
+# --- the 31B and the 26B-A4B: names, counts -------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "hub_id", ["google/gemma-4-31B-it", "google/gemma-4-31B", "gemma-4-31b", "unsloth/gemma-4-31B-it-unsloth-bnb-4bit"]
+    ("hub_id", "preset"),
+    [
+        ("google/gemma-4-31B-it", "gemma-4-31b"),
+        ("google/gemma-4-31B", "gemma-4-31b"),
+        ("gemma-4-31b", "gemma-4-31b"),
+        ("unsloth/gemma-4-31B-it-unsloth-bnb-4bit", "gemma-4-31b"),
+        ("google/gemma-4-26B-A4B-it", "gemma-4-26b-a4b"),
+        ("google/gemma-4-26B-A4B", "gemma-4-26b-a4b"),
+        ("gemma-4-26b-a4b", "gemma-4-26b-a4b"),
+    ],
 )
-def test_the_31b_names_resolve_to_its_shapes(hub_id: str) -> None:
+def test_the_modelled_names_resolve_to_their_shapes(hub_id: str, preset: str) -> None:
     spec = resolve(hub_id)
-    preset = resolve("gemma-4-31b")
-    assert spec.num_params == preset.num_params and spec.global_layers == preset.global_layers
+    expected = resolve(preset)
+    assert spec.num_params == expected.num_params and spec.global_layers == expected.global_layers
+    assert spec.num_local_experts == (128 if "26b" in preset else 0)
     assert (spec.prequantized is not None) == hub_id.endswith("bnb-4bit")
 
 
-def test_the_31b_preset_is_the_model_transformers_builds_from_the_converters_config() -> None:
+@pytest.mark.parametrize("preset", sorted(CONVERTER))
+def test_the_preset_is_the_model_transformers_builds_from_the_converters_config(preset: str) -> None:
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
 
-    text = Gemma4TextConfig(**CONVERTER_31B_TEXT)
+    text = Gemma4TextConfig(**CONVERTER[preset])
     config = Gemma4Config(text_config=text, vision_config=Gemma4VisionConfig(**CONVERTER_LARGE_VISION))
     with torch.device("meta"):
         model = Gemma4ForConditionalGeneration(config)
-    spec = resolve("google/gemma-4-31B-it")
+    spec = resolve(preset)
     assert model.num_parameters() == spec.num_params
     text_params = sum(p.numel() for n, p in model.named_parameters() if "language_model" in n)
     assert text_params == spec.num_params - spec.vision_params
+    # what a token runs through: all but the experts it is not routed to (the 26B-A4B's "A4B": 3.8B)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    idle = experts * (spec.num_local_experts - spec.num_experts_per_tok) // max(spec.num_local_experts, 1)
+    assert spec.active_params == text_params - idle
 
 
-def test_the_converters_config_json_reads_as_the_preset(tmp_path: Path) -> None:
-    config = gemma4_config(CONVERTER_31B_TEXT, CONVERTER_LARGE_VISION)
+@pytest.mark.parametrize("preset", sorted(CONVERTER))
+def test_the_converters_config_json_reads_as_the_preset(preset: str, tmp_path: Path) -> None:
+    config = gemma4_config(CONVERTER[preset], CONVERTER_LARGE_VISION)
     spec = from_config_json(write_config(tmp_path, config))
-    preset = resolve("gemma-4-31b")
-    assert spec.num_params == preset.num_params and spec.lora_params(16, "all") == preset.lora_params(16, "all")
-    assert spec.global_layers == preset.global_layers and spec.vision == preset.vision
+    expected = resolve(preset)
+    for targets in ("all", "experts" if spec.is_moe else "qv"):
+        assert spec.lora_params(16, targets) == expected.lora_params(16, targets)
+    assert spec.num_params == expected.num_params and spec.num_local_experts == expected.num_local_experts
+    assert spec.global_layers == expected.global_layers and spec.vision == expected.vision
+    assert spec.num_experts_per_tok == expected.num_experts_per_tok
+    assert spec.moe_intermediate_size == expected.moe_intermediate_size
 
 
-def test_lora_and_4_bit_packing_count_what_peft_and_bitsandbytes_do(tmp_path: Path) -> None:
-    """peft wraps each kind of layer's projections (a global layer has no v_proj); transformers' quantizer packs
-    the language model's and the tower's linears."""
+@pytest.mark.parametrize("moe", [False, True], ids=["31b-layout", "26b-a4b-layout"])
+def test_lora_and_4_bit_packing_count_what_peft_and_bitsandbytes_do(moe: bool, tmp_path: Path) -> None:
+    """peft wraps each kind of layer's projections (a global layer has no v_proj; the 26B-A4B's dense MLP too,
+    its experts through target_parameters); transformers' quantizer packs the language model's and the tower's
+    linears (the 26B-A4B's router too), not the fused experts."""
     import bitsandbytes as bnb
     from peft import get_peft_model
     from transformers import BitsAndBytesConfig
@@ -137,15 +185,21 @@ def test_lora_and_4_bit_packing_count_what_peft_and_bitsandbytes_do(tmp_path: Pa
 
     from lorafit.train.build import lora_config
 
-    spec = tiny_spec(tmp_path, num_hidden_layers=12)
+    spec = tiny_spec(tmp_path, num_hidden_layers=12, **(TINY_MOE if moe else {}))
+    assert spec.is_moe == moe
     model = build_on_meta(spec)
     assert model.num_parameters() == spec.num_params
-    for targets in ("all", "qv", "attn"):
-        settings = Settings(method="lora", quant="none", attn="eager", lora_r=4, lora_targets=targets)
+    for targets in ("all", "qv", "attn") + (("experts",) if moe else ()):
+        dropout = 0.0 if targets == "experts" else 0.05
+        settings = Settings(
+            method="lora", quant="none", attn="eager", lora_r=4, lora_targets=targets, lora_dropout=dropout
+        )
         peft_model = get_peft_model(build_on_meta(spec), lora_config(spec, settings))
         trained = {n: p.numel() for n, p in peft_model.named_parameters() if p.requires_grad}
         assert sum(trained.values()) == spec.lora_params(4, targets) > 0, targets
         assert all(".language_model." in name for name in trained)
+        assert any(".mlp.down_proj." in name for name in trained) == (targets == "all")
+        assert any(".experts." in name for name in trained) == (targets == "experts")
     packed = replace_with_bnb_linear(
         model,
         modules_to_not_convert=get_keys_to_not_convert(model),
@@ -155,26 +209,35 @@ def test_lora_and_4_bit_packing_count_what_peft_and_bitsandbytes_do(tmp_path: Pa
     assert sum(linears) == spec.quantized_linear_params
 
 
-def test_the_trace_extends_whole_periods_of_layers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("moe", [False, True], ids=["31b-layout", "26b-a4b-layout"])
+def test_the_trace_extends_whole_periods_of_layers(moe: bool, tmp_path: Path) -> None:
     """Traced at one and two periods of six layers and extended to 18, the step holds the 18-layer model's
     parameters and adapters exactly (traced at depths 2 and 3, it would hold one global layer instead of three).
-    The estimate against the full-size trace is `make bench-image-text` (gemma-4-31b QLoRA and LoRA at 2048)."""
+    The estimate against the full-size trace is `make bench-image-text` (gemma-4-31b QLoRA and LoRA at 2048,
+    gemma-4-26b-a4b QLoRA at 2048) and `python bench/moe_trace.py --models gemma-4-26b-a4b`."""
     from lorafit.trace import trace_depth
 
-    spec = tiny_spec(tmp_path, num_hidden_layers=18)
+    spec = tiny_spec(tmp_path, num_hidden_layers=18, **(TINY_MOE if moe else {}))
     settings = Settings(method="qlora", quant="nf4", micro_batch=1, seq_len=64, grad_ckpt=True)
     traced = trace_depth(spec, settings, device="cpu")
     assert [trace.num_layers for trace in traced.traces] == [6, 12]
     assert traced.total_params == spec.num_params and traced.trainable_params == spec.lora_params(16, "all")
 
 
+def test_the_26b_a4b_plan_says_what_is_16_bit_and_what_lora_adapts(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(["plan", "--model", "google/gemma-4-26B-A4B-it", "--gpu", "h100"], capsys)
+    said = " ".join(out.split())
+    assert code == 0, err
+    assert "128 experts a layer, 8 per token, held in 16 bit" in said
+    assert "LoRA adapts the attention and the dense MLP" in said and "vision tower" in said
+
+
 # --- what stays refused -------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("hub_id", "words"),
     [
-        ("google/gemma-4-E2B-it", "Gemma 4 E2B / E4B / 26B-A4B (per-layer embeddings"),
-        ("unsloth/gemma-4-E4B-it-unsloth-bnb-4bit", "Gemma 4 E2B / E4B / 26B-A4B (per-layer embeddings"),
-        ("google/gemma-4-26B-A4B-it", "an MoE block beside the MLP"),
+        ("google/gemma-4-E2B-it", "Gemma 4 E2B / E4B (per-layer input embeddings, shared-KV layers, an audio"),
+        ("unsloth/gemma-4-E4B-it-unsloth-bnb-4bit", "Gemma 4 E2B / E4B (per-layer input embeddings"),
         ("google/gemma-4-12B-it", "Gemma 4 12B (gemma4_unified"),
     ],
 )
@@ -193,7 +256,7 @@ def test_the_sizes_not_modelled_are_one_line_naming_a_gemma3_image_text_preset(
     [
         ({"hidden_size_per_layer_input": 16}, "per-layer input embeddings"),
         ({"num_hidden_layers": 12, "num_kv_shared_layers": 2}, "shared-KV layers"),
-        ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}, "MoE block"),
+        ({"enable_moe_block": True, "num_experts": 4, "moe_intermediate_size": 32}, "enable_moe_block needs"),
         (
             {
                 "layer_types": ["sliding_attention", "full_attention", "full_attention"]
@@ -203,7 +266,7 @@ def test_the_sizes_not_modelled_are_one_line_naming_a_gemma3_image_text_preset(
             "layer_types is not one full-attention",
         ),
     ],
-    ids=["per-layer-embeddings", "shared-kv", "moe", "irregular-layers"],
+    ids=["per-layer-embeddings", "shared-kv", "moe-without-top-k", "irregular-layers"],
 )
 def test_a_gemma4_config_json_lorafit_cannot_count_is_one_line(
     change: dict, words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -215,22 +278,49 @@ def test_a_gemma4_config_json_lorafit_cannot_count_is_one_line(
 
 
 # --- training -----------------------------------------------------------------------------------------------
-def test_train_runs_on_a_tiny_gemma4_and_merges(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("moe", "targets"),
+    [(False, "all"), (True, "all"), (True, "experts")],
+    ids=["31b-layout", "26b-a4b-layout", "26b-a4b-experts"],
+)
+def test_train_runs_on_a_tiny_gemma4_and_merges(
+    moe: bool, targets: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from safetensors import safe_open
+    from safetensors.torch import load_file
 
     from lorafit.train.demo import build_model, build_tokenizer, corpus
 
     tokenizer = build_tokenizer(corpus(), vocab_size=512)
-    build_model(tmp_path / "model", tokenizer, tiny_spec(tmp_path, vocab_size=len(tokenizer)), seed=0)
-    run = run_train(tmp_path, word_rows(16), capsys, "--method", "qlora", "--micro-batch", "4", "--max-steps", "2")
+    spec = tiny_spec(tmp_path, vocab_size=len(tokenizer), **(TINY_MOE if moe else {}))
+    build_model(tmp_path / "model", tokenizer, spec, seed=0)
+    options = ["--method", "qlora", "--micro-batch", "4", "--max-steps", "2", "--lora-targets", targets]
+    options += ["--lora-dropout", "0"] if targets == "experts" else []
+    run = run_train(tmp_path, word_rows(16), capsys, *options)
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert metrics and all(row.get("loss", 1.0) == row.get("loss", 1.0) for row in metrics)  # no NaN
     with safe_open(run / "adapter_model.safetensors", "pt") as adapter:
         names = list(adapter.keys())
     assert names and all(".language_model." in name for name in names)
     assert any(".layers.5.self_attn.k_proj" in name for name in names)  # the global layer is adapted too
+    # the 26B-A4B's dense MLP under "all", its fused experts (peft's target_parameters) under "experts"
+    assert any(".mlp.down_proj" in name for name in names) == (targets == "all")
+    assert any(".experts." in name for name in names) == (targets == "experts")
+    randomize_lora_b(run)  # a real update of every adapted weight, for the merge to show
     code, _, err = run_cli(["export", str(run), "--to", "merged", "-o", str(tmp_path / "merged")], capsys)
     assert code == 0, err
+    base, merged = (
+        load_file(tmp_path / "model" / "model.safetensors"),
+        load_file(tmp_path / "merged" / "model.safetensors"),
+    )
+    changed = {name.split(".layers.0.", 1)[-1] for name in base if not torch.equal(base[name], merged[name])}
+    assert {"self_attn.q_proj.weight", "self_attn.k_proj.weight"} <= changed
+    assert ("mlp.down_proj.weight" in changed) == (targets == "all")
+    assert (
+        {"experts.gate_up_proj", "experts.down_proj"} <= changed
+        if targets == "experts"
+        else not any("experts" in name for name in changed)
+    )
     # --to gguf (llama.cpp's gemma4): tests/test_export_gguf_gemma4.py
 
 

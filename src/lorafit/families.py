@@ -45,6 +45,7 @@ class ArchitectureSpec(BaseModel):
     llama_cpp_70b: bool
     # mixture-of-experts traits (optional: a dense family states none of them)
     experts_key: str = "num_local_experts"
+    experts_module: str = "mlp.experts"  # where the fused experts sit in a block (Gemma 4: beside the MLP, `experts`)
     attention_sinks: bool = False
     moe_biases: bool = False
     clamped_swiglu: bool = False

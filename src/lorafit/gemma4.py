@@ -8,8 +8,13 @@ layer in every 6 and forces the last layer to full attention). The sliding-windo
 counts for a uniform model (Gemma 3's block, with a v_norm that has no weight); the counts are checked against the
 meta-device build in tests/test_gemma4.py.
 
-The other Gemma 4 sizes add per-layer input embeddings and shared-KV layers (E2B, E4B) or an MoE block beside the
-dense MLP (26B-A4B): a config.json with them is refused in one line.
+The 26B-A4B (enable_moe_block) runs, in every layer, the dense MLP and an MoE block side by side
+(Gemma4TextDecoderLayer): a router (an `nn.Linear` that bitsandbytes packs, an unweighted norm, a scale per hidden
+unit and per expert), 128 experts held as two fused 3-D parameters (`experts.gate_up_proj`, `experts.down_proj`,
+which bitsandbytes leaves 16-bit, as for every MoE family: `ModelSpec.expert_params`) and three more norms. Its
+experts are the ModelSpec's MoE fields; its dense MLP (`intermediate_size` wide) adds `dense_mlp_rows`.
+
+The E2B and E4B add per-layer input embeddings and shared-KV layers: a config.json with them is refused in one line.
 """
 
 from __future__ import annotations
@@ -31,8 +36,11 @@ DEFAULT_INTERVAL = 6
 UNMODELLED_KEYS = {
     "hidden_size_per_layer_input": ("per-layer input embeddings (E2B, E4B)", 256),
     "num_kv_shared_layers": ("shared-KV layers (E2B, E4B)", 0),
-    "enable_moe_block": ("an MoE block beside the dense MLP (26B-A4B)", False),
 }
+# the MoE block's own norms besides the four of every layer: pre_feedforward_layernorm_2, post_feedforward_layernorm_1
+# and _2 (Gemma4TextDecoderLayer)
+MOE_NORMS = 3
+GGUF_MOE_NORMS = ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2")  # their llama.cpp names (gguf-py's map)
 
 
 class GlobalLayers(BaseModel):
@@ -64,11 +72,45 @@ class GlobalLayers(BaseModel):
     def kv_size(self) -> int:
         return self.num_global_key_value_heads * self.global_head_dim
 
-    def hf_keys(self, layers: int) -> dict[str, Any]:
-        """The text config keys transformers builds these layers from (the other sizes' features off)."""
-        keys = self.model_dump(exclude={"interval", "final_logit_softcapping"})
-        keys |= {"final_logit_softcapping": self.final_logit_softcapping, "layer_types": self.layer_types(layers)}
-        return keys | {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "enable_moe_block": False}
+
+def hf_keys(spec: ModelSpec) -> dict[str, Any]:
+    """The text config keys transformers builds Gemma 4's layers from (the E sizes' features off; the MoE block on
+    where the spec has experts)."""
+    layout = spec.global_layers
+    assert layout is not None
+    keys = layout.model_dump(exclude={"interval", "final_logit_softcapping"})
+    keys |= {"final_logit_softcapping": layout.final_logit_softcapping}
+    keys |= {"layer_types": layout.layer_types(spec.num_hidden_layers), "enable_moe_block": spec.is_moe}
+    if spec.is_moe:
+        keys |= {"top_k_experts": spec.num_experts_per_tok}
+    return keys | {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0}
+
+
+def is_moe(spec: ModelSpec) -> bool:
+    """A Gemma 4 with the MoE block beside its dense MLP (the 26B-A4B). By the family's name, as it is asked of
+    the spec without its global layers too (`block_totals` counts a sliding layer, `last_layer` the last one)."""
+    return spec.architecture == "gemma4" and spec.is_moe
+
+
+def dense_mlp_rows(spec: ModelSpec) -> tuple[tuple[str, int, int, int], ...]:
+    """The dense MLP that the 26B-A4B runs beside its experts, as `ModelSpec.layer_linears` rows (name, in, out,
+    copies), `intermediate_size` wide; none for another model. Named by their parent, as peft matches a name's
+    last parts, since the experts' `down_proj` shares the last one."""
+    if not is_moe(spec):
+        return ()
+    h, i = spec.hidden_size, spec.intermediate_size
+    return (("mlp.gate_proj", h, i, 1), ("mlp.up_proj", h, i, 1), ("mlp.down_proj", i, h, 1))
+
+
+def moe_deltas(spec: ModelSpec) -> tuple[int, int]:
+    """(linear, other) weights of one 26B-A4B block beyond what `ModelSpec` counts for an MoE: its router is an
+    `nn.Linear` (packed by bitsandbytes, not 16-bit as the generic MoE router), plus the block's three norms and
+    the router's scales."""
+    if not is_moe(spec):
+        return 0, 0
+    h, experts = spec.hidden_size, spec.num_local_experts
+    router = h * experts
+    return router, MOE_NORMS * h + h + experts - router
 
 
 def last_layer(spec: ModelSpec) -> ModelSpec:
@@ -99,14 +141,16 @@ def block_totals(spec: ModelSpec) -> tuple[int, int]:
     layers, full = spec.num_hidden_layers, layout.full_layers(spec.num_hidden_layers)
     sliding = sum(i * o for i, o in plain.attention_linears().values())
     wide = sum(i * o for i, o in layout.attention_linears(spec).values())
-    linear = layers * plain.layer_linear_params + full * (wide - sliding)
-    other = layers * plain.layer_other_params + full * 2 * (layout.global_head_dim - spec.head_size)
+    moe_linear, moe_other = moe_deltas(spec)
+    linear = layers * (plain.layer_linear_params + moe_linear) + full * (wide - sliding)
+    other = layers * (plain.layer_other_params + moe_other) + full * 2 * (layout.global_head_dim - spec.head_size)
     return linear, other
 
 
 def lora_params(spec: ModelSpec, r: int, targets: LoraTargets) -> int:
     """LoRA A and B over the targeted modules of each kind of layer, as peft wraps them by name (a global layer
-    with keys as values has no v_proj to wrap)."""
+    with keys as values has no v_proj to wrap), and over the 26B-A4B's dense MLP and experts (one A and B per
+    expert, as peft's target_parameters does for every MoE family)."""
     layout = spec.global_layers
     assert layout is not None
     names = set(spec.lora_target_names(targets))
@@ -115,21 +159,23 @@ def lora_params(spec: ModelSpec, r: int, targets: LoraTargets) -> int:
     def adapters(modules: dict[str, tuple[int, int]]) -> int:
         return sum(r * (i + o) for name, (i, o) in modules.items() if name in names)
 
-    mlp = adapters(spec.mlp_linears())
+    attention = set(spec.attention_linears())
+    mlp = sum(r * (i + o) * n for name, i, o, n in spec.layer_linears() if name in names and name not in attention)
     sliding = adapters(spec.attention_linears()) + mlp
     return full * (adapters(layout.attention_linears(spec)) + mlp) + (layers - full) * sliding
 
 
 def config_fields(file: object, config: dict[str, Any], gemma4: bool) -> dict[str, Any]:
-    """The `global_layers` field of a Gemma 4 text config.json; a size lorafit does not model (per-layer
-    embeddings, shared-KV layers, an MoE block) or an irregular layer_types is refused in one line."""
+    """The `global_layers` field of a Gemma 4 text config.json and, with enable_moe_block, its experts (under
+    Gemma4TextConfig's names num_experts, top_k_experts); a size lorafit does not model (per-layer embeddings,
+    shared-KV layers) or an irregular layer_types is refused in one line."""
     if not gemma4:
         return {}
     added = [what for key, (what, default) in UNMODELLED_KEYS.items() if config.get(key, default)]
     if added:
         raise InvalidConfig(
-            f"{file}: Gemma 4 with {', '.join(added)} is not modelled yet; the dense 31B is (--model "
-            "gemma-4-31b), and gemma-3-4b is the nearest preset to the E2B and E4B"
+            f"{file}: Gemma 4 with {', '.join(added)} is not modelled yet; the 31B and 26B-A4B are (--model "
+            "gemma-4-31b, gemma-4-26b-a4b), and gemma-3-4b is the nearest preset to the E2B and E4B"
         )
     layers = config.get("num_hidden_layers")
     types = config.get("layer_types")
@@ -154,7 +200,13 @@ def config_fields(file: object, config: dict[str, Any], gemma4: bool) -> dict[st
             f"{file}: layer_types is not one full-attention layer in every {layout.interval} (and the last); "
             "lorafit models that regular pattern only, as every released Gemma 4 has it"
         )
-    return {"global_layers": layout}
+    moe = config.get("enable_moe_block") is True
+    experts = {"num_local_experts": config.get("num_experts") or 0, "num_experts_per_tok": config.get("top_k_experts")}
+    if moe and not (
+        experts["num_local_experts"] and experts["num_experts_per_tok"] and config.get("moe_intermediate_size")
+    ):
+        raise InvalidConfig(f"{file}: enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
+    return {"global_layers": layout} | (experts if moe else {"num_local_experts": 0, "moe_intermediate_size": None})
 
 
 def _saved_overrides(file: object, per_layer: object, types: object) -> dict[str, Any]:

@@ -96,6 +96,9 @@ EN: dict[str, str] = {
     "plan.moe_attention": "mixture of experts: {experts:d} experts a layer, {per_token:d} per token, held in 16 bit "
     "(4-bit quantisation covers nn.Linear layers only); "
     "LoRA adapts the attention ({setting_targets} experts {setting_dropout} 0 adapts the experts too)",
+    "plan.moe_dense_mlp": "mixture of experts: {experts:d} experts a layer, {per_token:d} per token, held in 16 bit "
+    "(4-bit quantisation covers nn.Linear layers only); LoRA adapts the attention and the dense MLP that runs "
+    "beside the experts ({setting_targets} experts {setting_dropout} 0 adapts the experts instead of the MLP)",
     # --- plan: the smallest changes that fit (plan.suggestions) ---
     "change.seq_len": "sequence length {seq_len:d} instead of {was:d}",
     "change.qlora": "QLoRA (4-bit base) instead of {method}",

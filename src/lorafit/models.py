@@ -209,7 +209,7 @@ class ModelSpec(BaseModel):
         rows = [(name, i, o, 1) for name, (i, o) in self.attention_linears().items()]
         rows += [(name, i, o, copies) for name, (i, o) in self.mlp_linears().items()]
         rows += hybrid.linear_attention_rows(self)  # a hybrid's, in the layers that have them
-        return tuple(rows) + mla.shared_rows(self)
+        return tuple(rows) + mla.shared_rows(self) + gemma4.dense_mlp_rows(self)  # Gemma 4 26B-A4B's dense MLP
 
     @memoised
     def lora_target_names(self, targets: LoraTargets) -> tuple[str, ...]:
@@ -222,8 +222,9 @@ class ModelSpec(BaseModel):
         attn = tuple(self.attention_linears()) + (self.linear_attention.lora_names if self.linear_attention else ())
         if targets == "experts":
             return attn + self.expert_target_names(targets)
-        if targets == "all":
-            return attn if self.is_moe else attn + tuple(self.mlp_linears())
+        if targets == "all":  # and Gemma 4 26B-A4B's dense MLP, Linear modules beside its experts
+            dense = tuple(row[0] for row in gemma4.dense_mlp_rows(self))
+            return attn + dense if self.is_moe else attn + tuple(self.mlp_linears())
         if targets == "attn":
             return attn
         return self.latent.qv_names() if self.latent else ("qkv_proj",) if self.arch.fused_qkv else ("q_proj", "v_proj")
@@ -403,7 +404,7 @@ class ModelSpec(BaseModel):
             if self.moe_intermediate_size is not None:
                 config["moe_intermediate_size"] = self.moe_intermediate_size
                 config["norm_topk_prob"] = self.norm_topk_prob
-        config |= self.global_layers.hf_keys(self.num_hidden_layers) if self.global_layers else {}
+        config |= gemma4.hf_keys(self) if self.global_layers else {}
         config |= self.linear_attention.hf_keys(self.num_hidden_layers) if self.linear_attention else {}
         if self.cross_attention is not None:  # Llama 3.2 Vision: MllamaConfig, its vision_config left to defaults
             del config["model_type"], config["head_dim"]  # MllamaTextConfig: head_dim is hidden / heads

@@ -101,7 +101,10 @@ def moe_reason(spec: ModelSpec, s: Settings) -> str:
         return say("plan.moe_full", **experts)
     if adapted:
         return say("plan.moe_experts", **experts)
-    return say("plan.moe_attention", **experts, setting_targets="--lora-targets", setting_dropout="--lora-dropout")
+    # Gemma 4 26B-A4B: "all" also adapts the dense MLP beside its experts (gemma4.dense_mlp_rows)
+    dense = any(name.startswith("mlp.") for name in spec.lora_target_names(s.lora_targets))
+    said = "plan.moe_dense_mlp" if dense else "plan.moe_attention"
+    return say(said, **experts, setting_targets="--lora-targets", setting_dropout="--lora-dropout")
 
 
 def explain_savers(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, spec: ModelSpec) -> list[str]:

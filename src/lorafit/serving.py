@@ -22,7 +22,7 @@ from typing import Literal, cast
 
 from pydantic import Field
 
-from lorafit import hardware, mla
+from lorafit import gemma4, hardware, mla
 from lorafit.choices import Frozen
 from lorafit.errors import InvalidConfig
 from lorafit.gemma4 import layer_view
@@ -142,6 +142,15 @@ def gguf_tensors(spec: ModelSpec) -> list[Tensor]:
                 Tensor(blk + "ffn_up_exps.weight", "ffn_up", h, i * e, n),
                 Tensor(blk + "ffn_down_exps.weight", "ffn_down", i, h * e, n),
             ]
+            if gemma4.is_moe(spec):  # Gemma 4 26B-A4B: its dense MLP, the router's two scales, three more norms
+                tensors += [
+                    Tensor(blk + "ffn_gate.weight", "ffn_gate", h, spec.intermediate_size, n),
+                    Tensor(blk + "ffn_up.weight", "ffn_up", h, spec.intermediate_size, n),
+                    Tensor(blk + "ffn_down.weight", "ffn_down", spec.intermediate_size, h, n),
+                    Tensor(blk + "ffn_gate_inp.scale", "norm", h, layer=n),
+                    Tensor(blk + "ffn_down_exps.scale", "norm", spec.num_local_experts, layer=n),
+                ]
+                tensors += [Tensor(blk + f"{name}.weight", "norm", h, layer=n) for name in gemma4.GGUF_MOE_NORMS]
             if spec.arch.moe_biases:  # gpt-oss: the router's and every expert's biases
                 tensors += [
                     Tensor(blk + "ffn_gate_inp.bias", "bias", spec.num_local_experts, layer=n),

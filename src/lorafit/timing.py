@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from lorafit import hardware, memory
+from lorafit import gemma4, hardware, memory
 from lorafit.hardware import GpuSpec
 from lorafit.linear_attention import chunk_flops_per_token, shared_expert_width_share
 from lorafit.models import ModelSpec
@@ -335,16 +335,20 @@ def elementwise_bytes_per_token(spec: ModelSpec, settings: Settings) -> float:
     runtime = memory.stack_runtime(settings)
     c, s = DTYPE_BYTES[settings.precision], memory.stream_dtype_bytes(settings, runtime)
     h = spec.hidden_size
-    # DeepSeek's shared experts (mla.py) run the same SwiGLU, n_shared_experts x the routed expert's width
-    # and Qwen3-Next's / Qwen3.5 MoE's gated shared expert, in routed experts' widths (linear_attention.py)
-    experts = max(spec.num_experts_per_tok, 1) + (spec.latent.n_shared_experts if spec.latent else 0)
+    # DeepSeek's shared experts (mla.py) run the same SwiGLU, n_shared_experts x the routed expert's width, as
+    # Gemma 4 26B-A4B's dense MLP does, intermediate_size wide, with four norms more (gemma4.py), and Qwen3-Next's /
+    # Qwen3.5 MoE's gated shared expert, in routed experts' widths (linear_attention.py)
+    experts: float = max(spec.num_experts_per_tok, 1) + (spec.latent.n_shared_experts if spec.latent else 0)
+    norms = spec.norms_per_layer
+    if gemma4.is_moe(spec):
+        experts, norms = experts + spec.intermediate_size / spec.mlp_width, norms + gemma4.MOE_NORMS + 1
     experts_run = experts + shared_expert_width_share(spec)
     if runtime.compiled:
         return compiled_elementwise_bytes_per_token(spec, settings, runtime)
     if runtime.liger_kernels:
         return liger_elementwise_bytes_per_token(spec, settings, runtime)
     return (
-        spec.norms_per_layer * NORM_BYTES * h
+        norms * NORM_BYTES * h
         + 2 * 3 * s * h
         + ROTARY_ELEMENT_PASSES * c * (spec.q_size + spec.kv_size)
         + 5 * memory.swiglu_dtype_bytes(settings, runtime) * spec.mlp_width * experts_run

@@ -165,6 +165,13 @@ def architecture(model_dir: Path, *, dequantised: bool = False) -> Architecture:
         config = _text_config(model_dir)
         if inner := entry.get("text_models", {}).get(config.get("model_type")):  # Mistral 3 holding a Mistral 4
             model_type, entry = inner, known[inner]
+    for key, what in entry.get("unwritten", {}).items():
+        if config.get(key):
+            raise ExportError(
+                f"lorafit does not write {what} as GGUF yet ({key} = {json.dumps(config[key])}), though llama.cpp's "
+                f"{entry['arch']} reads them: export --to merged and convert that folder with llama.cpp's "
+                "convert_hf_to_gguf.py"
+            )
     for key, expected in entry.get("requires", {}).items():
         if config.get(key, expected) != expected:
             raise ExportError(
@@ -300,7 +307,7 @@ def tensor_plans(model_dir: Path, arch: Architecture, file_type: GgufType) -> li
             if (match := FUSED_EXPERTS.match(known)) and arch.entry.get("fused_experts"):
                 plans += _fused_plans(match, source, shard, shape, arch, names, file_type)
                 continue
-            name = _gguf_name(names, known)
+            name = _gguf_name(names, known) or _block_name(arch.entry, known)
             if hybrid := gguf_hybrid.tensor_name(arch.entry, names, known, shape):
                 name, shape = hybrid
             if name is None:
@@ -318,6 +325,14 @@ def _gguf_name(names: Any, known: str) -> str | None:
     names it."""
     name = names.get_name(known, try_suffixes=(".weight", ".bias"))
     return name if name is None or name.endswith((".weight", ".bias")) else name + ".weight"
+
+
+def _block_name(entry: dict[str, Any], known: str) -> str | None:
+    """A block's tensor that gguf-py's map does not name, by the table's `block_names` (Gemma 4's router scales,
+    which llama.cpp's converter names by hand)."""
+    block = re.match(r"^model\.layers\.(\d+)\.(.+)$", known)
+    written = dict(entry.get("block_names", ()))
+    return f"blk.{block[1]}.{written[block[2]]}" if block and block[2] in written else None
 
 
 def _fused_plans(
@@ -695,7 +710,7 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
     gguf_hybrid.write_hparams(writer, arch.entry, config)
     if arch.experts:
         writer.add_expert_count(arch.experts)
-        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+        writer.add_expert_used_count(int(config[arch.entry.get("experts_used", "num_experts_per_tok")]))
         width = config.get(arch.entry.get("expert_width", "moe_intermediate_size"))
         if width:  # Qwen3-MoE's moe_intermediate_size, gpt-oss's intermediate_size; Mixtral's is the FFN length
             writer.add_expert_feed_forward_length(int(width))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from lorafit import gemma4
 from lorafit.memory.linear_attention import mixed_layer_parts, shared_expert_saved_bytes
 from lorafit.memory.runtime import (
     OFFLOAD_LAYERS_ON_GPU,
@@ -138,6 +139,15 @@ def activation_parts_per_token(
         parts["shared_experts"] = spec.latent.n_shared_experts * gated
     if spec.linear_attention:  # Qwen3-Next's and Qwen3.5 MoE's gated shared expert (memory/linear_attention.py)
         parts["shared_expert"] = shared_expert_saved_bytes(spec, settings, gated / inter)
+    if gemma4.is_moe(spec):
+        # Gemma 4 26B-A4B (gemma4.py): the dense MLP beside the experts (its SwiGLU, its adapters' inputs), the MoE
+        # block's three norms and the router's unweighted one, the router's fp32 softmax over the experts
+        dense = {name: (i, o) for name, i, o, _ in gemma4.dense_mlp_rows(spec)}
+        dense_down = {"mlp.down_proj": dense.pop("mlp.down_proj")}
+        dense_lora = linear_inputs_grad(dense, shared_input=True) + linear_inputs_grad(dense_down, shared_input=False)
+        parts["dense_mlp"] = gated * spec.intermediate_size / inter + dense_lora
+        parts["moe_norms"] = (gemma4.MOE_NORMS + 1) * norm_saved_bytes(spec, settings, runtime)
+        parts["router"] = 4 * spec.num_local_experts
     if spec.norms_per_layer > 2:
         # Gemma-2 and Gemma 3 normalise the attention and MLP outputs too, before adding them to the residual stream
         parts["post_norms"] = (spec.norms_per_layer - 2) * norm_saved_bytes(spec, settings, runtime)
@@ -390,7 +400,20 @@ def grad_buffer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime = Ru
         per_token = inter + c * h
     else:
         per_token = (4 + c) * inter
-    return per_token * settings.tokens_per_micro_batch
+    return per_token * settings.tokens_per_micro_batch + fp32_routing_backward_bytes(spec, settings)
+
+
+def fp32_routing_backward_bytes(spec: ModelSpec, settings: Settings) -> float:
+    """Gemma 4 26B-A4B's routing weights stay fp32 (Gemma4TextRouter: softmax in float32, times per_expert_scale),
+    so transformers' grouped_mm_experts_forward weighs the expert outputs into fp32 (`proj_out * sample_weights_g`,
+    then `weighted_out[inv_perm]`); backward through them holds, per token and routed expert, the reordered fp32
+    gradient, the expert output's fp32 gradient and its cast to the compute dtype: (4 + 4 + c) x hidden. Read from
+    transformers 5.25 integrations/moe.py; checked against the trace: `make bench-image-text`, the 26B-A4B at
+    micro-batch 4 with the chunked loss, whose peak is a layer's backward."""
+    if not gemma4.is_moe(spec):
+        return 0.0
+    c = DTYPE_BYTES[settings.precision]
+    return (8 + c) * spec.num_experts_per_tok * spec.hidden_size * settings.tokens_per_micro_batch
 
 
 def compute_dtype_adapters_under_autocast(settings: Settings, runtime: Runtime) -> bool:
@@ -416,6 +439,7 @@ def recompute_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> fl
         in_flight = (c * spec.intermediate_size + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
     else:
         in_flight = (5 * c * spec.mlp_width + 4 * c * spec.hidden_size) * settings.tokens_per_micro_batch
+    in_flight += 0.0 if settings.method == "full" else fp32_routing_backward_bytes(spec, settings)  # full: above
     return activation_bytes_per_layer(spec, settings, runtime) + in_flight
 
 

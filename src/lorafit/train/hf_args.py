@@ -91,7 +91,7 @@ def lora_kwargs(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
         "task_type": "CAUSAL_LM",
     }
     if experts:
-        kwargs["target_parameters"] = [f"mlp.experts.{name}" for name in experts]
+        kwargs["target_parameters"] = [f"{spec.arch.experts_module}.{name}" for name in experts]
     return kwargs
 
 
