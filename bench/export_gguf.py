@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir
     model_dir = work / (f"model{other}-tiny" if args.tiny else "model")
 
-    from lorafit.export.gguf import PRETOKENIZER_PROBE
+    from lorafit.export.gguf_vocab import PRETOKENIZER_PROBE
 
     script = llama_cpp_converter(args.llama_cpp_version, OUT / "llama-src")
     print(f"== {'tiny ' if args.tiny else ''}{args.family} shape, random bf16 weights, in {model_dir} ==")

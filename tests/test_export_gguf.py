@@ -216,7 +216,7 @@ def test_pretokenizer_is_identified_by_behaviour() -> None:
     digits differently is refused, not guessed."""
     from tokenizers import pre_tokenizers
 
-    from lorafit.export.gguf import identify_pretokenizer
+    from lorafit.export.gguf_vocab import identify_pretokenizer
 
     assert identify_pretokenizer(byte_level(pre_tokenizers.ByteLevel(add_prefix_space=False)), False) == "gpt-2"
     assert identify_pretokenizer(byte_level(split_then_bytes(LLAMA3), True), True) == "llama-bpe"

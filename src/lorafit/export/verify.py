@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import numpy as np
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from lorafit.export.gguf import Vocabulary
+    from lorafit.export.gguf_vocab import Vocabulary
 
 # The held-out text scored by both runtimes: prose, Spanish, Portuguese, code and numbers, none of it training data.
 HELDOUT = (
