@@ -38,7 +38,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from lorafit import answers, hardware, memory, models, search, serving
+from lorafit import answers, hardware, memory, model_spec, search, serving
 from lorafit import plan as planner
 from lorafit.schema import Plan, PlanRequest, Settings
 
@@ -73,7 +73,7 @@ def start_server() -> tuple[str, object]:
 
 
 def cold() -> None:
-    models._memoised.cache_clear()
+    model_spec._memoised.cache_clear()
     memory.activation_bytes_per_layer.cache_clear()
     search._estimate_anywhere.cache_clear()
     search._settings.cache_clear()

@@ -19,7 +19,7 @@ from urllib.parse import parse_qsl, urlparse
 import pytest
 
 from conftest import run_cli
-from lorafit import memory, models, search, serving
+from lorafit import memory, model_spec, models, search, serving
 
 CHROMIUM = next((path for name in ("chromium", "chromium-browser") if (path := shutil.which(name))), None)
 if CHROMIUM is None and os.environ.get("LORAFIT_BROWSER_REQUIRED") != "1":
@@ -485,7 +485,7 @@ def test_a_plan_answers_within_a_second_while_a_70b_comparison_runs(server: str,
     wait_for_plan(page, "RTX 4090")
     page.wait_for_function("page.compared !== null", timeout=60_000)  # this page's own table is done
     alone = page.evaluate(PLAN_TIMED, ["RTX 3090"])
-    for memo in (models._memoised, memory.activation_bytes_per_layer, search._estimate_anywhere, search._settings):
+    for memo in (model_spec._memoised, memory.activation_bytes_per_layer, search._estimate_anywhere, search._settings):
         memo.cache_clear()  # the comparison starts cold, as on a fresh server, whatever other tests planned
     serving.gguf_weight_bytes.cache_clear()
     other = browser.new_context(locale="en-US").new_page()

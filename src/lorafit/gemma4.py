@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from lorafit.errors import InvalidConfig
 
 if TYPE_CHECKING:
-    from lorafit.models import LoraTargets, ModelSpec
+    from lorafit.model_spec import LoraTargets, ModelSpec
 
 # Gemma4TextConfig: sliding_window_pattern 6 when layer_types is not given
 DEFAULT_INTERVAL = 6

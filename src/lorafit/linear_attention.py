@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from lorafit.errors import InvalidConfig
 
 if TYPE_CHECKING:
-    from lorafit.models import LoraTargets, ModelSpec
+    from lorafit.model_spec import LoraTargets, ModelSpec
 
 # The config.json keys of the block (Qwen3_5TextConfig), the field names here
 KEYS = (

@@ -61,7 +61,7 @@ from lorafit.declaration import (
 from lorafit.errors import InvalidConfig
 from lorafit.hardware import MAX_VRAM_GB, GpuSpec
 from lorafit.messages import say
-from lorafit.models import LoraTargets, ModelSpec
+from lorafit.model_spec import LoraTargets, ModelSpec
 from lorafit.run_options import RunOptions
 
 

@@ -153,7 +153,7 @@ PROJECTION_MODULES = {
     "up": "up_proj",
     "down": "down_proj",
 }
-# lorafit's choices (models.LoraTargets), smallest first: a file's modules get the first that covers them all
+# lorafit's choices (model_spec.LoraTargets), smallest first: a file's modules get the first that covers them all
 LORA_TARGET_CHOICES: tuple[tuple[str, frozenset[str]], ...] = (
     ("qv", frozenset({"q", "v"})),
     ("attn", frozenset({"q", "k", "v", "o"})),
