@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -48,6 +49,14 @@ OFFLINE_FLAGS = {
     "huggingface_hub.constants": ("HF_HUB_OFFLINE",),
     "datasets.config": ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"),
 }
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    """The demo corpus's BPE tokenizer (1,024 tokens), built once for the export tests' tiny models."""
+    from lorafit.train import demo
+
+    return demo.build_tokenizer(demo.corpus(), vocab_size=1024)
 
 
 @pytest.fixture(autouse=True)

@@ -45,13 +45,6 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from lorafit.train import demo
-
-    return demo.build_tokenizer(demo.corpus(), vocab_size=1024)
-
-
 def tiny_model(folder: Path, tokenizer: Any, model_type: str, hidden: int = 256, **extra: Any) -> Any:
     """A random model of `model_type`, rows of 256 (whole K-quant blocks), norms away from 1 so that a norm
     written wrong shows in the logits."""

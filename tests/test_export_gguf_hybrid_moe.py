@@ -22,14 +22,6 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is the [gguf] extra")
 
 from test_export_gguf import TEXT, hf_logits, llama_cpp_logits  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from lorafit.train import demo
-
-    return demo.build_tokenizer(demo.corpus(), vocab_size=1024)
-
-
 # The families and the tensors only their GGUF files have
 FAMILIES = {
     "qwen3_5_moe_text": ("qwen35moe", {"blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_beta.weight"}),

@@ -49,13 +49,6 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from lorafit.train import demo
-
-    return demo.build_tokenizer(demo.corpus(), vocab_size=1024)
-
-
 def deepseek_model(folder: Path, tokenizer: Any, model_type: str, **extra: Any) -> Any:
     """A random DeepSeek of three blocks (the first dense) and 8 experts, norms away from 1 and a router that picks
     clearly, so that both runtimes route alike: a softmax router's weights far from zero, a sigmoid router's small

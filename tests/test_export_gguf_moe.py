@@ -28,13 +28,6 @@ MOE: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from lorafit.train import demo
-
-    return demo.build_tokenizer(demo.corpus(), vocab_size=1024)
-
-
 def moe_model(folder: Path, tokenizer: Any, model_type: str) -> Any:
     """A tiny random MoE whose router picks clearly (weights far from zero), so that both runtimes route alike,
     saved in two shards with the odd experts in the second, as checkpoints sharded by size can split a layer's."""

@@ -22,13 +22,6 @@ from test_export_gguf import TEXT, hf_logits, llama_cpp_logits  # noqa: E402
 from test_qwen35 import small_hybrid  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from lorafit.train import demo
-
-    return demo.build_tokenizer(demo.corpus(), vocab_size=1024)
-
-
 def tiny_qwen35(folder: Path, tokenizer: Any, value_heads: int) -> Any:
     """Four layers (three DeltaNet, one gated attention), rows of 256; 1-D parameters away from their init (norms
     of 1 + w near 1, the DeltaNet's gated norm, A_log and dt_bias near 1) so that one written wrong shows."""

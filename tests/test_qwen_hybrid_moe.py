@@ -15,29 +15,16 @@ from lorafit import memory
 from lorafit.memory.linear_attention import shared_expert_saved_bytes
 from lorafit.models import ModelSpec, from_config_json, resolve
 from lorafit.schema import Settings
+from test_qwen35 import TINY_CONFIG
 
-# Shrunk config.json files of both families (their config classes' keys): two groups of three linear-attention
-# layers and one full, 8 experts of which 2 per token, a shared expert wider than a routed one
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 96,
+# Qwen3.5's shrunk text config.json (test_qwen35) with experts, for both families (their config classes' keys): two
+# groups of three linear-attention layers and one full, 8 experts of which 2 per token, a shared expert wider than a
+# routed one
+TINY = {key: value for key, value in TINY_CONFIG.items() if key != "model_type"} | {
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 48,
     "num_experts": 8,
     "num_experts_per_tok": 2,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 512,
-    "max_position_embeddings": 4096,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 8,
-    "linear_value_head_dim": 12,
-    "linear_conv_kernel_dim": 4,
-    "full_attention_interval": 4,
-    "tie_word_embeddings": False,
 }
 FAMILIES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 
