@@ -2,8 +2,8 @@
 variants, a pre-quantised copy's name, or a config.json.
 
 The spec's fields carry the names of the Hugging Face `config.json` keys, so a catalog entry and a local config
-read the same way. The families lorafit models are data (catalog/architectures.toml): code asks a family's traits, not its
-name. Families lorafit does not model are data too (catalog/models.toml, `[[unmodelled]]`), so asking for
+read the same way. The families lorafit models are data (catalog/architectures.toml): code asks a family's traits,
+not its name. Families lorafit does not model are data too (catalog/models.toml, `[[unmodelled]]`), so asking for
 one names the family and a stand-in instead of "not in the catalog".
 """
 
