@@ -187,6 +187,8 @@ EN: dict[str, str] = {
     "stacks`",
     "stack.no_quant": "none (no quantised base)",
     "error.stack_saver": "{setting_saver}: {setting} {stack} has no such switch (stacks that do: {others})",
+    "error.stack_embeddings": "{setting_embeddings}: {setting} {stack} has no modules_to_save (it trains no module "
+    "in full beside its adapters; stacks that do: {others})",
     "error.kbit_peft": "{setting_kbit}: {setting} {stack} does not build its adapters with peft",
     "error.kbit_quant": "{setting_kbit} prepares a quantised base: it needs {setting_method} qlora ({setting_quant} "
     "nf4 or int8)",

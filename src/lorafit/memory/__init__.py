@@ -77,6 +77,7 @@ from lorafit.memory.weights import (
     gathered_layer_bytes,
     gathered_param_bytes,
     gradient_bytes,
+    head_grad_at_loss_bytes,
     head_grad_bytes,
     offload_of,
     offloaded_embedding_bytes,
@@ -85,6 +86,8 @@ from lorafit.memory.weights import (
     paged,
     quant_state_bytes,
     quantized_weight_bytes,
+    saved_module_dtype_bytes,
+    saved_module_params,
     shard_factors,
     sharded_weight_bytes,
     trainable_dtype_bytes,
@@ -152,6 +155,8 @@ __all__ = [
     "quantized_weight_bytes",
     "recompute_bytes",
     "reserved_bytes",
+    "saved_module_dtype_bytes",
+    "saved_module_params",
     "shard_factors",
     "sharded_weight_bytes",
     "stack_runtime",
@@ -214,8 +219,9 @@ def breakdown(
         # old bitsandbytes' ctx attributes outlive each layer's backward: the other layers' inputs are still held
         own = bnb_input_bytes_per_token(spec, settings, input_requires_grad=False) * settings.tokens_per_micro_batch
         first_layer += bnb_held_bytes(spec, settings, runtime) - own
+    grads_at_loss = grads_in_forward + head_grad_at_loss_bytes(spec, settings, runtime) * g_share
     phases = {
-        "loss (LM head backward)": (static + grads_in_forward + activations + loss, grads_in_forward, activations),
+        "loss (LM head backward)": (static + grads_at_loss + activations + loss, grads_at_loss, activations),
         # by the last layer's backward the final norm has freed what it saved
         "backward through the last layers": (
             static + grads_at_top + layer_activations + last_backward + dequant,

@@ -29,6 +29,8 @@ def head_saved_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> f
     per_token: float = norm_saved_bytes(spec, settings, runtime) if liger else 4 * h + 4
     if settings.method == "full":
         per_token += (1 if liger else 2) * c * h
+    elif settings.train_embeddings:  # the trained head copy saves its input for its weight gradient
+        per_token += c * h
     elif runtime.quantized_head and keeps_bnb_inputs(settings, runtime):
         per_token += c * spec.hidden_size
     return per_token * settings.tokens_per_micro_batch
