@@ -72,12 +72,12 @@ from lorafit.memory.weights import (
     DEEPSPEED_BUCKET_ELEMENTS,
     adapter_bytes,
     communication_buffer_bytes,
+    embedding_backward_bytes,
     embedding_grad_bytes,
     embedding_offload_applies,
     gathered_layer_bytes,
     gathered_param_bytes,
     gradient_bytes,
-    head_grad_at_loss_bytes,
     head_grad_bytes,
     offload_of,
     offloaded_embedding_bytes,
@@ -219,9 +219,8 @@ def breakdown(
         # old bitsandbytes' ctx attributes outlive each layer's backward: the other layers' inputs are still held
         own = bnb_input_bytes_per_token(spec, settings, input_requires_grad=False) * settings.tokens_per_micro_batch
         first_layer += bnb_held_bytes(spec, settings, runtime) - own
-    grads_at_loss = grads_in_forward + head_grad_at_loss_bytes(spec, settings, runtime) * g_share
     phases = {
-        "loss (LM head backward)": (static + grads_at_loss + activations + loss, grads_at_loss, activations),
+        "loss (LM head backward)": (static + grads_in_forward + activations + loss, grads_in_forward, activations),
         # by the last layer's backward the final norm has freed what it saved
         "backward through the last layers": (
             static + grads_at_top + layer_activations + last_backward + dequant,
@@ -235,6 +234,9 @@ def breakdown(
         ),
         "optimizer step": (static + gradients + optimizer_step_temp_bytes(spec, settings, runtime), gradients, 0.0),
     }
+    if saved_module_params(spec, settings):  # train_embeddings: every gradient made, the embedding's last
+        at_embeddings = gradients + embedding_backward_bytes(spec, settings, runtime) * g_share
+        phases["embeddings backward"] = (static + at_embeddings, at_embeddings, 0.0)
     previous = previous_step_bytes(spec, settings, runtime)
     head_forward = head_forward_bytes(spec, settings, runtime)
     if runtime.loss == "chunked_compute":

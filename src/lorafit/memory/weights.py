@@ -119,10 +119,17 @@ def head_grad_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> fl
     return (spec.lm_head_params + spec.hidden_size) * trainable_dtype_bytes(settings, runtime)
 
 
-def head_grad_at_loss_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
-    """train_embeddings: the head copy's weight gradient is made in the head's backward while the loss's
-    tensors are alive (a new V x h buffer, added to the accumulated one from the second micro-batch on)."""
-    return head_grad_bytes(spec, settings, runtime) if saved_module_params(spec, settings) else 0.0
+def embedding_backward_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """train_embeddings: the V x h buffers the embedding's backward holds beside the gradients. Tied, the one
+    trained weight is used twice, so autograd sums its two gradients (the head's, the embedding's dense one)
+    in a buffer before it lands in .grad: two more buffers, three once .grad holds an accumulated one (the
+    `--exact` trace of Llama-3.2-1B at 512 tokens, grad_accum 1 and 2). Untied, the dense gradient becomes
+    .grad, or, accumulated, is a new buffer added into it (torch's AccumulateGrad: grad += new)."""
+    if not saved_module_params(spec, settings):
+        return 0.0
+    accumulated = settings.grad_accum > 1
+    buffers = (3 if accumulated else 2) if spec.tie_word_embeddings else (1 if accumulated else 0)
+    return buffers * spec.embedding_params * saved_module_dtype_bytes(settings, runtime)
 
 
 def embedding_grad_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
