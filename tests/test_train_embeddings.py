@@ -122,3 +122,19 @@ def test_a_config_that_trains_other_modules_stays_unmodelled(tmp_path: Path) -> 
     assert "train_embeddings" not in read.values
     assert any(line.startswith("lora_modules_to_save") for line in read.unmodelled)
     assert json.dumps(read.values)  # still a readable config
+
+
+def test_the_plan_says_what_training_the_embeddings_costs_and_keeps_them_on_the_gpu(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["plan", "-m", "llama-3.1-8b", "--gpu", "RTX 4090", "--seq-len", "2048"]
+    code, frozen, err = run_cli([*args, "--json"], capsys)
+    assert code == 0, err
+    code, trained, err = run_cli([*args, "--train-embeddings", "--json"], capsys)
+    assert code == 0, err  # the planner does not pick offload_embeddings, which the setting rules out
+    frozen_plan, trained_plan = json.loads(frozen), json.loads(trained)
+    assert trained_plan["settings"]["train_embeddings"] is True
+    assert trained_plan["settings"]["offload_embeddings"] is False
+    assert trained_plan["estimate"]["trainable_params"] > frozen_plan["estimate"]["trainable_params"] + 10**9
+    code, out, err = run_cli([*args, "--train-embeddings"], capsys)
+    assert "embeddings and LM head" in out and "GiB at the peak" in out

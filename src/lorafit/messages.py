@@ -44,6 +44,8 @@ EN: dict[str, str] = {
     "linear layers) train, in fp32",
     "plan.qlora_double": "QLoRA: the frozen base is stored in 4-bit NF4 with double quantisation; only LoRA "
     "adapters (r={lora_r:d}, {lora_targets} linear layers) train, in fp32",
+    "plan.train_embeddings": "train_embeddings: the input embeddings and LM head train in full beside the adapters "
+    "({params:,d} more trainable parameters, with their gradients and optimizer states): {more:+.2f} GiB at the peak",
     "plan.gpus_hold": "{world:d} GPU(s), {shard}: each holds {weights:.2f} GiB of weights, {gradients:.2f} GiB of "
     "gradients, {states:.2f} GiB of optimizer states, {gathered:.2f} GiB of gathered layers",
     "plan.communication": "communication: {moved:.2f} GB per GPU per optimizer step over {link} ({speed:.1f} GB/s "
