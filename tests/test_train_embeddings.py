@@ -106,6 +106,10 @@ def test_the_estimate_counts_what_the_traced_step_holds(model: str, method: str,
             "base_model: x\nadapter: qlora\nload_in_4bit: true\nlora_modules_to_save: [embed_tokens, lm_head]\n",
         ),
         ("trl.yaml", "model_name_or_path: x\nuse_peft: true\nlora_modules_to_save: [lm_head]\n"),
+        (
+            "llama_factory.yaml",
+            "model_name_or_path: x\nstage: sft\nfinetuning_type: lora\nadditional_target: embed_tokens,lm_head\n",
+        ),
     ],
 )
 def test_a_config_that_trains_the_embeddings_reads_as_the_setting(name: str, text: str, tmp_path: Path) -> None:
