@@ -73,7 +73,9 @@ class Case:
         s = self.settings
         return (
             f"{self.label} {self.kind} {self.model} {s.method} b{s.micro_batch}x{s.seq_len}"
-            f" {'ckpt' if s.grad_ckpt else 'no-ckpt'}" + (" liger" if s.liger else "")
+            f" {'ckpt' if s.grad_ckpt else 'no-ckpt'}"
+            + (" liger" if s.liger else "")
+            + (" emb" if s.train_embeddings else "")
         )
 
     @property
@@ -126,6 +128,12 @@ def cases() -> list[Case]:
                 for ckpt in (True, False):
                     found.append(Case(stack, "cpu", label, spec, settings(method, micro_batch, seq_len, ckpt)))
     found += [replace(case, settings=case.settings.model_copy(update={"liger": True})) for case in liger_cases(found)]
+    # train_embeddings (modules_to_save: embed_tokens, lm_head) at fine-tune-llms-in-2025's step (TRL QLoRA 1 x 1024)
+    found += [
+        replace(case, settings=case.settings.model_copy(update={"train_embeddings": True}))
+        for case in found
+        if case.kind == "fake" and case.settings.micro_batch * case.settings.seq_len == 1024 and not case.settings.liger
+    ]
     for name, (micro_batch, seq_len) in (("llama-2-7b", (1, 2048)), ("llama-3.1-8b", (4, 512))):
         for ckpt in (True, False):
             found.append(
@@ -462,7 +470,12 @@ def run(case: Case, model_dir: Path | None = None) -> Traced:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lorafit.trace.model import _swappable_fake_parameters, cuda_kernel_choices, eager_data_checks
+    from lorafit.trace.model import (
+        _copyable_fake_tensors,
+        _swappable_fake_parameters,
+        cuda_kernel_choices,
+        eager_data_checks,
+    )
     from lorafit.trace.tracker import LiveTensorTracker
     from lorafit.train import build
 
@@ -478,6 +491,7 @@ def run(case: Case, model_dir: Path | None = None) -> Traced:
         if fake:
             stack.enter_context(fake_mode)
             stack.enter_context(_swappable_fake_parameters(fake_mode))
+            stack.enter_context(_copyable_fake_tensors())
             stack.enter_context(eager_data_checks())
             stack.enter_context(masks_read_from_data())
             stack.enter_context(model_stays_put())
@@ -593,7 +607,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 case,
                 spec=case.spec.model_dump(mode="json") if case.kind == "cpu" else case.model,
                 settings=s.model_dump(
-                    mode="json", include={"method", "quant", "micro_batch", "seq_len", "grad_ckpt", "liger"}
+                    mode="json",
+                    include={"method", "quant", "micro_batch", "seq_len", "grad_ckpt", "liger", "train_embeddings"},
                 ),
                 device=case.device,
                 traced=traced,

@@ -59,6 +59,8 @@ PM = dict(
 )
 # philschmid fine-tune-llms-in-2025 recipe llama-3-1-8b-qlora.yaml @391f19b (per-row batch, accumulation, kernels)
 PS = dict(method="qlora", seq_len=1024, grad_ckpt=True, attn="flash", lora_r=16, lora_targets="all", stack="trl")
+# its 2025 recipe (llama-3-1-8b-qlora.yaml) also trains the embeddings and the LM head: lora_modules_to_save
+PS_EMB = dict(PS, train_embeddings=True)
 # fms-acceleration l40_40gb.csv @8af8fa7d: the A100 file's scenario (FMS above) with torch_dtype float16
 FL = dict(FMS, precision="fp16")
 # its standard-peft scenario sets torch_dtype float16 without the fp16 flag: the Trainer runs no autocast, and the
@@ -268,17 +270,18 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     "TP-PM-04": ("llama-3.2-3b", "L40S", dict(PM, method="full")),
     "TP-PM-05": ("llama-3.2-3b", "L40S", dict(PM, method="lora", lora_r=32)),
     # fine-tune-llms-in-2025 on L4s: TRL QLoRA r16 all-linear, 1024-token packed rows, checkpointing; the runs also
-    # train the embeddings and LM head in full (modules_to_save), which lorafit does not time. "Flash Attention ❌"
+    # train the embeddings and LM head in full (modules_to_save: lm_head, embed_tokens, the rows' notes and the
+    # recipe): the train_embeddings facet. "Flash Attention ❌"
     # rows: the kernel is not stated, transformers 4.46's default (sdpa) is assumed; the Liger rows (04-06) are
     # timed with the liger facet: its RMSNorm, SwiGLU and rotary kernels (TRL 0.12.1 also let Liger's fused linear
     # cross-entropy run, which TRL 1.16, the pinned stack, turns off for its own fused head: the loss is a few
     # tenths of a percent of the step either way); 4 and 8 GPUs ran DeepSpeed ZeRO-3
     # the table says only "not flash-attention 2": transformers 4.46.3's default, sdpa (as the issue that quotes it)
-    "TP-PS-02": ("llama-3.1-8b", "L4", dict(PS, micro_batch=2, grad_accum=2, attn="sdpa")),
-    "TP-PS-03": ("llama-3.1-8b", "L4", dict(PS, micro_batch=2, grad_accum=4)),
-    "TP-PS-04": ("llama-3.1-8b", "L4", dict(PS, micro_batch=4, grad_accum=4, liger=True)),
-    "TP-PS-05": ("llama-3.1-8b", "L4", dict(PS, micro_batch=8, grad_accum=2, liger=True, n_gpus=4, shard="zero3")),
-    "TP-PS-06": ("llama-3.1-8b", "L4", dict(PS, micro_batch=8, grad_accum=2, liger=True, n_gpus=8, shard="zero3")),
+    "TP-PS-02": ("llama-3.1-8b", "L4", dict(PS_EMB, micro_batch=2, grad_accum=2, attn="sdpa")),
+    "TP-PS-03": ("llama-3.1-8b", "L4", dict(PS_EMB, micro_batch=2, grad_accum=4)),
+    "TP-PS-04": ("llama-3.1-8b", "L4", dict(PS_EMB, micro_batch=4, grad_accum=4, liger=True)),
+    "TP-PS-05": ("llama-3.1-8b", "L4", dict(PS_EMB, micro_batch=8, grad_accum=2, liger=True, n_gpus=4, shard="zero3")),
+    "TP-PS-06": ("llama-3.1-8b", "L4", dict(PS_EMB, micro_batch=8, grad_accum=2, liger=True, n_gpus=8, shard="zero3")),
     # fine-tune-llms-in-2024-with-trl @10ad907 on one L4: TRL QLoRA r256 all-linear, packed 2048, batch 1 x accum 8,
     # checkpointing, flash-attention 2, adamw_torch_fused
     "TP-PS-07": (

@@ -435,11 +435,12 @@ def test_from_says_which_stack_answers_and_what_it_does_not_model(capsys: pytest
     assert code == 0, err
     assert "read as a config of axolotl; answered for stack peft-kbit" in err
     assert "warning: stack axolotl is not offered" in err
-    assert "lora_modules_to_save" in err  # trained embeddings and head: changes memory, not modelled
+    assert "deepspeed_configs/zero2.json" in err  # a DeepSpeed file is not read
     assert "stack peft-kbit" in out  # the settings line names the step that was estimated
     data = run_json(["estimate", "--from", str(CONFIGS / "axolotl_llama3_lora_8b.yml"), "--gpu", "A100 80GB"], capsys)
     assert data["from"]["kind"] == "axolotl" and data["from"]["stack"] == "peft-kbit"
-    assert any("lora_modules_to_save" in line for line in data["from"]["warnings"])
+    assert any("deepspeed" in line for line in data["from"]["warnings"])
+    assert data["settings"]["train_embeddings"] is True  # lora_modules_to_save: [embed_tokens, lm_head]
 
 
 def test_flags_override_the_config_file(capsys: pytest.CaptureFixture[str]) -> None:

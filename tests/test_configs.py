@@ -57,11 +57,11 @@ PUBLISHED: dict[str, tuple[str, dict[str, Any], list[str]]] = {
             "grad_ckpt": True,
             "attn": "flash",
             "optimizer": "adamw_8bit",  # adamw_bnb_8bit
+            "train_embeddings": True,  # lora_modules_to_save: [embed_tokens, lm_head]
         },
         [
             "deepspeed: deepspeed_configs/zero2.json (a DeepSpeed config file is not read; give shard zero2 or zero3,"
             " and offload)",
-            "lora_modules_to_save: [embed_tokens, lm_head] (fully trained extra modules are not modelled)",
         ],
     ),
     "llama_factory_llama3_qlora_sft_bnb_npu.yaml": (

@@ -40,10 +40,12 @@ EN: dict[str, str] = {
     "plan.expandable_segments": "expandable_segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; the caching "
     "allocator keeps {kept:.2f} GiB above the allocated peak instead of {plain:.2f} GiB (its simulation, not "
     "measured on a GPU)",
-    "plan.qlora": "QLoRA: the frozen base is stored in 4-bit NF4; only LoRA adapters (r={lora_r:d}, {lora_targets} "
+    "plan.qlora": "QLoRA: the frozen base is stored in 4-bit NF4; the LoRA adapters (r={lora_r:d}, {lora_targets} "
     "linear layers) train, in fp32",
-    "plan.qlora_double": "QLoRA: the frozen base is stored in 4-bit NF4 with double quantisation; only LoRA "
+    "plan.qlora_double": "QLoRA: the frozen base is stored in 4-bit NF4 with double quantisation; the LoRA "
     "adapters (r={lora_r:d}, {lora_targets} linear layers) train, in fp32",
+    "plan.train_embeddings": "train_embeddings: the input embeddings and LM head train in full beside the adapters "
+    "({params:,d} more trainable parameters, with their gradients and optimizer states): {more:+.2f} GiB at the peak",
     "plan.gpus_hold": "{world:d} GPU(s), {shard}: each holds {weights:.2f} GiB of weights, {gradients:.2f} GiB of "
     "gradients, {states:.2f} GiB of optimizer states, {gathered:.2f} GiB of gathered layers",
     "plan.communication": "communication: {moved:.2f} GB per GPU per optimizer step over {link} ({speed:.1f} GB/s "
@@ -190,6 +192,8 @@ EN: dict[str, str] = {
     "stacks`",
     "stack.no_quant": "none (no quantised base)",
     "error.stack_saver": "{setting_saver}: {setting} {stack} has no such switch (stacks that do: {others})",
+    "error.stack_embeddings": "{setting_embeddings}: {setting} {stack} has no modules_to_save (it trains no module "
+    "in full beside its adapters; stacks that do: {others})",
     "error.kbit_peft": "{setting_kbit}: {setting} {stack} does not build its adapters with peft",
     "error.kbit_quant": "{setting_kbit} prepares a quantised base: it needs {setting_method} qlora ({setting_quant} "
     "nf4 or int8)",

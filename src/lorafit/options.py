@@ -160,6 +160,15 @@ class Settings(RuledModel):
             "step",
         ),
     ] = "all"
+    train_embeddings: Annotated[
+        bool,
+        About(
+            "also train the input embeddings and the LM head in full, beside the adapters (peft's modules_to_save): "
+            "for new tokens or continued pretraining; lora and qlora only",
+            ESTIMATE_PLAN_TRAIN,
+            "step",
+        ),
+    ] = False
     optimizer: Annotated[
         Optimizer,
         About(

@@ -87,6 +87,10 @@ def explain(chosen: Candidate, found: list[Candidate], gpu: GpuSpec, headroom: f
     if s.method == "qlora":
         said = "plan.qlora_double" if s.double_quant else "plan.qlora"
         reasons.append(say(said, lora_r=s.lora_r, lora_targets=s.lora_targets))
+    if s.train_embeddings:
+        frozen = estimate(spec, s.model_copy(update={"train_embeddings": False}), gpu, headroom)
+        more = chosen.estimate.peak_device_gib - frozen.peak_device_gib
+        reasons.append(say("plan.train_embeddings", params=memory.saved_module_params(spec, s), more=more))
     if spec.is_moe:
         reasons.append(moe_reason(spec, s))
     return reasons

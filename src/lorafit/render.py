@@ -50,6 +50,7 @@ def _hours_between(low: float, high: float) -> str:
 def settings_line(settings: Settings) -> str:
     quant = f" {settings.quant}" if settings.quant != "none" else ""
     lora = f", LoRA r={settings.lora_r} on {settings.lora_targets}" if settings.method != "full" else ""
+    lora += " + embeddings and LM head" if settings.train_embeddings and settings.method != "full" else ""
     gpus = f", {settings.n_gpus} GPUs {settings.shard}" if settings.n_gpus > 1 else ""
     if settings.nodes > 1:
         gpus = f", {settings.n_gpus} GPUs x {settings.nodes} nodes {settings.shard}"

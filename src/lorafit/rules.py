@@ -156,6 +156,22 @@ def _embeddings_frozen(v: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _embeddings_train_beside_adapters(v: Mapping[str, Any]) -> str | None:
+    """train_embeddings: peft's modules_to_save beside LoRA; full fine-tuning trains them already."""
+    if v["train_embeddings"] and v["method"] == "full":
+        return (
+            "train_embeddings trains the embeddings and LM head beside LoRA adapters; full fine-tuning trains them "
+            "already: use method lora or qlora"
+        )
+    return None
+
+
+def _trained_embeddings_stay(v: Mapping[str, Any]) -> str | None:
+    if v["train_embeddings"] and v["offload_embeddings"]:
+        return "offload_embeddings keeps frozen embeddings in host memory; train_embeddings trains them"
+    return None
+
+
 def _flash_needs_half_precision(v: Mapping[str, Any]) -> str | None:
     if v["attn"] == "flash" and v["precision"] == "fp32":
         return "attn flash: flash attention has no fp32 kernel; use precision bf16 or fp16, or attn sdpa"
@@ -186,6 +202,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("eval_split",), _eval_split_whole),
     Rule(("offload_activations", "grad_ckpt"), _offload_needs_checkpointing),
     Rule(("offload_embeddings", "method"), _embeddings_frozen),
+    Rule(("train_embeddings", "method"), _embeddings_train_beside_adapters),
+    Rule(("train_embeddings", "offload_embeddings"), _trained_embeddings_stay),
     Rule(("attn", "precision"), _flash_needs_half_precision),
     Rule(("fused_optimizer", "optimizer"), _fused_step_is_adamw),
 )

@@ -92,12 +92,16 @@ def optimizer_values(search: Search, step: dict[str, Any]) -> list[str]:
 def saver_applies(name: str, search: Search) -> bool:
     """Whether a memory saver can help this step: only the stack's own switches; without a GPU the savers stay
     off; the host-memory and allocator savers need a CUDA card (Apple's memory is the host's); the embedding
-    can stay on the CPU only when it is frozen and not tied to the head."""
+    can stay on the CPU only when it is frozen (not full fine-tuning, not train_embeddings) and not tied to the
+    head."""
     gpu, spec = search.gpu, search.request.model
     cuda = gpu is not None and gpu.kind != "apple" and search.request.device != "cpu"
     applies = {
         "loss": gpu is not None and not search.fixed.get("liger"),  # Liger's fused loss replaces it
-        "offload_embeddings": cuda and search.fixed["method"] != "full" and not spec.tie_word_embeddings,
+        "offload_embeddings": cuda
+        and search.fixed["method"] != "full"
+        and not search.fixed.get("train_embeddings")
+        and not spec.tie_word_embeddings,
         "offload_activations": cuda,
         "expandable_segments": cuda,
     }

@@ -156,6 +156,10 @@ def check(values: Mapping[str, Any], family: str | None = None) -> None:
             raise InvalidConfig(say("error.stack_saver", setting="stack", **said))
     if values.get("liger"):
         check_liger(stack, values)
+    if values.get("train_embeddings") and not stack.peft:  # peft's modules_to_save; litgpt and torchtune: none
+        others = ", ".join(s.name for s in offered() if s.peft)
+        said = {"setting_embeddings": "train_embeddings", "stack": stack.name, "others": others}
+        raise InvalidConfig(say("error.stack_embeddings", setting="stack", **said))
     if values.get("fp32_adapters") is not None and not stack.peft:
         raise InvalidConfig(say("error.kbit_peft", setting_kbit="fp32_adapters", setting="stack", stack=stack.name))
     if values.get("kbit_prep") is not None:

@@ -121,12 +121,12 @@ def base_matmul_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> fl
     Passes: the forward, the input gradients, for full fine-tuning the weight gradients, and under checkpointing
     the layers' forward again (not the head's: it runs after the last checkpoint). The chunked loss runs the
     head's forward again in backward (chunked_loss_flops_per_token). The slowdown is the decoder layers' (the
-    head stays 16-bit)."""
+    head stays 16-bit). train_embeddings adds the head's weight gradient, one more pass: 2 x V x h x N FLOPs."""
     tokens = settings.tokens_per_micro_batch
     passes = 2 + (1 if settings.method == "full" else 0)
     layers = layer_matmul_params(spec) * passes + recomputed_layer_params(spec, settings)
     read = layers + idle_experts_read(spec, settings) * (passes + forward_passes(settings) - 1)
-    head = head_params(spec) * passes
+    head = head_params(spec) * (passes + (1 if memory.saved_module_params(spec, settings) else 0))
     rate = achievable_matmul_flops(gpu, settings.precision) * MATMUL_SHAPE_SHARE
     byte_rate, c = achievable_bytes_per_second(gpu), DTYPE_BYTES[settings.precision]
     slowdown = quant_matmul_slowdown(gpu) if settings.quant != "none" else 1.0
@@ -523,6 +523,19 @@ class MicroBatchTime:
         )
 
 
+def trained_embedding_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """train_embeddings: the input embedding's dense gradient (embedding_dense_backward zero-fills a V x h
+    buffer and adds the N token rows into it), and, from the second micro-batch of an accumulation on, each
+    trained copy's new gradient added into the one kept (read both, write one). Bandwidth-bound."""
+    saved = memory.saved_module_params(spec, settings)
+    if not saved:
+        return 0.0
+    g = memory.saved_module_dtype_bytes(settings, memory.stack_runtime(settings))
+    rows = 3 * g * spec.hidden_size * settings.tokens_per_micro_batch
+    accumulate = 3 * g * saved * (settings.grad_accum - 1) / settings.grad_accum
+    return (g * spec.embedding_params + rows + accumulate) / achievable_bytes_per_second(gpu)
+
+
 def micro_batch_time(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> MicroBatchTime:
     """Every op of one micro-batch, timed apart and summed in `total`: the GPU runs them one after another."""
     ops = dict(
@@ -530,7 +543,7 @@ def micro_batch_time(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> Micro
         attention=attention_seconds(spec, settings, gpu),
         dequant=dequant_seconds(spec, settings, gpu),
         lora=lora_seconds(spec, settings, gpu),
-        elementwise=elementwise_seconds(spec, settings, gpu),
+        elementwise=elementwise_seconds(spec, settings, gpu) + trained_embedding_seconds(spec, settings, gpu),
         loss=loss_seconds(spec, settings, gpu),
         launches=launch_seconds(spec, settings),
     )
@@ -587,7 +600,7 @@ def host_copy_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec, compute
 CLIP_GRADIENT_PASSES = 3
 
 
-def optimizer_traffic_bytes(settings: Settings, runtime: memory.Runtime) -> float:
+def optimizer_traffic_bytes(settings: Settings, runtime: memory.Runtime, param_bytes: float | None = None) -> float:
     """Bytes the optimizer step moves per trainable parameter, p the parameter's bytes, g the gradient's, s one
     moment's, counted from the kernels each implementation runs:
 
@@ -601,8 +614,9 @@ def optimizer_traffic_bytes(settings: Settings, runtime: memory.Runtime) -> floa
 
     bitsandbytes' 32-bit optimizers keep fp32 moments whatever the parameter's dtype (get_state_buffer); its
     8-bit ones one byte a moment. ZeRO steps an fp32 master copy with fp32 moments and writes the 16-bit
-    parameter back (2 more bytes)."""
-    p = g = memory.trainable_dtype_bytes(settings, runtime)
+    parameter back (2 more bytes). `param_bytes`: a parameter of another dtype than the adapters' (the copies
+    train_embeddings trains, memory.saved_module_dtype_bytes)."""
+    p = g = param_bytes or memory.trainable_dtype_bytes(settings, runtime)
     cast_back = 0.0
     if settings.shard in ("zero2", "zero3"):
         p, cast_back = 4, DTYPE_BYTES[settings.precision]
@@ -619,8 +633,10 @@ def optimizer_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> floa
     """The optimizer step is memory-bound: it streams every trainable parameter's state
     (optimizer_traffic_bytes) at the card's bandwidth."""
     runtime = memory.stack_runtime(settings)
-    trainable = memory.trainable_params(spec, settings)
-    return trainable * optimizer_traffic_bytes(settings, runtime) / achievable_bytes_per_second(gpu)
+    saved = memory.saved_module_params(spec, settings)  # train_embeddings: the copies, in their own dtype
+    adapters = (memory.trainable_params(spec, settings) - saved) * optimizer_traffic_bytes(settings, runtime)
+    copies = saved * optimizer_traffic_bytes(settings, runtime, memory.saved_module_dtype_bytes(settings, runtime))
+    return (adapters + copies) / achievable_bytes_per_second(gpu)
 
 
 def paging_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:

@@ -56,7 +56,7 @@ AXOLOTL_UNMODELLED = {
     "flash_attn_rms_norm": "flash-attn's fused kernels are not modelled",
     "flash_attn_fuse_qkv": "flash-attn's fused kernels are not modelled",
     "flash_attn_fuse_mlp": "flash-attn's fused kernels are not modelled",
-    "lora_modules_to_save": "fully trained extra modules are not modelled",
+    "lora_modules_to_save": "fully trained modules other than the embeddings and LM head are not modelled",
     "peft_use_dora": "DoRA's magnitude vectors and extra activations are not modelled",
     "relora": "ReLoRA restarts are not modelled",
     "neftune_noise_alpha": "NEFTune's noised embeddings are not modelled",
@@ -100,7 +100,7 @@ def read_axolotl(reading: Reading) -> None:
     set_deepspeed(reading, "deepspeed")
     if is_on(reading.get("fsdp")) or is_on(reading.get("fsdp_config")):
         set_fsdp(reading, reading.get("fsdp"), reading.get("fsdp_config"))
-    reading.note_switched_on(AXOLOTL_UNMODELLED)
+    reading.note_switched_on(AXOLOTL_UNMODELLED, modules_to_save="lora_modules_to_save")
     for key in AXOLOTL_PARALLEL:
         if isinstance(degree := reading.get(key), int) and degree > 1:
             reading.note(key, degree, "splitting a layer or a sequence over GPUs is not modelled")

@@ -35,7 +35,7 @@ LLAMA_FACTORY_UNMODELLED = {
     "use_unsloth": "Unsloth's kernels are not modelled",
     "use_unsloth_gc": "Unsloth's offloaded checkpoints are not modelled",
     "use_dora": "DoRA's magnitude vectors and extra activations are not modelled",
-    "additional_target": "fully trained extra modules are not modelled",
+    "additional_target": "fully trained modules other than the embeddings and LM head are not modelled",
     "neftune_noise_alpha": "NEFTune's noised embeddings are not modelled",
     "upcast_layernorm": "norm weights in fp32 are not modelled",
     "upcast_lmhead_output": "an fp32 LM-head output is not modelled",
@@ -90,7 +90,7 @@ def read_llama_factory(reading: Reading) -> None:
         reading.values["liger"] = True
     set_hf_optimizer(reading, "optim", reading.get("optim", "adamw"))  # transformers' default: an AdamW
     set_deepspeed(reading, "deepspeed")
-    reading.note_switched_on(LLAMA_FACTORY_UNMODELLED)
+    reading.note_switched_on(LLAMA_FACTORY_UNMODELLED, modules_to_save="additional_target")
     # packing and neat_packing fill each row to cutoff_len: what lorafit estimates at seq_len anyway
 
 

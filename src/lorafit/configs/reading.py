@@ -15,6 +15,10 @@ class Unmappable(Exception):
     """A value with no lorafit counterpart; `read` puts the file's name in front."""
 
 
+# the module names peft's modules_to_save takes for the embeddings and the LM head in the families lorafit trains
+EMBEDDING_MODULES = frozenset({"embed_tokens", "lm_head"})
+
+
 @dataclass
 class Reading:
     """One file being read: its keys, the lorafit values mapped so far, the lines of what is not modelled."""
@@ -63,11 +67,23 @@ class Reading:
     def note(self, key: str, value: Any, why: str) -> None:
         self.unmodelled.append(f"{key}: {shown_value(value)} ({why})")
 
-    def note_switched_on(self, table: Mapping[str, str]) -> None:
-        """One line for each key of `table` (key -> why lorafit cannot model it) that the file turns on."""
+    def note_switched_on(self, table: Mapping[str, str], modules_to_save: str = "") -> None:
+        """One line for each key of `table` (key -> why lorafit cannot model it) that the file turns on; the
+        tool's `modules_to_save` key is read as train_embeddings where it can be (trains_embeddings)."""
         for key, why in table.items():
-            if is_on(value := self.get(key)):
+            if is_on(value := self.get(key)) and not (key == modules_to_save and self.trains_embeddings(key)):
                 self.note(key, value, why)
+
+    def trains_embeddings(self, key: str) -> bool:
+        """The tool's modules_to_save names the input embedding and/or the LM head only: lorafit's
+        train_embeddings (peft matches a module by its name's last part). Other module lists stay refused."""
+        value = self.get(key)
+        if not is_on(value) or self.values.get("method") == "full":
+            return False
+        if not {name.rsplit(".", 1)[-1] for name in as_names(value)} <= EMBEDDING_MODULES:
+            return False
+        self.values["train_embeddings"] = True
+        return True
 
 
 def number_checked(key: str, option: str, value: Any) -> Any:

@@ -73,7 +73,7 @@ TRL_MODEL_KEYS = frozenset(  # ModelConfig and ScriptArguments: `trl sft` loads 
 TRL_UNMODELLED = {
     "torch_compile": "torch.compile changes what is kept for backward; not modelled",
     "neftune_noise_alpha": "NEFTune's noised embeddings are not modelled",
-    "lora_modules_to_save": "fully trained extra modules are not modelled",
+    "lora_modules_to_save": "fully trained modules other than the embeddings and LM head are not modelled",
     "use_dora": "DoRA's magnitude vectors and extra activations are not modelled",
 }
 
@@ -111,7 +111,7 @@ def read_trl(reading: Reading) -> None:
     set_deepspeed(reading, "deepspeed")
     if is_on(reading.get("fsdp")):
         set_fsdp(reading, reading.get("fsdp"), reading.get("fsdp_config"))
-    reading.note_switched_on(TRL_UNMODELLED)
+    reading.note_switched_on(TRL_UNMODELLED, modules_to_save="lora_modules_to_save")
     # packing and padding_free fill each row to max_length: what lorafit estimates at seq_len anyway
 
 

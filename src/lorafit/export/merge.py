@@ -149,6 +149,9 @@ def merged_tensors(source: RunSource, shard: Path) -> Iterator[tuple[str, str, l
         def load() -> torch.Tensor:
             with safe_open(shard, framework="pt") as base:
                 weight = base.get_tensor(name)
+            if adapter is not None and name in adapter.saved:  # trained in full (modules_to_save)
+                with safe_open(adapter.path, framework="pt") as lora:
+                    return lora.get_tensor(adapter.saved[name]).to(weight.dtype)
             if adapter is None or name not in adapter.pairs:
                 return weight
             a_name, b_name = adapter.pairs[name]
@@ -300,6 +303,9 @@ def _write_dequantised(source: RunSource, folder: Path) -> int:
                     )
                 lora_a, lora_b = lora.get_tensor(a_name).float(), lora.get_tensor(b_name).float()
                 tensors[name] = tensors[name].float().addmm_(lora_b, lora_a, alpha=adapter.scales[name]).to(dtype)
+            for name, copy in adapter.saved.items():  # trained in full (modules_to_save)
+                if name in tensors:
+                    tensors[name] = lora.get_tensor(copy).to(dtype)
     del model
     shards: list[list[str]] = [[]]
     size = 0

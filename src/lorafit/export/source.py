@@ -35,6 +35,9 @@ class Adapter:
     # per-expert base tensor -> (fused parameter, expert, part, experts): transformers saves Qwen3-MoE's and
     # Mixtral's fused experts as experts.N.gate_proj / up_proj / down_proj (part 0 / 1 the halves of gate_up)
     expert_slices: dict[str, tuple[str, int, int, int]] = field(default_factory=dict)
+    # base tensor name -> its trained copy in adapter_model.safetensors (modules_to_save: lorafit's
+    # train_embeddings), which replaces the base tensor in a merge
+    saved: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -122,15 +125,13 @@ def read_adapter(run_dir: Path) -> Adapter:
     header = safetensors_header(weights)
     pairs: dict[str, tuple[str, str]] = {}
     scales: dict[str, float] = {}
+    saved: dict[str, str] = {}
     r, alpha = config.get("r", 8), config.get("lora_alpha", 8)
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     for name in header:
         if ".lora_A." not in name:
             if ".lora_B." not in name:
-                raise ExportError(
-                    f"{weights}: tensor {name} is not a LoRA A/B matrix (embedding adapters and modules_to_save "
-                    "are not merged by lorafit)"
-                )
+                saved[saved_module(name, config)] = name
             continue
         module = name.split(".lora_A.")[0].removeprefix(PEFT_PREFIX)
         b_name = name.replace(".lora_A.", ".lora_B.")
@@ -145,7 +146,20 @@ def read_adapter(run_dir: Path) -> Adapter:
     if not pairs:
         raise ExportError(f"{weights} holds no LoRA tensors")
     shapes = {name: tuple(entry["shape"]) for name, entry in header.items()}
-    return Adapter(weights, config, pairs, scales, shapes)
+    return Adapter(weights, config, pairs, scales, shapes, saved=saved)
+
+
+def saved_module(name: str, config: dict[str, Any]) -> str:
+    """The base tensor a fully trained copy replaces: peft saves a modules_to_save module's copy under the
+    module's own name. Any other tensor is refused."""
+    base = name.removeprefix(PEFT_PREFIX)
+    module = base.rsplit(".", 1)[0]
+    if not any(module == kept or module.endswith("." + kept) for kept in config.get("modules_to_save") or []):
+        raise ExportError(
+            f"tensor {name} is not a LoRA A/B matrix nor a module of modules_to_save (embedding adapters are not "
+            "merged by lorafit)"
+        )
+    return base
 
 
 def target_parameter(module: str, targets: list[str]) -> str | None:
@@ -215,7 +229,7 @@ def per_expert_tensors(adapter: Adapter, base_shapes: dict[str, tuple[int, ...]]
                     slices[tensor] = (fused, expert, part, experts)
         if any(value[0] == fused for value in slices.values()):
             del pairs[fused], scales[fused]
-    return Adapter(adapter.path, adapter.config, pairs, scales, adapter.shapes, slices)
+    return Adapter(adapter.path, adapter.config, pairs, scales, adapter.shapes, slices, saved=adapter.saved)
 
 
 # An image-text model's language model as transformers 5.25 loads it (the names an adapter uses) -> as it saves
@@ -242,7 +256,9 @@ def saved_names(adapter: Adapter, base_shapes: dict[str, tuple[int, ...]]) -> Ad
             )
             saved = next((candidate for candidate in renamed if candidate in base_shapes), name)
         pairs[saved], scales[saved] = pair, adapter.scales[name]
-    return Adapter(adapter.path, adapter.config, pairs, scales, adapter.shapes, adapter.expert_slices)
+    return Adapter(
+        adapter.path, adapter.config, pairs, scales, adapter.shapes, adapter.expert_slices, saved=adapter.saved
+    )
 
 
 def check_shapes(adapter: Adapter, base_shapes: dict[str, tuple[int, ...]], base_dir: Path) -> None:
@@ -261,6 +277,12 @@ def check_shapes(adapter: Adapter, base_shapes: dict[str, tuple[int, ...]], base
             raise ExportError(
                 f"the base model in {base_dir} differs from the one the adapter was trained on: {base_name} is "
                 f"{list(base_shapes[base_name])}, the adapter expects {list(expected)}"
+            )
+    for base_name, copy in adapter.saved.items():  # a tied head's copy has no tensor of its own in the base
+        if base_name in base_shapes and base_shapes[base_name] != adapter.shapes[copy]:
+            raise ExportError(
+                f"the base model in {base_dir} differs from the one the adapter was trained on: {base_name} is "
+                f"{list(base_shapes[base_name])}, the adapter's trained copy {list(adapter.shapes[copy])}"
             )
 
 

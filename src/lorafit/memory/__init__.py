@@ -72,6 +72,7 @@ from lorafit.memory.weights import (
     DEEPSPEED_BUCKET_ELEMENTS,
     adapter_bytes,
     communication_buffer_bytes,
+    embedding_backward_bytes,
     embedding_grad_bytes,
     embedding_offload_applies,
     gathered_layer_bytes,
@@ -85,6 +86,8 @@ from lorafit.memory.weights import (
     paged,
     quant_state_bytes,
     quantized_weight_bytes,
+    saved_module_dtype_bytes,
+    saved_module_params,
     shard_factors,
     sharded_weight_bytes,
     trainable_dtype_bytes,
@@ -152,6 +155,8 @@ __all__ = [
     "quantized_weight_bytes",
     "recompute_bytes",
     "reserved_bytes",
+    "saved_module_dtype_bytes",
+    "saved_module_params",
     "shard_factors",
     "sharded_weight_bytes",
     "stack_runtime",
@@ -229,6 +234,9 @@ def breakdown(
         ),
         "optimizer step": (static + gradients + optimizer_step_temp_bytes(spec, settings, runtime), gradients, 0.0),
     }
+    if saved_module_params(spec, settings):  # train_embeddings: every gradient made, the embedding's last
+        at_embeddings = gradients + embedding_backward_bytes(spec, settings, runtime) * g_share
+        phases["embeddings backward"] = (static + at_embeddings, at_embeddings, 0.0)
     previous = previous_step_bytes(spec, settings, runtime)
     head_forward = head_forward_bytes(spec, settings, runtime)
     if runtime.loss == "chunked_compute":

@@ -13,7 +13,15 @@ from lorafit.memory.activations import (
     stream_dtype_bytes,
 )
 from lorafit.memory.runtime import HEAD_CHUNK, LOSS_CHUNK_TOKENS, UNSLOTH_CHUNK_TARGET_BYTES, Runtime
-from lorafit.memory.weights import adapter_bytes, gradient_bytes, optimizer_bytes, paged, weights_bytes
+from lorafit.memory.weights import (
+    adapter_bytes,
+    gradient_bytes,
+    optimizer_bytes,
+    paged,
+    saved_module_dtype_bytes,
+    saved_module_params,
+    weights_bytes,
+)
 from lorafit.models import ModelSpec
 from lorafit.schema import Settings
 from lorafit.units import BYTES_PER_GIB as GIB
@@ -29,6 +37,8 @@ def head_saved_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> f
     per_token: float = norm_saved_bytes(spec, settings, runtime) if liger else 4 * h + 4
     if settings.method == "full":
         per_token += (1 if liger else 2) * c * h
+    elif settings.train_embeddings:  # the trained head copy saves its input for its weight gradient
+        per_token += c * h
     elif runtime.quantized_head and keeps_bnb_inputs(settings, runtime):
         per_token += c * spec.hidden_size
     return per_token * settings.tokens_per_micro_batch
@@ -128,11 +138,15 @@ def fused_head_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> f
       k x min(V, 32768) at once instead (FUSED_CPU_BACKWARD_TILES).
 
     The full logits never exist: for Llama-3.1-8B at 2048 tokens 0.17 GiB in place of 2.9 GiB of fp32 logits
-    (`make bench-stacks` traces TRL's SFTTrainer step)."""
+    (`make bench-stacks` traces TRL's SFTTrainer step). A trained head (train_embeddings) adds its weight's
+    gradient: an fp32 V x h accumulator, cast to the weight's dtype at the end (chunked_logprob.py @ v1.16.0,
+    l. 409-411 and 456-457)."""
     c, h = DTYPE_BYTES[settings.precision], spec.hidden_size
     scored = settings.micro_batch * (settings.seq_len - 1)
     tile = min(scored, FUSED_TILE_TOKENS)
     buffers = tile * FUSED_VOCAB_CHUNK * c + 4 * h * scored
+    if saved_module_params(spec, settings):  # the trained head's gradient: fp32, and its cast
+        buffers += (4 + saved_module_dtype_bytes(settings, runtime)) * (spec.lm_head_params or spec.embedding_params)
     if runtime.device == "cpu":
         gathered = c * h * scored if settings.micro_batch > 1 else 0
         fold = FUSED_CPU_BACKWARD_TILES * 4 * tile * min(spec.vocab_size, FUSED_VOCAB_CHUNK)

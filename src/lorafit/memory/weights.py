@@ -64,7 +64,30 @@ def offloaded_embedding_bytes(spec: ModelSpec, settings: Settings, runtime: Runt
 def trainable_params(spec: ModelSpec, settings: Settings) -> int:
     if settings.method == "full":
         return spec.num_params
-    return spec.lora_params(settings.lora_r, settings.lora_targets)
+    return spec.lora_params(settings.lora_r, settings.lora_targets) + saved_module_params(spec, settings)
+
+
+# --- train_embeddings: peft's modules_to_save ----------------------------------------------------------------
+def saved_module_params(spec: ModelSpec, settings: Settings) -> int:
+    """train_embeddings: peft's ModulesToSaveWrapper (peft 0.21.2 utils/other.py, update) keeps the frozen
+    module and trains a copy.deepcopy of it: the input embedding and the LM head, V x h each; with tied
+    embeddings one module (lorafit passes ensure_weight_tying: the head's copy shares the embedding copy's
+    weight, tuners_utils._add_modules_to_save_to_tie)."""
+    if not settings.train_embeddings or settings.method == "full":
+        return 0
+    return spec.embedding_params + spec.lm_head_params
+
+
+def saved_module_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
+    """The copies keep the module's own dtype (deepcopy): the compute dtype the base loads in (bitsandbytes
+    never quantises an embedding, and transformers keeps lm_head out of the 4/8-bit modules), fp32 where
+    peft's prepare_model_for_kbit_training upcast the non-quantised weights first."""
+    return 4 if runtime.kbit_upcast and settings.quant != "none" else DTYPE_BYTES[settings.precision]
+
+
+def saved_module_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """The trained copies (their weights, or one gradient each)."""
+    return saved_module_params(spec, settings) * saved_module_dtype_bytes(settings, runtime)
 
 
 def trainable_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
@@ -77,24 +100,44 @@ def trainable_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
 def adapter_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     if settings.method == "full":
         return 0.0
-    return trainable_params(spec, settings) * trainable_dtype_bytes(settings, runtime)
+    return gradient_bytes(spec, settings, runtime)
 
 
 def gradient_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
     """One gradient per trainable parameter, in its dtype, all alive until the optimizer step."""
-    return trainable_params(spec, settings) * trainable_dtype_bytes(settings, runtime)
+    saved = saved_module_params(spec, settings)
+    adapters = (trainable_params(spec, settings) - saved) * trainable_dtype_bytes(settings, runtime)
+    return adapters + saved_module_bytes(spec, settings, runtime)
 
 
 def head_grad_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
-    """Gradients of the LM head and final norm, the first ones full fine-tuning produces."""
+    """Gradients of the LM head and final norm, the first ones full fine-tuning produces; with train_embeddings
+    the head copy's (V x h, made by the head's backward at the loss; the shared one when tied)."""
     if settings.method != "full":
-        return 0.0
+        head = spec.lm_head_params or spec.embedding_params
+        return head * saved_module_dtype_bytes(settings, runtime) if saved_module_params(spec, settings) else 0.0
     return (spec.lm_head_params + spec.hidden_size) * trainable_dtype_bytes(settings, runtime)
 
 
-def embedding_grad_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
-    if settings.method != "full":
+def embedding_backward_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """train_embeddings: the V x h buffers the embedding's backward holds beside the gradients. Tied, the one
+    trained weight is used twice, so autograd sums its two gradients (the head's, the embedding's dense one)
+    in a buffer before it lands in .grad: two more buffers, three once .grad holds an accumulated one (the
+    `--exact` trace of Llama-3.2-1B at 512 tokens, grad_accum 1 and 2). Untied, the dense gradient becomes
+    .grad, or, accumulated, is a new buffer added into it (torch's AccumulateGrad: grad += new)."""
+    if not saved_module_params(spec, settings):
         return 0.0
+    accumulated = settings.grad_accum > 1
+    buffers = (3 if accumulated else 2) if spec.tie_word_embeddings else (1 if accumulated else 0)
+    return buffers * spec.embedding_params * saved_module_dtype_bytes(settings, runtime)
+
+
+def embedding_grad_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """The input embedding's dense gradient (V x h), the last one backward makes; with train_embeddings and tied
+    embeddings it adds into the head's, which exists already."""
+    if settings.method != "full":
+        untied = saved_module_params(spec, settings) and not spec.tie_word_embeddings
+        return spec.embedding_params * saved_module_dtype_bytes(settings, runtime) if untied else 0.0
     return spec.embedding_params * trainable_dtype_bytes(settings, runtime)
 
 
@@ -106,6 +149,7 @@ def optimizer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> fl
     where they are fp32 already (stage_1_and_2.py single_partition_of_fp32_groups, stage3.py
     fp32_partitioned_groups_flat): 4 more bytes a trainable parameter, and the moments are fp32 too."""
     n = trainable_params(spec, settings)
+    saved = saved_module_params(spec, settings)  # train_embeddings: the copies, in their own dtype
     zero = settings.shard in ("zero2", "zero3")
     master = 4 * n if zero else 0.0
     if settings.optimizer == "sgd":
@@ -113,7 +157,10 @@ def optimizer_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> fl
     if settings.optimizer == "paged_adamw_32bit":  # bitsandbytes' 32-bit states are fp32 (get_state_buffer)
         return 2 * n * 4 + master
     if settings.optimizer == "adamw":
-        return 2 * n * (4 if zero else trainable_dtype_bytes(settings, runtime)) + master
+        if zero:
+            return 2 * n * 4 + master
+        own = 2 * saved * saved_module_dtype_bytes(settings, runtime)
+        return 2 * (n - saved) * trainable_dtype_bytes(settings, runtime) + own + master
     small = _params_in_small_tensors(spec, settings)
     return 2 * (n - small) * (1 + 4 / BNB_8BIT_BLOCK) + 2 * small * 4 + master
 
@@ -126,13 +173,15 @@ def _params_in_small_tensors(spec: ModelSpec, settings: Settings) -> int:
         per_layer = spec.layer_other_params if spec.hidden_size < BNB_8BIT_MIN_SIZE else 0
         small = spec.num_hidden_layers * per_layer + (spec.hidden_size if spec.hidden_size < BNB_8BIT_MIN_SIZE else 0)
         return small + spec.embedding_params
+    # train_embeddings: the embedding copy is an nn.Embedding too (the head's copy, a Linear, steps in 8 bits)
+    small = spec.embedding_params if saved_module_params(spec, settings) else 0
     r = settings.lora_r
     names = set(spec.lora_target_names(settings.lora_targets))
-    small = 0
+    per_layer = 0
     for name, fan_in, fan_out, copies in spec.layer_linears():
         if name in names:
-            small += sum(r * dim for dim in (fan_in, fan_out) if r * dim < BNB_8BIT_MIN_SIZE) * copies
-    return small * spec.num_hidden_layers
+            per_layer += sum(r * dim for dim in (fan_in, fan_out) if r * dim < BNB_8BIT_MIN_SIZE) * copies
+    return small + per_layer * spec.num_hidden_layers
 
 
 def paged(settings: Settings) -> bool:

@@ -72,7 +72,7 @@ def fake_model(
     elif settings.quant == "int8":
         raise LorafitError("--exact models 4-bit (--quant nf4) bases; LLM.int8 (--quant int8) is not traced yet")
     model.train()  # from_pretrained returns eval mode; the Trainer switches to train mode
-    with fake_mode, _swappable_fake_parameters(fake_mode):
+    with fake_mode, _swappable_fake_parameters(fake_mode), _copyable_fake_tensors():
         if kbit_upcast:
             from peft import prepare_model_for_kbit_training
 
@@ -103,6 +103,28 @@ def _swappable_fake_parameters(fake_mode: FakeTensorMode) -> Iterator[None]:
         yield
     finally:
         torch.utils.swap_tensors = original
+
+
+@contextlib.contextmanager
+def _copyable_fake_tensors() -> Iterator[None]:
+    """Let copy.deepcopy copy a fake tensor as a clone in the same fake mode (peft's modules_to_save, which
+    train_embeddings turns on, deep-copies the embedding and the head). torch's Tensor.__deepcopy__ would
+    deep-copy a FakeTensor's slots too, the FakeTensorMode and its dispatch cache among them: a second mode
+    whose cache entries outlive their tensors and crash the process later."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def deepcopy(self: torch.Tensor, memo: dict[int, Any]) -> torch.Tensor:
+        copied = self.detach().clone().requires_grad_(self.requires_grad)
+        if getattr(self, "_is_param", False):
+            copied._is_param = True  # type: ignore[attr-defined]  # what nn.Parameter marks on a subclass
+        memo[id(self)] = copied
+        return copied
+
+    FakeTensor.__deepcopy__ = deepcopy  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del FakeTensor.__deepcopy__
 
 
 @contextlib.contextmanager

@@ -92,7 +92,19 @@ def lora_kwargs(spec: ModelSpec, settings: Settings) -> dict[str, Any]:
     }
     if experts:
         kwargs["target_parameters"] = [f"{spec.arch.experts_module}.{name}" for name in experts]
+    if settings.train_embeddings:
+        kwargs |= modules_to_save(spec)
     return kwargs
+
+
+def modules_to_save(spec: ModelSpec) -> dict[str, Any]:
+    """train_embeddings: peft trains copies of the input embedding and the LM head in full (ModulesToSaveWrapper).
+    Every family lorafit trains names them embed_tokens and lm_head (transformers' Llama-like models; peft
+    matches the name's last part). Tied embeddings are one module: ensure_weight_tying makes peft tie the head's
+    copy to the embedding's (peft 0.21.2 tuners_utils._add_modules_to_save_to_tie) instead of training two."""
+    if spec.tie_word_embeddings:
+        return {"modules_to_save": ["embed_tokens"], "ensure_weight_tying": True}
+    return {"modules_to_save": ["embed_tokens", "lm_head"]}
 
 
 def optimizer_name(settings: Settings, fused: bool = True) -> str:
