@@ -158,6 +158,15 @@ def gguf_tensors(spec: ModelSpec) -> list[Tensor]:
                     Tensor(blk + "ffn_up_exps.bias", "bias", i * e, layer=n),
                     Tensor(blk + "ffn_down_exps.bias", "bias", h * e, layer=n),
                 ]
+            if spec.linear_attention and spec.linear_attention.shared_expert_intermediate_size:
+                # Qwen3-Next's / Qwen3.5 MoE's shared expert and its hidden -> 1 gate, written as a vector
+                width = spec.linear_attention.shared_expert_intermediate_size
+                tensors += [
+                    Tensor(blk + "ffn_gate_shexp.weight", "ffn_gate", h, width, n),
+                    Tensor(blk + "ffn_up_shexp.weight", "ffn_up", h, width, n),
+                    Tensor(blk + "ffn_down_shexp.weight", "ffn_down", width, h, n),
+                    Tensor(blk + "ffn_gate_inp_shexp.weight", "norm", h, layer=n),
+                ]
         elif spec.arch.fused_gate_up:
             tensors += [
                 Tensor(blk + "ffn_up.weight", "ffn_up", h, 2 * i, n),
