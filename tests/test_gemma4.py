@@ -131,12 +131,12 @@ TINY_TEXT = dict(
 # the 26B-A4B's MoE block at toy sizes: 4 experts of 32, 2 per token, beside the dense MLP
 TINY_MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16)
-# the E2B's features at toy sizes: per-layer inputs of 8, the last 4 of 12 layers reading earlier layers' keys and
+# the E2B's features at toy sizes: per-layer inputs of 8, the last 6 of 12 layers reading earlier layers' keys and
 # values, their MLP twice as wide (global layers with their own v_proj, as the E sizes have them)
 TINY_E = dict(
     hidden_size_per_layer_input=8,
     vocab_size_per_layer_input=512,
-    num_kv_shared_layers=4,
+    num_kv_shared_layers=6,
     use_double_wide_mlp=True,
     attention_k_eq_v=False,
     num_global_key_value_heads=None,
