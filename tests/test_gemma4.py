@@ -407,13 +407,20 @@ def test_train_runs_on_a_tiny_gemma4_and_merges(
     # --to gguf (llama.cpp's gemma4): tests/test_export_gguf_gemma4.py
 
 
-def test_image_rows_for_the_31b_are_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("model", "part"),
+    [("google/gemma-4-31B-it", {"type": "image", "url": "heron.png"}), ("google/gemma-4-E2B-it", {"type": "audio"})],
+    ids=["31b-image", "e2b-audio"],
+)
+def test_image_and_audio_rows_are_refused_in_one_line(
+    model: str, part: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     turns = [
-        {"role": "user", "content": [{"type": "image", "url": "heron.png"}, {"type": "text", "text": "What?"}]},
+        {"role": "user", "content": [part | {"url": "heron.wav"}, {"type": "text", "text": "What?"}]},
         {"role": "assistant", "content": "A heron."},
     ]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(3)))
-    code, out, err = run_cli(["plan", "--model", "google/gemma-4-31B-it", "--gpu", "h100", "--data", str(data)], capsys)
+    code, out, err = run_cli(["plan", "--model", model, "--gpu", "h100", "--data", str(data)], capsys)
     assert code == 2 and not out and err.count("\n") == 1
-    assert "image-text models on text only" in err
+    assert "image-text models on text only" in err and repr(part["type"]) in err

@@ -246,10 +246,11 @@ EN: dict[str, str] = {
     "row.binary": "a binary file (NUL bytes), not text",
     "row.compressed": "{what}, not {suffix} text: extract it, or name it for what it holds",
     "row.not_object": "expected an object with columns, got {type}",
-    "row.image_column": "column {column!r} holds an image; lorafit fine-tunes image-text models on text only (the "
-    "vision tower stays frozen): drop the image columns and image parts, or keep only the text rows",
-    "row.image_part": "content part {kind!r} holds an image; lorafit fine-tunes image-text models on text only (the "
-    "vision tower stays frozen): drop the image columns and image parts, or keep only the text rows",
+    "row.image_column": "column {column!r} holds an image or audio; lorafit fine-tunes image-text models on text only "
+    "(the vision and audio towers stay frozen): drop the image and audio columns and parts, or keep only the text rows",
+    "row.image_part": "content part {kind!r} holds an image or audio; lorafit fine-tunes image-text models on text "
+    "only (the vision and audio towers stay frozen): drop the image and audio columns and parts, or keep only the text "
+    "rows",
     "row.missing_column": "missing column {column!r}",
     "row.turns_type": "wrong type: expected a list of turns, got {type}",
     "row.empty_conversation": "empty conversation",
