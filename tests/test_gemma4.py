@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import randomize_lora_b, run_cli, run_train, word_rows
+from lorafit import timing
 from lorafit.models import ModelSpec, from_config_json, resolve
 from lorafit.schema import Settings
 
@@ -224,6 +225,9 @@ def test_the_preset_is_the_model_transformers_builds_from_the_converters_config(
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     idle = experts * (spec.num_local_experts - spec.num_experts_per_tok) // max(spec.num_local_experts, 1)
     assert spec.active_params == text_params - idle
+    if not spec.is_moe:  # the time model's matmuls: the language model's Linears (the per-layer table is looked up)
+        linears = (m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "language_model" in n)
+        assert timing.layer_matmul_params(spec) == pytest.approx(sum(m.weight.numel() for m in linears), rel=1e-3)
     # what bitsandbytes packs (the E sizes' per-layer table, an nn.Embedding, stays 16-bit)
     packed = replace_with_bnb_linear(
         model,

@@ -196,7 +196,7 @@ def e_deltas(spec: ModelSpec) -> tuple[int, int]:
     assert layout is not None
     h, p, layers = spec.hidden_size, layout.per_layer_input, spec.num_hidden_layers
     linear = layers * 2 * h * p + h * layers * p  # per_layer_input_gate, per_layer_projection; the model projection
-    other = layers * h + layout.per_layer_vocab * layers * p + p if p else 0  # norms; the table; its norm
+    other = (layers * h + per_layer_table_params(spec) + p) if p else 0  # norms; the table; its norm
     for kind in layout.shared_types(layers):
         projections, head = _attention_of(spec, kind)
         linear -= sum(i * o for name, (i, o) in projections.items() if name in ("k_proj", "v_proj"))
@@ -204,6 +204,12 @@ def e_deltas(spec: ModelSpec) -> tuple[int, int]:
     if layout.double_wide_mlp:
         linear += layout.kv_shared_layers * 3 * h * spec.intermediate_size
     return linear, other
+
+
+def per_layer_table_params(spec: ModelSpec) -> int:
+    """The E sizes' per-layer embedding table: looked up, never multiplied (no FLOPs, as the embedding)."""
+    layout = spec.global_layers
+    return layout.per_layer_vocab * spec.num_hidden_layers * layout.per_layer_input if layout else 0
 
 
 def tower_deltas(spec: ModelSpec) -> tuple[int, int]:
