@@ -316,6 +316,15 @@ def test_the_26b_a4b_plan_says_what_is_16_bit_and_what_lora_adapts(capsys: pytes
     assert "LoRA adapts the attention and the dense MLP" in said and "vision tower" in said
 
 
+def test_the_e2b_plan_says_what_is_16_bit_and_what_is_shared(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(["plan", "--model", "google/gemma-4-E2B-it", "--gpu", "h100"], capsys)
+    said = " ".join(out.split())
+    assert code == 0, err
+    # 262144 tokens x 35 layers x 256 (the converter's E2B): 2.35B
+    assert "per-layer embedding table (2.35B parameters) is held in 16 bit" in said
+    assert "its last 20 layers reuse earlier layers' keys and values" in said and "vision tower" in said
+
+
 # --- what stays refused -------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("hub_id", "words"),

@@ -84,6 +84,9 @@ EN: dict[str, str] = {
     "plan.truncates": "sequence length {seq_len:d} truncates {rows:d} rows of the data",
     "plan.vision": "image-text model: its vision tower is counted in memory (frozen, stored like the base) but "
     "images in the data are not modelled: memory and time are for text-only rows",
+    "plan.per_layer_inputs": "Gemma 4 E2B / E4B: the per-layer embedding table ({params:.2f}B parameters) is held in "
+    "16 bit (4-bit quantisation covers nn.Linear layers only), its audio tower is counted like the vision tower, and "
+    "its last {shared:d} layers reuse earlier layers' keys and values (no k_proj / v_proj to adapt)",
     "plan.mllama": "Llama 3.2 Vision: lorafit train loads its language model alone (MllamaForCausalLM, no vision "
     "tower); its {layers:d} cross-attention layers are stored but skipped for text rows, and get no adapters; "
     "images in the data are not modelled",
