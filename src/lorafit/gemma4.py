@@ -155,6 +155,15 @@ def last_layer(spec: ModelSpec) -> ModelSpec:
     return spec.model_copy(update=wide | {"global_layers": None})
 
 
+def double_wide_view(spec: ModelSpec) -> ModelSpec | None:
+    """The E2B's shared-KV layers as a uniform model (their MLP 2 x intermediate_size wide); None for a model
+    without double-wide layers."""
+    layout = spec.global_layers
+    if layout is None or not (layout.kv_shared_layers and layout.double_wide_mlp):
+        return None
+    return spec.model_copy(update={"intermediate_size": 2 * spec.intermediate_size})
+
+
 def layer_view(spec: ModelSpec, n: int) -> tuple[ModelSpec, bool]:
     """Layer `n` as a uniform model (a global layer's shape where it is one) and whether it has a v_proj."""
     layout = spec.global_layers
