@@ -14,6 +14,8 @@ import pytest
 
 from conftest import export_checked, randomize_lora_b, run_train, word_rows
 from lorafit.errors import ExportError
+from lorafit.models import from_config_json
+from lorafit.serving import gguf_tensors
 
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
@@ -112,6 +114,10 @@ def test_gemma4_gives_llama_cpp_the_logits_of_transformers(
         assert "blk.5.attn_v.weight" in names and not {"blk.11.attn_k.weight", "blk.11.attn_v.weight"} & set(names)
         assert {"per_layer_token_embd.weight", "blk.0.inp_gate.weight", "blk.11.proj.weight"} <= set(names)
         assert [int(kv_heads.parts[i][0]) for i in kv_heads.data] == [2, 2, 2, 2, 2, 2] * 2
+        # the serving plan's tensors are the file's (src/lorafit/serving.py), element for element
+        planned = {t.name: t.elements for t in gguf_tensors(from_config_json(folder))}
+        stored = {t.name: int(t.n_elements) for t in reader.tensors if t.name in planned}
+        assert stored == planned
         return
     assert "blk.5.attn_v.weight" not in names  # the global layer's K is its V
     assert [int(kv_heads.parts[i][0]) for i in kv_heads.data] == [2, 2, 2, 2, 2, 1]
