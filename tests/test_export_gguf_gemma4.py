@@ -152,15 +152,19 @@ def test_shared_kv_layers_llama_cpp_would_read_differently_are_one_line(tokenize
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["31b-layout", "26b-a4b-layout-experts"])
+@pytest.mark.parametrize(
+    ("moe", "e_size"),
+    [(False, False), (True, False), (False, True)],
+    ids=["31b-layout", "26b-a4b-layout-experts", "e2b-layout"],
+)
 def test_a_trained_gemma4_run_exports_through_the_check(
-    moe: bool, tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    moe: bool, e_size: bool, tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """QLoRA on a tiny image-text Gemma 4 (the 26B-A4B's layout with adapters on its fused experts), then `export
     --to gguf` f16 and q4_k_m: the export's own check loads each file in llama.cpp and compares it with the merged
     model (f16: logits within tolerance, the same greedy tokens)."""
 
-    gemma4_model(tmp_path / "model", tokenizer, image_text=True, moe=moe)
+    gemma4_model(tmp_path / "model", tokenizer, image_text=True, moe=moe, e_size=e_size)
     experts = ["--lora-targets", "experts", "--lora-dropout", "0"] if moe else []
     run = run_train(
         tmp_path, word_rows(8, "yes"), capsys, "--method", "qlora", "--micro-batch", "4", "--max-steps", "1", *experts
