@@ -199,13 +199,13 @@ def _attention_of(spec: ModelSpec, kind: str) -> tuple[dict[str, tuple[int, int]
 
 def e_deltas(spec: ModelSpec) -> tuple[int, int]:
     """(linear, other) weights the E sizes add to the layers as `block_totals` counts them: the per-layer input
-    path (its table, 16-bit, counted as "other"), minus each shared-KV layer's k_proj, v_proj and k_norm, plus the
-    E2B's double-wide MLP in those layers."""
+    path (its table is the model's, as the embedding is: `per_layer_table_params`), minus each shared-KV layer's
+    k_proj, v_proj and k_norm, plus the E2B's double-wide MLP in those layers."""
     layout = spec.global_layers
     assert layout is not None
     h, p, layers = spec.hidden_size, layout.per_layer_input, spec.num_hidden_layers
     linear = layers * 2 * h * p + h * layers * p  # per_layer_input_gate, per_layer_projection; the model projection
-    other = (layers * h + per_layer_table_params(spec) + p) if p else 0  # norms; the table; its norm
+    other = (layers * h + p) if p else 0  # post_per_layer_input_norm; per_layer_projection_norm
     for kind in layout.shared_types(layers):
         projections, head = _attention_of(spec, kind)
         linear -= sum(i * o for name, (i, o) in projections.items() if name in ("k_proj", "v_proj"))
@@ -216,7 +216,8 @@ def e_deltas(spec: ModelSpec) -> tuple[int, int]:
 
 
 def per_layer_table_params(spec: ModelSpec) -> int:
-    """The E sizes' per-layer embedding table: looked up, never multiplied (no FLOPs, as the embedding)."""
+    """The E sizes' per-layer embedding table (an nn.Embedding: 16-bit under QLoRA): a model-level weight, as the
+    embedding is, not a layer's; looked up, never multiplied (no FLOPs)."""
     layout = spec.global_layers
     return layout.per_layer_vocab * spec.num_hidden_layers * layout.per_layer_input if layout else 0
 

@@ -321,6 +321,7 @@ class ModelSpec(BaseModel):
             blocks = self.num_hidden_layers * per_layer
         text = blocks + self.embedding_params + self.lm_head_params + self.hidden_size  # and the final norm
         text += sum(mla.dense_deltas(self))  # DeepSeek's dense first layers (mla.py)
+        text += gemma4.per_layer_table_params(self)  # Gemma 4 E2B / E4B's per-layer embedding table
         return text + self.vision_params + self.cross_attention_params
 
     @property
