@@ -57,6 +57,14 @@ ROWS: tuple[tuple[str, dict], ...] = (
     # Gemma 4 26B-A4B: the 31B's layers with an MoE block (128 fused experts left 16-bit) beside a dense MLP
     ("google/gemma-4-26B-A4B-it", QLORA_2048),
     ("gemma-4-26b-a4b", QLORA_2048 | {"micro_batch": 4, "loss": "chunked"}),  # the peak: a layer's backward
+    # Gemma 4 E2B / E4B: per-layer input embeddings (16-bit), shared-KV layers, an audio tower (traced at full depth)
+    ("google/gemma-4-E2B-it", QLORA_2048),
+    ("google/gemma-4-E4B-it", QLORA_2048),
+    ("gemma-4-e2b", dict(method="lora", quant="none", micro_batch=1, seq_len=2048, grad_ckpt=True)),
+    ("gemma-4-e4b", dict(method="lora", quant="none", micro_batch=1, seq_len=2048, grad_ckpt=True)),
+    # without checkpointing every layer's activations count: the E2B's double-wide MLP, the per-layer input path
+    ("gemma-4-e2b", QLORA_2048 | {"micro_batch": 4, "grad_ckpt": False, "loss": "chunked"}),  # the plan's on an H100
+    ("gemma-4-e4b", QLORA_2048 | {"micro_batch": 2, "grad_ckpt": False, "loss": "chunked"}),
 )
 TOLERANCE = 0.03
 

@@ -14,7 +14,15 @@ unit and per expert), 128 experts held as two fused 3-D parameters (`experts.gat
 which bitsandbytes leaves 16-bit, as for every MoE family: `ModelSpec.expert_params`) and three more norms. Its
 experts are the ModelSpec's MoE fields; its dense MLP (`intermediate_size` wide) adds `dense_mlp_rows`.
 
-The E2B and E4B add per-layer input embeddings and shared-KV layers: a config.json with them is refused in one line.
+The E2B and E4B (Gemma4TextModel, Gemma4TextDecoderLayer, Gemma4TextAttention, Gemma4TextMLP) add:
+- per-layer input embeddings: `embed_tokens_per_layer`, an nn.Embedding of vocab_size_per_layer_input x (layers x
+  hidden_size_per_layer_input) that bitsandbytes leaves 16-bit, `per_layer_model_projection` (hidden -> layers x
+  256, a Linear) and its norm; in each layer `per_layer_input_gate` (hidden -> 256), `per_layer_projection` (256 ->
+  hidden), both Linears, and `post_per_layer_input_norm`;
+- shared-KV layers: the last num_kv_shared_layers layers (config.kv_sharing_modes "reuse") have no k_proj, v_proj,
+  k_norm, v_norm and read the keys/values of the last unshared layer of their kind; with use_double_wide_mlp (the
+  E2B) their MLP is 2 x intermediate_size wide;
+- an audio tower (Gemma4AudioModel from the default Gemma4AudioConfig) and embed_audio, stored, never run for text.
 """
 
 from __future__ import annotations
@@ -31,12 +39,16 @@ if TYPE_CHECKING:
 
 # Gemma4TextConfig: sliding_window_pattern 6 when layer_types is not given
 DEFAULT_INTERVAL = 6
-# config.json keys of the sizes lorafit does not model, what each adds (Gemma4TextConfig's docstring), and the
-# config class's default for a file that leaves it out (hidden_size_per_layer_input 256: per-layer embeddings on)
-UNMODELLED_KEYS = {
-    "hidden_size_per_layer_input": ("per-layer input embeddings (E2B, E4B)", 256),
-    "num_kv_shared_layers": ("shared-KV layers (E2B, E4B)", 0),
-}
+# Gemma4TextConfig's defaults for a config.json that leaves the E sizes' keys out (configuration_gemma4.py)
+PER_LAYER_INPUT_DEFAULT = 256
+PER_LAYER_VOCAB_DEFAULT = 262_144
+# The audio tower of the default Gemma4AudioConfig (the E2B's and E4B's, convert_gemma4_weights.py
+# _DEFAULT_AUDIO_CONFIG): the meta-device build with transformers 5.25 (2026-12), split as its quantizer splits it:
+# 304,611,328 weights in the Linears bitsandbytes packs, 213,280 in norms, biases, convolutions and scales; its
+# output (output_proj_dims 1536) reaches the text model through embed_audio's projection (1536 x hidden).
+AUDIO_LINEAR = 304_611_328
+AUDIO_OTHER = 213_280
+AUDIO_OUTPUT = 1536
 # the MoE block's own norms besides the four of every layer: pre_feedforward_layernorm_2, post_feedforward_layernorm_1
 # and _2 (Gemma4TextDecoderLayer)
 MOE_NORMS = 3
@@ -54,6 +66,12 @@ class GlobalLayers(BaseModel):
     interval: int = Field(default=DEFAULT_INTERVAL, gt=0, le=1024)
     sliding_window: int = Field(default=512, gt=0, le=1 << 26)
     final_logit_softcapping: float | None = Field(default=None, gt=0)
+    # the E2B's and E4B's features (module docstring); off for the 31B and 26B-A4B
+    per_layer_input: int = Field(default=0, ge=0, le=1 << 16)  # hidden_size_per_layer_input
+    per_layer_vocab: int = Field(default=PER_LAYER_VOCAB_DEFAULT, gt=0, le=1 << 24)  # vocab_size_per_layer_input
+    kv_shared_layers: int = Field(default=0, ge=0, le=1024)  # num_kv_shared_layers
+    double_wide_mlp: bool = False  # use_double_wide_mlp
+    audio: bool = False  # an audio_config: the audio tower is built
 
     def layer_types(self, layers: int) -> list[str]:
         kinds = ["full_attention" if (i + 1) % self.interval == 0 else "sliding_attention" for i in range(layers)]
@@ -61,6 +79,10 @@ class GlobalLayers(BaseModel):
 
     def full_layers(self, layers: int) -> int:
         return self.layer_types(layers).count("full_attention")
+
+    def shared_types(self, layers: int) -> list[str]:
+        """The kinds of the shared-KV layers (the last `kv_shared_layers`)."""
+        return self.layer_types(layers)[layers - self.kv_shared_layers :] if self.kv_shared_layers else []
 
     def attention_linears(self, spec: ModelSpec) -> dict[str, tuple[int, int]]:
         """(in, out) of a full-attention layer's projections: no v_proj where keys are values."""
@@ -83,7 +105,14 @@ def hf_keys(spec: ModelSpec) -> dict[str, Any]:
     keys |= {"layer_types": layout.layer_types(spec.num_hidden_layers), "enable_moe_block": spec.is_moe}
     if spec.is_moe:
         keys |= {"top_k_experts": spec.num_experts_per_tok}
-    return keys | {"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0}
+    e_sizes = {"hidden_size_per_layer_input": layout.per_layer_input, "num_kv_shared_layers": layout.kv_shared_layers}
+    e_sizes |= {"vocab_size_per_layer_input": layout.per_layer_vocab, "use_double_wide_mlp": layout.double_wide_mlp}
+    return keys | e_sizes
+
+
+def wrapper_keys(spec: ModelSpec) -> dict[str, Any]:
+    """The image-text config's audio_config (Gemma4AudioConfig's defaults) where the model has the audio tower."""
+    return {"audio_config": {"model_type": "gemma4_audio"}} if spec.global_layers and spec.global_layers.audio else {}
 
 
 def is_moe(spec: ModelSpec) -> bool:
@@ -121,7 +150,18 @@ def last_layer(spec: ModelSpec) -> ModelSpec:
     if layout is None:
         return spec
     wide = {"head_dim": layout.global_head_dim, "num_key_value_heads": layout.num_global_key_value_heads}
+    if layout.kv_shared_layers and layout.double_wide_mlp:  # the E2B's last layer: a shared-KV one, MLP 2x wide
+        wide |= {"intermediate_size": 2 * spec.intermediate_size}
     return spec.model_copy(update=wide | {"global_layers": None})
+
+
+def double_wide_view(spec: ModelSpec) -> ModelSpec | None:
+    """The E2B's shared-KV layers as a uniform model (their MLP 2 x intermediate_size wide); None for a model
+    without double-wide layers."""
+    layout = spec.global_layers
+    if layout is None or not (layout.kv_shared_layers and layout.double_wide_mlp):
+        return None
+    return spec.model_copy(update={"intermediate_size": 2 * spec.intermediate_size})
 
 
 def layer_view(spec: ModelSpec, n: int) -> tuple[ModelSpec, bool]:
@@ -144,7 +184,53 @@ def block_totals(spec: ModelSpec) -> tuple[int, int]:
     moe_linear, moe_other = moe_deltas(spec)
     linear = layers * (plain.layer_linear_params + moe_linear) + full * (wide - sliding)
     other = layers * (plain.layer_other_params + moe_other) + full * 2 * (layout.global_head_dim - spec.head_size)
+    e_linear, e_other = e_deltas(spec)
+    return linear + e_linear, other + e_other
+
+
+def _attention_of(spec: ModelSpec, kind: str) -> tuple[dict[str, tuple[int, int]], int]:
+    """A layer's attention projections and head size for its kind (sliding or full attention)."""
+    layout = spec.global_layers
+    assert layout is not None
+    if kind == "full_attention":
+        return layout.attention_linears(spec), layout.global_head_dim
+    return spec.model_copy(update={"global_layers": None}).attention_linears(), spec.head_size
+
+
+def e_deltas(spec: ModelSpec) -> tuple[int, int]:
+    """(linear, other) weights the E sizes add to the layers as `block_totals` counts them: the per-layer input
+    path (its table is the model's, as the embedding is: `per_layer_table_params`), minus each shared-KV layer's
+    k_proj, v_proj and k_norm, plus the E2B's double-wide MLP in those layers."""
+    layout = spec.global_layers
+    assert layout is not None
+    h, p, layers = spec.hidden_size, layout.per_layer_input, spec.num_hidden_layers
+    linear = layers * 2 * h * p + h * layers * p  # per_layer_input_gate, per_layer_projection; the model projection
+    other = (layers * h + p) if p else 0  # post_per_layer_input_norm; per_layer_projection_norm
+    for kind in layout.shared_types(layers):
+        projections, head = _attention_of(spec, kind)
+        linear -= sum(i * o for name, (i, o) in projections.items() if name in ("k_proj", "v_proj"))
+        other -= head  # k_norm (v_norm has no weight)
+    if layout.double_wide_mlp:
+        linear += layout.kv_shared_layers * 3 * h * spec.intermediate_size
     return linear, other
+
+
+def per_layer_table_params(spec: ModelSpec) -> int:
+    """The E sizes' per-layer embedding table (an nn.Embedding: 16-bit under QLoRA): a model-level weight, as the
+    embedding is, not a layer's; looked up, never multiplied (no FLOPs)."""
+    layout = spec.global_layers
+    return layout.per_layer_vocab * spec.num_hidden_layers * layout.per_layer_input if layout else 0
+
+
+def tower_deltas(spec: ModelSpec) -> tuple[int, int]:
+    """(linear, other) of the E sizes' audio tower and embed_audio. With it, embed_audio's projection is the
+    model's last module, which transformers' get_keys_to_not_convert leaves 16-bit, and embed_vision's (which
+    `VisionTower` counts as 16-bit) is packed: checked against the meta-device build in tests/test_gemma4.py."""
+    layout = spec.global_layers
+    if layout is None or not layout.audio:
+        return 0, 0
+    vision = spec.vision.hidden_size * spec.hidden_size if spec.vision else 0
+    return AUDIO_LINEAR + vision, AUDIO_OTHER + AUDIO_OUTPUT * spec.hidden_size - vision
 
 
 def lora_params(spec: ModelSpec, r: int, targets: LoraTargets) -> int:
@@ -162,21 +248,21 @@ def lora_params(spec: ModelSpec, r: int, targets: LoraTargets) -> int:
     attention = set(spec.attention_linears())
     mlp = sum(r * (i + o) * n for name, i, o, n in spec.layer_linears() if name in names and name not in attention)
     sliding = adapters(spec.attention_linears()) + mlp
-    return full * (adapters(layout.attention_linears(spec)) + mlp) + (layers - full) * sliding
+    total = full * (adapters(layout.attention_linears(spec)) + mlp) + (layers - full) * sliding
+    # the E sizes' shared-KV layers: no k_proj / v_proj to wrap; the E2B's MLP there is twice as wide
+    wider = sum(r * spec.intermediate_size for name in spec.mlp_linears() if name in names)
+    for kind in layout.shared_types(layers):
+        total -= adapters({k: v for k, v in _attention_of(spec, kind)[0].items() if k in ("k_proj", "v_proj")})
+        total += wider if layout.double_wide_mlp else 0
+    return total
 
 
 def config_fields(file: object, config: dict[str, Any], gemma4: bool) -> dict[str, Any]:
-    """The `global_layers` field of a Gemma 4 text config.json and, with enable_moe_block, its experts (under
-    Gemma4TextConfig's names num_experts, top_k_experts); a size lorafit does not model (per-layer embeddings,
-    shared-KV layers) or an irregular layer_types is refused in one line."""
+    """The `global_layers` field of a Gemma 4 text config.json (with the E sizes' per-layer inputs, shared-KV layers
+    and audio tower) and, with enable_moe_block, its experts (under Gemma4TextConfig's names num_experts,
+    top_k_experts); an irregular layer_types is refused in one line."""
     if not gemma4:
         return {}
-    added = [what for key, (what, default) in UNMODELLED_KEYS.items() if config.get(key, default)]
-    if added:
-        raise InvalidConfig(
-            f"{file}: Gemma 4 with {', '.join(added)} is not modelled yet; the 31B and 26B-A4B are (--model "
-            "gemma-4-31b, gemma-4-26b-a4b), and gemma-3-4b is the nearest preset to the E2B and E4B"
-        )
     layers = config.get("num_hidden_layers")
     types = config.get("layer_types")
     interval = types.index("full_attention") + 1 if isinstance(types, list) and "full_attention" in types else None
@@ -187,6 +273,11 @@ def config_fields(file: object, config: dict[str, Any], gemma4: bool) -> dict[st
         "interval": interval or config.get("sliding_window_pattern") or DEFAULT_INTERVAL,
         "sliding_window": config.get("sliding_window") or 512,
         "final_logit_softcapping": config.get("final_logit_softcapping"),
+        "per_layer_input": config.get("hidden_size_per_layer_input", PER_LAYER_INPUT_DEFAULT) or 0,
+        "per_layer_vocab": config.get("vocab_size_per_layer_input") or PER_LAYER_VOCAB_DEFAULT,
+        "kv_shared_layers": config.get("num_kv_shared_layers") or 0,
+        "double_wide_mlp": config.get("use_double_wide_mlp") is True,
+        "audio": bool(config.get("audio_config")),
     }
     if fields["attention_k_eq_v"] and config.get("num_global_key_value_heads") is not None:
         fields["num_global_key_value_heads"] = config["num_global_key_value_heads"]

@@ -86,6 +86,9 @@ EN: dict[str, str] = {
     "plan.truncates": "sequence length {seq_len:d} truncates {rows:d} rows of the data",
     "plan.vision": "image-text model: its vision tower is counted in memory (frozen, stored like the base) but "
     "images in the data are not modelled: memory and time are for text-only rows",
+    "plan.per_layer_inputs": "Gemma 4 E2B / E4B: the per-layer embedding table ({params:.2f}B parameters) is held in "
+    "16 bit (4-bit quantisation covers nn.Linear layers only), its audio tower is counted like the vision tower, and "
+    "its last {shared:d} layers reuse earlier layers' keys and values (no k_proj / v_proj to adapt)",
     "plan.mllama": "Llama 3.2 Vision: lorafit train loads its language model alone (MllamaForCausalLM, no vision "
     "tower); its {layers:d} cross-attention layers are stored but skipped for text rows, and get no adapters; "
     "images in the data are not modelled",
@@ -250,10 +253,11 @@ EN: dict[str, str] = {
     "row.binary": "a binary file (NUL bytes), not text",
     "row.compressed": "{what}, not {suffix} text: extract it, or name it for what it holds",
     "row.not_object": "expected an object with columns, got {type}",
-    "row.image_column": "column {column!r} holds an image; lorafit fine-tunes image-text models on text only (the "
-    "vision tower stays frozen): drop the image columns and image parts, or keep only the text rows",
-    "row.image_part": "content part {kind!r} holds an image; lorafit fine-tunes image-text models on text only (the "
-    "vision tower stays frozen): drop the image columns and image parts, or keep only the text rows",
+    "row.image_column": "column {column!r} holds an image or audio; lorafit fine-tunes image-text models on text only "
+    "(the vision and audio towers stay frozen): drop the image and audio columns and parts, or keep only the text rows",
+    "row.image_part": "content part {kind!r} holds an image or audio; lorafit fine-tunes image-text models on text "
+    "only (the vision and audio towers stay frozen): drop the image and audio columns and parts, or keep only the text "
+    "rows",
     "row.missing_column": "missing column {column!r}",
     "row.turns_type": "wrong type: expected a list of turns, got {type}",
     "row.empty_conversation": "empty conversation",

@@ -292,7 +292,8 @@ class ModelSpec(BaseModel):
     def vision_params(self) -> int:
         """An image-text model's vision tower and projector (0 for a text model): loaded, never trained by LoRA,
         and not run for text-only rows."""
-        return self.vision.params(self.hidden_size) if self.vision else 0
+        tower = self.vision.params(self.hidden_size) if self.vision else 0
+        return tower + sum(gemma4.tower_deltas(self))  # and Gemma 4 E2B / E4B's audio tower
 
     @property
     @memoised
@@ -301,7 +302,11 @@ class ModelSpec(BaseModel):
         (`vision.py`: transformers' quantizer skips neither)."""
         vision = self.vision.linear_params(self.hidden_size) if self.vision else 0
         vision += self.cross_attention.linear_params(self) if self.cross_attention else 0
-        return self.num_hidden_layers * self.layer_linear_params + vision + mla.dense_deltas(self)[0]
+        vision += gemma4.tower_deltas(self)[0]  # Gemma 4 E2B / E4B: the audio tower; their layers differ
+        blocks = (
+            gemma4.block_totals(self)[0] if self.global_layers else self.num_hidden_layers * self.layer_linear_params
+        )
+        return blocks + vision + mla.dense_deltas(self)[0]
 
     @property
     @memoised
@@ -316,6 +321,7 @@ class ModelSpec(BaseModel):
             blocks = self.num_hidden_layers * per_layer
         text = blocks + self.embedding_params + self.lm_head_params + self.hidden_size  # and the final norm
         text += sum(mla.dense_deltas(self))  # DeepSeek's dense first layers (mla.py)
+        text += gemma4.per_layer_table_params(self)  # Gemma 4 E2B / E4B's per-layer embedding table
         return text + self.vision_params + self.cross_attention_params
 
     @property
@@ -405,4 +411,5 @@ class ModelSpec(BaseModel):
             "vision_config": self.vision.to_hf_config(self.hidden_size),
             "tie_word_embeddings": self.tie_word_embeddings,
             **self.vision.wrapper_keys(),
+            **gemma4.wrapper_keys(self),
         }

@@ -200,6 +200,7 @@ def _image_text_spec(file: Path, config: dict[str, Any], vision: VisionTower, na
         )
     tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", TIED_BY_DEFAULT[vision.family]))
     text["tie_word_embeddings"] = tied
+    text["audio_config"] = config.get("audio_config")  # Gemma 4 E2B / E4B: an audio tower beside (gemma4.py)
     return _text_spec(file, text, architecture, name, vision)
 
 

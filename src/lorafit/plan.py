@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from lorafit import hardware, memory, options, rules, serving, stacks
+from lorafit import gemma4, hardware, memory, options, rules, serving, stacks
 from lorafit.costs import time_and_cost
 from lorafit.errors import LorafitError
 from lorafit.hardware import GpuSpec
@@ -583,6 +583,9 @@ def make_plan(request: PlanRequest, truncated_rows: int | None = None, details: 
         reasons.append(say("plan.truncates", seq_len=seq_len, rows=truncated_rows))
     if request.model.vision is not None:
         reasons.append(say("plan.vision"))
+    if (layout := request.model.global_layers) and layout.per_layer_input:  # Gemma 4 E2B / E4B (gemma4.py)
+        table = gemma4.per_layer_table_params(request.model) / 1e9
+        reasons.append(say("plan.per_layer_inputs", params=table, shared=layout.kv_shared_layers))
     if request.model.cross_attention is not None:  # Llama 3.2 Vision (mllama.py)
         reasons.append(say("plan.mllama", layers=len(request.model.cross_attention.layers)))
     speed = chosen.tokens_per_s if gpu else 0.0

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import tomllib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache, lru_cache
 from importlib import resources
 from typing import Literal, cast
@@ -181,7 +181,45 @@ def gguf_tensors(spec: ModelSpec) -> list[Tensor]:
     tensors.append(Tensor("output_norm.weight", "norm", h))
     if not spec.tie_word_embeddings:
         tensors.append(Tensor("output.weight", "output", h, spec.vocab_size))
-    return tensors
+    return per_layer_input_tensors(spec, tensors)
+
+
+def per_layer_input_tensors(spec: ModelSpec, tensors: list[Tensor]) -> list[Tensor]:
+    """Gemma 4 E2B / E4B as llama.cpp's gemma4 stores them (export/gguf_layers.py; gguf-py's names): the shared-KV
+    layers without attn_k, attn_v, attn_k_norm, the E2B's MLP there twice as wide, and the per-layer input path.
+    llama-quantize has no rule of its own for those tensors: they take the mix's default type, as ffn_up does."""
+    layout, h = spec.global_layers, spec.hidden_size
+    if layout is None or not (layout.per_layer_input or layout.kv_shared_layers):
+        return tensors
+    first_shared, p, layers = (
+        spec.num_hidden_layers - layout.kv_shared_layers,
+        layout.per_layer_input,
+        spec.num_hidden_layers,
+    )
+    dropped = ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight")
+    kept = [t for t in tensors if t.layer is None or t.layer < first_shared or not t.name.endswith(dropped)]
+    if layout.double_wide_mlp:
+        wide = {"ffn_gate": "rows", "ffn_up": "rows", "ffn_down": "row"}
+        kept = [
+            replace(t, **{wide[t.kind]: 2 * getattr(t, wide[t.kind])})
+            if t.layer is not None and t.layer >= first_shared and t.kind in wide
+            else t
+            for t in kept
+        ]
+    if not p:
+        return kept
+    kept += [
+        Tensor("per_layer_token_embd.weight", "ffn_up", layers * p, layout.per_layer_vocab),
+        Tensor("per_layer_model_proj.weight", "ffn_up", h, layers * p),
+        Tensor("per_layer_proj_norm.weight", "norm", p),
+    ]
+    for n in range(layers):
+        kept += [
+            Tensor(f"blk.{n}.inp_gate.weight", "ffn_up", h, p, n),
+            Tensor(f"blk.{n}.proj.weight", "ffn_down", p, h, n),
+            Tensor(f"blk.{n}.post_norm.weight", "norm", h, layer=n),
+        ]
+    return kept
 
 
 # --- the ggml type llama-quantize gives each tensor ---------------------------------------------------------

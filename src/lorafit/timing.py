@@ -110,8 +110,8 @@ def head_params(spec: ModelSpec) -> int:
 
 def layer_matmul_params(spec: ModelSpec) -> int:
     """Weights a token passes through in the decoder layers' matmuls: the active parameters less the embedding
-    and the head (and the norms, too few to count)."""
-    return spec.active_params - spec.embedding_params - spec.lm_head_params
+    and the head (and the norms, too few to count), and less Gemma 4 E2B / E4B's per-layer embedding table."""
+    return spec.active_params - spec.embedding_params - spec.lm_head_params - gemma4.per_layer_table_params(spec)
 
 
 def base_matmul_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:

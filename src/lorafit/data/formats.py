@@ -55,8 +55,8 @@ TOOL_KEYS = ("tool_calls", "tool_call_id", "name")
 # An image-text dataset's images: TRL's and the HF image-text datasets' columns, and the content parts of the
 # OpenAI / transformers chat formats. lorafit trains image-text models (Gemma 3, Mistral Small 3.x, Qwen2.5-VL) on
 # text only, so a row with an image is refused, never trained with its image silently dropped.
-IMAGE_COLUMNS = ("images", "image")
-IMAGE_PARTS = ("image", "image_url", "input_image")
+IMAGE_COLUMNS = ("images", "image", "audios", "audio")  # and Gemma 4 E2B / E4B's audio: TRL's audio column names
+IMAGE_PARTS = ("image", "image_url", "input_image", "audio", "input_audio")  # transformers' / OpenAI's audio parts
 
 # How many parsed records detection looks at before it decides.
 DETECT_SAMPLE = 100

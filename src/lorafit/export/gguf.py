@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING, Any
 from lorafit.errors import ExportError
 from lorafit.export import gguf_hybrid, gguf_mla
 from lorafit.export.gguf_catalog import gguf_catalog
-from lorafit.export.gguf_layers import full_head_dim, per_layer, proportional_factors, write_layer_shapes
+from lorafit.export.gguf_layers import (
+    feed_forward_length,
+    full_head_dim,
+    per_layer,
+    proportional_factors,
+    write_layer_shapes,
+)
 from lorafit.export.gguf_vocab import Vocabulary, read_vocabulary
 from lorafit.export.source import safetensors_header, weight_files
 from lorafit.options import GgufType
@@ -494,7 +500,7 @@ def _write_metadata(writer: Any, arch: Architecture, vocabulary: Vocabulary, fil
     writer.add_context_length(int(config.get("max_position_embeddings") or 4096))
     writer.add_embedding_length(int(config["hidden_size"]))
     writer.add_block_count(arch.layers)
-    writer.add_feed_forward_length(int(config["intermediate_size"]))
+    writer.add_feed_forward_length(feed_forward_length(config, arch.layers))  # per layer: Gemma 4 E2B
     writer.add_head_count(arch.heads)
     shaped = arch.entry.get("layer_shapes")
     writer.add_head_count_kv(per_layer(config, "num_key_value_heads", arch.kv_heads) if shaped else arch.kv_heads)

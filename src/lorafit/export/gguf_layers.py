@@ -15,9 +15,10 @@ UNROTATED = 1e30  # llama.cpp divides the angle by the factor: 1e30 leaves the d
 
 
 def overrides(config: dict[str, Any], layer: int) -> dict[str, Any]:
-    """The layer's own settings (per_layer_config's keys are ints in memory, strings in config.json)."""
-    table = config.get("per_layer_config") or {}
-    return dict(table.get(layer) or table.get(str(layer)) or {})
+    """The layer's own settings (per_layer_config's keys are ints in memory, strings in config.json, zero-padded
+    to the width of the layer count: "05" of 12 layers)."""
+    table = {int(key): value for key, value in (config.get("per_layer_config") or {}).items()}
+    return dict(table.get(layer) or {})
 
 
 def per_layer(config: dict[str, Any], key: str, default: int) -> list[int]:
@@ -42,10 +43,39 @@ def proportional_factors(rope: dict[str, Any], head_dim: int) -> list[float]:
 
 def write_layer_shapes(writer: Any, config: dict[str, Any], sliding_head_dim: int) -> None:
     """The keys llama.cpp's gemma4 requires besides Gemma 3's: the sliding layers' head size and rotated width,
-    and no per-layer input embedding or shared-KV layers (the 31B's; the catalog refuses others)."""
+    the per-layer input width and the shared-KV layers (the E2B's and E4B's; 0 for the 31B and 26B-A4B), as
+    conversion/gemma.py Gemma4Model.set_gguf_parameters writes them."""
     sliding = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
     writer.add_key_length_swa(sliding_head_dim)
     writer.add_value_length_swa(sliding_head_dim)
     writer.add_rope_dimension_count_swa(int(sliding_head_dim * float(sliding.get("partial_rotary_factor", 1.0))))
-    writer.add_embedding_length_per_layer_input(0)
-    writer.add_shared_kv_layers(0)
+    writer.add_embedding_length_per_layer_input(int(config.get("hidden_size_per_layer_input") or 0))
+    writer.add_shared_kv_layers(shared_kv_layers(config))
+
+
+def shared_kv_layers(config: dict[str, Any]) -> int:
+    """The shared-KV layer count, where llama.cpp reads the same keys and values as transformers: transformers'
+    shared layers read the last unshared layer of their kind (Gemma4TextConfig.kv_sharing_modes), llama.cpp's the
+    last unshared layer for a full-attention one and the one before it for a sliding one (llama-model.cpp
+    create_memory's reuse for LLM_ARCH_GEMMA4): the same layers where those two end in sliding, full, as the E2B and
+    E4B do."""
+    shared = int(config.get("num_kv_shared_layers") or 0)
+    types = list(config.get("layer_types") or [])
+    first = len(types) - shared
+    if shared and (first < 2 or types[first - 2 : first] != ["sliding_attention", "full_attention"]):
+        raise ExportError(
+            f"the last layers before the {shared} shared-KV layers are {types[max(first - 2, 0) : first]}, not a "
+            "sliding then a full-attention one: llama.cpp's gemma4 would read other layers' keys and values than "
+            "transformers; export --to merged"
+        )
+    return shared
+
+
+def feed_forward_length(config: dict[str, Any], layers: int) -> int | list[int]:
+    """The MLP width, per layer where the E2B's shared-KV layers have a double-wide one (use_double_wide_mlp;
+    conversion/gemma.py writes the same array)."""
+    width = int(config["intermediate_size"])
+    if not config.get("use_double_wide_mlp") or not config.get("num_kv_shared_layers"):
+        return width
+    first_shared = layers - int(config["num_kv_shared_layers"])
+    return [width if n < first_shared else 2 * width for n in range(layers)]

@@ -148,6 +148,12 @@ def activation_parts_per_token(
         parts["dense_mlp"] = gated * spec.intermediate_size / inter + dense_lora
         parts["moe_norms"] = (gemma4.MOE_NORMS + 1) * norm_saved_bytes(spec, settings, runtime)
         parts["router"] = 4 * spec.num_local_experts
+    if spec.global_layers and spec.global_layers.per_layer_input:
+        # Gemma 4 E2B / E4B (gemma4.py): the per-layer input path after the MLP; its Linears are frozen, its GELU
+        # saves its input, the product both factors (per_layer_input wide), the post_per_layer_input_norm its input
+        parts["per_layer_input"] = 3 * c * spec.global_layers.per_layer_input + norm_saved_bytes(
+            spec, settings, runtime
+        )
     if spec.norms_per_layer > 2:
         # Gemma-2 and Gemma 3 normalise the attention and MLP outputs too, before adding them to the residual stream
         parts["post_norms"] = (spec.norms_per_layer - 2) * norm_saved_bytes(spec, settings, runtime)
@@ -381,6 +387,9 @@ def activation_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> f
         spec, settings, runtime, input_requires_grad=first_layer_input_requires_grad(settings, runtime)
     )
     rest = activation_bytes_per_layer(spec, settings, runtime)
+    if wide := gemma4.double_wide_view(spec):  # the E2B's shared-KV layers: their MLP twice as wide
+        shared = spec.global_layers.kv_shared_layers if spec.global_layers else 0
+        return first + (layers - 1 - shared) * rest + shared * activation_bytes_per_layer(wide, settings, runtime)
     return first + (layers - 1) * rest
 
 

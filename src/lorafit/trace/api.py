@@ -250,6 +250,9 @@ def trace_depths(spec: ModelSpec) -> tuple[int, int]:
     """The two depths a full-depth figure is extrapolated from: TRACE_DEPTHS, or, for a model whose layers repeat a
     pattern (Gemma 4: a global layer closes every `interval`; a hybrid such as Qwen3.5: one full-attention layer
     every group), one and two whole periods, so that each layer the line adds is the pattern's mean."""
+    if spec.global_layers and spec.global_layers.kv_shared_layers:
+        # Gemma 4 E2B / E4B: unshared layers then shared-KV ones, no whole periods: traced at full depth
+        return spec.num_hidden_layers, spec.num_hidden_layers
     if spec.global_layers:
         period = spec.global_layers.interval
     elif spec.linear_attention:

@@ -110,8 +110,18 @@ def hf_config(spec: ModelSpec, settings: Settings) -> PretrainedConfig:
     data = spec.to_hf_config()
     model_type = data.pop("model_type")
     config = AutoConfig.for_model(model_type, **data)
-    config._attn_implementation = ATTN_IMPLEMENTATION[settings.attn]
+    config._attn_implementation = attn_implementation(settings, data)
     return config
+
+
+def attn_implementation(settings: Settings, config: dict[str, Any]) -> str | dict[str, str]:
+    """The attention `settings` names, for every sub-model but an audio tower (Gemma 4 E2B / E4B), which has eager
+    attention only (transformers 5.25 Gemma4AudioModel: _supports_sdpa False; "sdpa" for the whole model raises)."""
+    chosen = ATTN_IMPLEMENTATION[settings.attn]
+    if not config.get("audio_config"):
+        return chosen
+    subs = [key for key, value in config.items() if key.endswith("_config") and isinstance(value, dict)]
+    return {"": chosen} | {key: chosen for key in subs} | {"audio_config": "eager"}
 
 
 def check_model_dir(model_dir: Path, allow_pickle: bool = False) -> None:
@@ -147,12 +157,13 @@ def load_model(
     quantization = stored_mxfp4_config(model_dir, settings) or quantization_config(settings)
     quantized = {"config": stored} if stored is not None else {"quantization_config": quantization}
     auto_class = model_files.auto_model_class(model_files.config_model_type(model_dir))
+    attention = attn_implementation(settings, json.loads((model_dir / "config.json").read_text()))
     try:
         model = auto_class.from_pretrained(
             model_dir,
             dtype=compute_dtype(settings),
             **quantized,
-            attn_implementation=ATTN_IMPLEMENTATION[settings.attn],
+            attn_implementation=attention,
             use_safetensors=not allow_pickle or None,
             trust_remote_code=trust_remote_code,
             device_map=device_map,
