@@ -182,11 +182,15 @@ function field(row) {
   error.hidden = true;
   box.append(upload, help, error);
   if (row.name !== "data") {
-    input.addEventListener("change", () => { setValue(row.name, input.value); changed(); });
-    if (input.tagName === "INPUT") input.addEventListener("input", debounce(() => {
+    // typing asks after a pause and leaving the field asks at once: the second of the two, with the value the
+    // first already asked about, would only clear what the first answered (an upload's error among it)
+    const update = () => {
+      if (page.values[row.name] === input.value) return;
       setValue(row.name, input.value);
       changed();
-    }, 350));
+    };
+    input.addEventListener("change", update);
+    if (input.tagName === "INPUT") input.addEventListener("input", debounce(update, 350));
   }
   return box;
 }
@@ -275,6 +279,7 @@ function showUpload(kind, value, described = page.described[value]) {
 }
 
 async function sendFile(kind, file) {
+  ++page.requests; // a plan answer still on its way is for the form before this upload: it must not clear its error
   clearErrors();
   // a dataset is counted with the chat template of the model chosen, as the plan counts it
   const model = kind === "data" && page.values.model ? `&model=${encodeURIComponent(page.values.model)}` : "";
