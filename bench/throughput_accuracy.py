@@ -465,17 +465,19 @@ SKIPPED = {
     # cannot be timed. Its DDP rows (AQ-09/10) send only the adapters' gradients once a step (about 0.3 GB, a few
     # percent of the step on any PCIe 3.0 x4 or wider link) and stay.
     **{
-        f"TP-AQ-{n:02d}": "2 x RTX 3090 on 'an older motherboard and slow PCI lanes': the host link generation and "
+        row_id: "2 x RTX 3090 on 'an older motherboard and slow PCI lanes': the host link generation and "
         "width are not stated, and this row moves weights over it every micro-batch (FSDP FULL_SHARD gathers "
         "through host memory or CPU parameter offload)"
-        for n in (*range(1, 9), 11, 12, 13)
+        for row_id in UNIDENTIFIED
+        if row_id.startswith("TP-AQ-")
     },
     # fms-acceleration's l40_40gb.csv: not the committed scenario, and an unnamed card
     **{
-        f"TP-FL-{n:02d}": "fms-acceleration's 'L40-40GB' file (@8af8fa7d, withdrawn 2024-06-01 'remove l40'): no "
+        row_id: "fms-acceleration's 'L40-40GB' file (@8af8fa7d, withdrawn 2024-06-01 'remove l40'): no "
         "L40 has 40 GB, so the card is not identified, and the runs took 20 steps where the commit's "
         "defaults.yaml says 100, so their settings are not the committed scenario's"
-        for n in (1, 2, 3, 4, 5, 6, 9, 10)
+        for row_id in UNIDENTIFIED
+        if row_id.startswith("TP-FL-")
     },
     # the rows bench/memory_accuracy.py excludes for the same reason: a step lorafit does not model
     **{
