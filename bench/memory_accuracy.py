@@ -611,6 +611,17 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
     "US-11": dict(settings=dict(lora_dropout=0.0, grad_accum=1, grad_ckpt=True)),
     "US-12": dict(settings=dict(lora_dropout=0.0, grad_accum=1, grad_ckpt=True)),
 }
+# Unsloth's loss by release (Runtime.loss, Runtime.fused_chunk_sizing; read from unsloth/models/llama.py and
+# unsloth_zoo/fused_losses/cross_entropy_loss.py at each date, after the rows' errors were seen: check rows on
+# that ground only): its Triton cross-entropy over the whole logits up to 2024-11, Apple's cut cross-entropy
+# from 2024-11-17 (the context-length table of 2025-01, USC-*, and USN-08's 2025.4.4), its fused loss sized by
+# half the free memory, uncapped, from 2025-08-13 (USN-09 and USM-*: 2025.8.5-2025.9.1) until the pinned
+# version's 4 GiB cap (2026-07-06)
+UNSLOTH_RELEASE_LOSS: dict[str, dict[str, str]] = {
+    **{row: dict(loss="compute_logits") for row in (*(f"USN-{n:02d}" for n in range(1, 8)), "USN-10")},
+    **{row: dict(loss="cut_ce") for row in ("USN-08", *(f"USC-{n:02d}" for n in range(1, 10)))},
+    **{row: dict(fused_chunk_sizing="half_free") for row in ("USN-09", "USM-01", "USM-02", "USM-03")},
+}
 
 COMPILED = (
     "torch.compile on: compiled graphs change which tensors are saved for backward (-15% from TT-17 to "
@@ -728,6 +739,7 @@ def map_row(row: Row, spec: ModelSpec) -> Mapping:
         fields |= STACK_ROWS[raw["stack"]] | setup.get("settings", {})
         # with what the row's own versions ran beyond the pinned preset (ROW_SETUP's runtime)
         facts = stacks.resolve(raw["stack"]).facts(quant != "none") | setup.get("runtime", {})
+        facts |= UNSLOTH_RELEASE_LOSS.get(row.id, {})
         gpu = hardware.custom(gpu_gib_of(raw["gpu"]))  # a card sold as "24 GB" has 24 GiB (hardware.custom)
         return Mapping(spec, Settings(**fields), Runtime(**facts), notes, gpu)
     runtime = dict(FRAMEWORK_OF_PREFIX[prefix_of(row.id)])
@@ -1287,8 +1299,9 @@ def print_stack_rows(report: Report, rows: dict[str, Row]) -> dict[str, Any]:
                 f"  fixed length: {len(fixed)} figures, median |err| {median:.1f} %, worst {worst:.1f} % (target "
                 f"<= {STACK_TARGET_MEDIAN_PCT:.0f} % / {STACK_TARGET_WORST_PCT:.0f} %: {'met' if met else 'not met'})"
             )
+        spread = f"median |err| {statistics.median(abs(f.error_pct) for f in padded):.1f} %, " if padded else ""
         print(
-            f"  padded to each batch's longest row, estimated at the cap: {len(padded)} figures, "
+            f"  padded to each batch's longest row, estimated at the cap: {len(padded)} figures, {spread}"
             + (f"under-predicted: {', '.join(under)}" if under else "none under-predicted")
         )
         fitted = [

@@ -365,9 +365,16 @@ def test_lorafit_train_says_unsloth_is_plan_and_estimate_only(tmp_path: Path, ca
     assert code == 2 and "lorafit train runs its own trainer" in err, err
 
 
-def test_the_unsloth_calibration_rows_load_and_route_to_the_stack() -> None:
+@pytest.fixture(scope="module")
+def accuracy():
     sys.path.insert(0, str(BENCH))
-    accuracy = importlib.import_module("memory_accuracy")
+    try:
+        yield importlib.import_module("memory_accuracy")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_the_unsloth_calibration_rows_load_and_route_to_the_stack(accuracy) -> None:
     rows = [row for row in accuracy.read_rows(accuracy.DEFAULT_CSV) if row.id.startswith(("USN-", "USC-"))]
     assert len(rows) == 19 and {row.raw["stack"] for row in rows} == {"unsloth"}
     for row in rows:
@@ -457,3 +464,66 @@ def test_the_liger_standins_keep_what_liger_keeps_for_backward(stack_trace) -> N
 
     assert run(False, torch.bfloat16)[0] - run(True, torch.bfloat16)[0] == (4 * h + 2 * inter) * n
     assert torch.allclose(run(True, torch.float32)[1], run(False, torch.float32)[1], rtol=1e-4, atol=1e-5)
+
+
+def test_unsloth_reads_the_free_memory_once_before_any_optimizer_state_or_gradient() -> None:
+    """_get_chunk_multiplier is functools.cache'd: the free memory it halves is read at the first micro-batch's
+    loss, before the optimizer's first step makes its states and before any gradient, so neither changes it."""
+    spec = resolve("llama-3.1-8b")
+    targets = set()
+    for optimizer, grad_accum in (("adamw", 1), ("adamw", 8), ("adamw_8bit", 1), ("sgd", 4)):
+        step = Settings(stack="unsloth", **(UNSLOTH_STEP | dict(optimizer=optimizer, grad_accum=grad_accum)))
+        targets.add(memory.unsloth_chunk_target(spec, step, memory.stack_runtime(step), 12 * GIB))
+    assert len(targets) == 1 and 0 < targets.pop() < 4 * GIB
+
+
+def test_unsloth_before_its_cap_scores_the_whole_micro_batch_in_one_chunk() -> None:
+    """Before unsloth_zoo capped the chunk target (d9fe1f43, 2026-07), a chunk could hold half the free memory and
+    the count was rounded to the nearest multiple of 4: Gemma 3 27B's 2 x 2048 tokens on a 40 GB card are one
+    chunk (16 GiB of fp32 logits and their gradient at once), where the pinned version cuts them in 4."""
+    spec = resolve("gemma-3-27b")
+    step = Settings(stack="unsloth", **(UNSLOTH_STEP | dict(lora_r=8)))
+    capped = memory.stack_runtime(step)
+    before = capped.model_copy(update={"fused_chunk_sizing": "half_free"})
+    n = step.tokens_per_micro_batch
+    fp32_logits = 4 * spec.vocab_size * n
+    target = memory.unsloth_chunk_target(spec, step, before, 40 * GIB)
+    assert target > fp32_logits / 2  # under half a chunk over: rounded to no split at all
+    assert memory.unsloth_chunk_tokens(spec, step, target, "half_free") == n
+    assert memory.unsloth_chunk_tokens(spec, step, memory.unsloth_chunk_target(spec, step, capped, 40 * GIB)) == n // 4
+    loss = memory.logits_bytes(spec, step, before, 40 * GIB)
+    assert loss == C * spec.hidden_size * n + 2 * fp32_logits
+    assert loss > 3 * memory.logits_bytes(spec, step, capped, 40 * GIB)
+    # rounded to the nearest multiple of 4: 5 targets' worth of logits is 4 chunks, 7 is 8
+    for targets, chunks in ((5, 4), (7, 8)):
+        assert memory.unsloth_chunk_tokens(spec, step, fp32_logits / targets, "half_free") == n // chunks
+
+
+def test_unsloth_s_earlier_losses_by_release() -> None:
+    """Up to 2024-11 its Triton cross-entropy kept the whole micro-batch's logits in the compute dtype and wrote
+    their gradient over them; from then until the fused loss, Apple's cut cross-entropy kept no logits for a
+    micro-batch of more than 1024 tokens (and the logits below that)."""
+    spec = resolve("llama-3.1-8b")
+    step = Settings(stack="unsloth", **UNSLOTH_STEP)
+    runtime = memory.stack_runtime(step)
+    n, h, v = step.tokens_per_micro_batch, spec.hidden_size, spec.vocab_size
+    triton = runtime.model_copy(update={"loss": "compute_logits"})
+    cut = runtime.model_copy(update={"loss": "cut_ce"})
+    assert memory.logits_bytes(spec, step, triton) == C * v * n + C * h * n
+    assert memory.logits_bytes(spec, step, cut) == C * h * n + 4 * n
+    short = Settings(stack="unsloth", **(UNSLOTH_STEP | dict(micro_batch=1, seq_len=1024)))
+    assert memory.logits_bytes(spec, short, cut) == memory.logits_bytes(spec, short, triton)
+
+
+def test_each_unsloth_row_runs_the_loss_of_its_release(accuracy) -> None:
+    """The calibration rows replay the loss of the Unsloth release that produced them (their banners), the
+    estimate for users the pinned one."""
+    rows = {row.id: row for row in accuracy.read_rows(accuracy.DEFAULT_CSV)}
+    expected = {"USN-01": ("compute_logits", "capped"), "USN-08": ("cut_ce", "capped")}
+    expected |= {"USC-04": ("cut_ce", "capped"), "USM-03": ("fused_chunked", "half_free")}
+    for row_id, (loss, sizing) in expected.items():
+        row = rows[row_id]
+        runtime = accuracy.map_row(row, accuracy.resolve_model(row.raw["model"])).runtime
+        assert (runtime.loss, runtime.fused_chunk_sizing) == (loss, sizing), row_id
+    pinned = memory.stack_runtime(Settings(stack="unsloth", **UNSLOTH_STEP))
+    assert (pinned.loss, pinned.fused_chunk_sizing) == ("fused_chunked", "capped")

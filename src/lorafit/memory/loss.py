@@ -12,12 +12,15 @@ from lorafit.memory.activations import (
     norm_saved_bytes,
     stream_dtype_bytes,
 )
-from lorafit.memory.runtime import HEAD_CHUNK, LOSS_CHUNK_TOKENS, UNSLOTH_CHUNK_TARGET_BYTES, Runtime
+from lorafit.memory.runtime import (
+    HEAD_CHUNK,
+    LOSS_CHUNK_TOKENS,
+    UNSLOTH_CHUNK_TARGET_BYTES,
+    ChunkSizing,
+    Runtime,
+)
 from lorafit.memory.weights import (
     adapter_bytes,
-    gradient_bytes,
-    optimizer_bytes,
-    paged,
     saved_module_dtype_bytes,
     saved_module_params,
     weights_bytes,
@@ -94,12 +97,25 @@ def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime, gpu_byte
     if runtime.loss == "fused_logprob":
         return fused_head_bytes(spec, settings, runtime)
     if runtime.loss == "fused_chunked":
-        return fused_chunked_loss_bytes(spec, settings, unsloth_chunk_target(spec, settings, runtime, gpu_bytes))
+        target = unsloth_chunk_target(spec, settings, runtime, gpu_bytes)
+        return fused_chunked_loss_bytes(spec, settings, target, runtime.fused_chunk_sizing)
     if runtime.loss == "liger_fused":
         return liger_loss_bytes(spec, settings, runtime)
+    c = DTYPE_BYTES[settings.precision]
+    if runtime.loss == "cut_ce" and n > CUT_CE_MIN_TOKENS:
+        # the hidden states' gradient, and its fp32 log-sum-exp per token: the logits stay in on-chip blocks
+        return c * spec.hidden_size * n + 4 * n
+    if runtime.loss in ("compute_logits", "cut_ce"):
+        # the logits, made into their own gradient in place, and the hidden states' gradient of the head
+        return c * vocab * n + c * spec.hidden_size * n
     # Gemma-2 soft-caps the logits (tanh(logits / 30) x 30) in the compute dtype: tanh keeps its output
     softcap = DTYPE_BYTES[settings.precision] * vocab * n if spec.logit_softcapping else 0
     return 12 * vocab * n + softcap + head_weight_cast_bytes(spec, settings, runtime)
+
+
+# Unsloth ran Apple's cut cross-entropy only for micro-batches of more than this many tokens (bsz * q_len <= 1024
+# returned the logits: unsloth/models/llama.py @ 0a2c3973, l. 1015, from b9fe2588 on)
+CUT_CE_MIN_TOKENS = 1024
 
 
 def head_weight_cast_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
@@ -158,8 +174,10 @@ def unsloth_chunk_target(
     spec: ModelSpec, settings: Settings, runtime: Runtime, gpu_bytes: float | None = None
 ) -> float:
     """The most fp32 logits one chunk of Unsloth's fused cross-entropy may hold: half the memory free when the
-    loss starts, at most 4 GiB (_get_chunk_multiplier). Free: the GPU's memory less the CUDA context, the weights,
-    adapters, optimizer states, gradients (accumulating), the saved activations and the gradient of the hidden
+    loss first runs, at most 4 GiB where the version caps it (Runtime.fused_chunk_sizing). _get_chunk_multiplier
+    is functools.cache'd, so the free memory is read once, at the first micro-batch's loss: before any optimizer
+    state exists (torch and bitsandbytes create it at the first step) and before any gradient. Free: the GPU's
+    memory less the CUDA context, the weights, adapters, the saved activations and the gradient of the hidden
     states the loss allocates; without a GPU, the 4 GiB cap."""
     if gpu_bytes is None:
         return UNSLOTH_CHUNK_TARGET_BYTES
@@ -167,29 +185,39 @@ def unsloth_chunk_target(
         runtime.cuda_context_gib * GIB
         + weights_bytes(spec, settings, runtime)
         + adapter_bytes(spec, settings, runtime)
-        + (0.0 if paged(settings) else optimizer_bytes(spec, settings, runtime))
-        + (gradient_bytes(spec, settings, runtime) if settings.grad_accum > 1 else 0.0)
         + activation_bytes(spec, settings, runtime)
         + head_saved_bytes(spec, settings, runtime)
         + DTYPE_BYTES[settings.precision] * spec.hidden_size * settings.tokens_per_micro_batch
     )
-    return min(max(gpu_bytes - used, 0.0) / 2, UNSLOTH_CHUNK_TARGET_BYTES)
+    half_free = max(gpu_bytes - used, 0.0) / 2
+    return half_free if runtime.fused_chunk_sizing == "half_free" else min(half_free, UNSLOTH_CHUNK_TARGET_BYTES)
 
 
-def unsloth_chunk_tokens(spec: ModelSpec, settings: Settings, target_bytes: float = UNSLOTH_CHUNK_TARGET_BYTES) -> int:
-    """Tokens in one chunk of Unsloth's fused cross-entropy: the micro-batch cut into as many chunks as keep each
-    chunk's fp32 logits under `target_bytes` (unsloth_chunk_target), rounded up to a multiple of 4
-    (get_chunk_size). Where nothing is free, one token a chunk: Unsloth itself stops there."""
+def unsloth_chunk_tokens(
+    spec: ModelSpec,
+    settings: Settings,
+    target_bytes: float = UNSLOTH_CHUNK_TARGET_BYTES,
+    sizing: ChunkSizing = "capped",
+) -> int:
+    """Tokens in one chunk of Unsloth's fused cross-entropy: the micro-batch cut into as many chunks as its fp32
+    logits over `target_bytes` (unsloth_chunk_target), a multiple of 4 (get_chunk_size): rounded up where the
+    version caps the target, to the nearest (at least one chunk) before. Where nothing is free, one token a
+    chunk: Unsloth itself stops there."""
     n = settings.tokens_per_micro_batch
     if target_bytes <= 0:
         return 1
     exact = 4 * spec.vocab_size * n / target_bytes
+    if sizing == "half_free":
+        return math.ceil(n / max(4 * round(exact / 4), 1))
     chunks = 1 if exact <= 1 else 4 * math.ceil(exact / 4)
     return math.ceil(n / chunks)
 
 
 def fused_chunked_loss_bytes(
-    spec: ModelSpec, settings: Settings, target_bytes: float = UNSLOTH_CHUNK_TARGET_BYTES
+    spec: ModelSpec,
+    settings: Settings,
+    target_bytes: float = UNSLOTH_CHUNK_TARGET_BYTES,
+    sizing: ChunkSizing = "capped",
 ) -> float:
     """Unsloth's fused cross-entropy (UnslothFusedLoss.forward): the gradient of the hidden states it fills in
     forward (N x h x c, saved for backward) and one chunk at its peak, twice its fp32 logits (8 x V per token):
@@ -197,7 +225,7 @@ def fused_chunked_loss_bytes(
     their gradient, and Unsloth sizes a chunk's fp32 logits to half the free memory, so that the two fit.
     Gemma-2's soft-capping keeps its tanh output too (c x V). Read from the source, not traced: Unsloth needs a
     GPU; checked by the USC-* rows of `make bench-memory`."""
-    c, chunk = DTYPE_BYTES[settings.precision], unsloth_chunk_tokens(spec, settings, target_bytes)
+    c, chunk = DTYPE_BYTES[settings.precision], unsloth_chunk_tokens(spec, settings, target_bytes, sizing)
     per_token = (8 + (c if spec.logit_softcapping else 0)) * spec.vocab_size
     return c * spec.hidden_size * settings.tokens_per_micro_batch + per_token * chunk
 

@@ -31,6 +31,7 @@ UNSLOTH_LAYERS_ON_GPU = 3
 # chunks of at most min(half the free memory, 4 GiB) of fp32 logits, their number a multiple of 4 unless one fits;
 # the cap, and the target where no GPU is given (unsloth_chunk_target)
 UNSLOTH_CHUNK_TARGET_BYTES = 4 * 2**30
+ChunkSizing = Literal["capped", "half_free"]  # Runtime.fused_chunk_sizing
 # Unsloth's rotary embeddings (unsloth/models/llama.py @ c7c67447, 2024.9: LlamaRotaryEmbedding and
 # LlamaExtendedRotaryEmbedding `current_rope_size = min(4 * 8192, max_position_embeddings)`; gemma.py's
 # GemmaFixedRotaryEmbedding the same): cos and sin caches of this many positions, built at load
@@ -52,7 +53,16 @@ class Runtime(BaseModel):
     # of at most 4 GiB of fp32 logits, the hidden states' gradient computed in forward (fused_chunked_loss_bytes);
     # liger_fused: Liger's fused linear cross-entropy, which makes the hidden states' gradient in the forward, a
     # chunk of logits at a time (liger_loss_bytes)
-    loss: Literal["hf", "chunked_compute", "fused_logprob", "fused_chunked", "liger_fused"] = "hf"
+    # Unsloth's earlier losses, for runs of its older releases (unsloth/models/llama.py CausalLM_fast_forward):
+    # compute_logits, before 2024-11-17 (@ 27d2d1df, l. 989): the head's logits of the whole micro-batch in the
+    # compute dtype, which its Triton fast_cross_entropy_loss saves and overwrites with their gradient
+    # (unsloth/kernels/cross_entropy_loss.py, Fast_CrossEntropyLoss: save_for_backward(logits, ...), backward
+    # returns logits); cut_ce, from then (fa8e59eb, "Cut Cross Entropy") until the fused loss (806bee24,
+    # 2025-08-13): Apple's cut_cross_entropy, an unsloth_zoo dependency, which never holds the logits, for a
+    # micro-batch of more than 1024 tokens (b9fe2588, 2024-12-10; below it, compute_logits)
+    loss: Literal[
+        "hf", "chunked_compute", "fused_logprob", "fused_chunked", "liger_fused", "compute_logits", "cut_ce"
+    ] = "hf"
     # Liger's RMSNorm, SwiGLU and rotary kernels (use_liger_kernel; catalog/stacks.toml [liger]): the norms save
     # their input in its own dtype and one fp32 rsqrt per row, SwiGLU saves gate and up only
     liger_kernels: bool = False
@@ -133,6 +143,13 @@ class Runtime(BaseModel):
     # pinned versions the attention has no rotary_emb line (patch_linear_scaling returns None) and one cache
     # serves the model (16 MB for a 128-wide head), not counted
     per_layer_rope_cache: Literal["compute", "fp32"] | None = None
+    # How Unsloth's fused cross-entropy sizes its chunks (unsloth_chunk_target, unsloth_chunk_tokens). "capped":
+    # the pinned unsloth_zoo, since d9fe1f43 (2026-07-06, "Cap the fused cross entropy chunk target"): at most
+    # min(half the free memory, 4 GiB) of fp32 logits a chunk, their count rounded up to a multiple of 4.
+    # "half_free": the releases before it (the fused loss came in fc29e051, 2025-08-13): half the free memory,
+    # no cap, the count rounded to the nearest multiple of 4 and at least 1 (cross_entropy_loss.py @ de203d37,
+    # get_chunk_size), so fp32 logits under the whole target are scored in one chunk
+    fused_chunk_sizing: ChunkSizing = "capped"
     # DeepSpeed's zero_optimization.reduce_bucket_size under ZeRO-3, in elements; None: the 5e7 lorafit's own
     # deepspeed.json writes (memory.weights.DEEPSPEED_BUCKET_ELEMENTS). ZeRO-3 allocates one buffer of that many
     # elements in the communication dtype (communication_buffer_bytes)
