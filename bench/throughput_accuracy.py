@@ -61,6 +61,12 @@ PM = dict(
 PS = dict(method="qlora", seq_len=1024, grad_ckpt=True, attn="flash", lora_r=16, lora_targets="all", stack="trl")
 # its 2025 recipe (llama-3-1-8b-qlora.yaml) also trains the embeddings and the LM head: lora_modules_to_save
 PS_EMB = dict(PS, train_embeddings=True)
+# TRL's SFTTrainer of these runs (0.8-0.12) ran peft's prepare_model_for_kbit_training on a 4-bit model that is not
+# sharded (`is_qlora and not is_sharded_qlora`; one GPU), and peft_module_casting_to_bf16 left the norms in fp32,
+# so the residual stream is fp32 (the kbit_prep facet; bench/memory_accuracy.py's TRL_KBIT for the same FMS rows):
+# FMS-06/07 and the philschmid one-GPU rows. Under FSDP / ZeRO-3 (TP-FA-04/05, TP-PS-05/06) it is skipped, and
+# fms-acceleration's accelerated-peft-bnb plugin (FMS-10) prepares without dtype casts.
+TRL_KBIT = dict(kbit_prep=True)
 # fms-acceleration l40_40gb.csv @8af8fa7d: the A100 file's scenario (FMS above) with torch_dtype float16
 FL = dict(FMS, precision="fp16")
 # its standard-peft scenario sets torch_dtype float16 without the fp16 flag: the Trainer runs no autocast, and the
@@ -104,8 +110,8 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     "FMS-01": ("mistral-7b-v0.1", "A100 80GB", dict(FMS_PURE, method="full", quant="none", micro_batch=4)),
     "FMS-03": ("mistral-7b-v0.1", "A100 80GB", dict(FMS_PURE, method="lora", quant="none", micro_batch=4)),
     "FMS-04": ("mistral-7b-v0.1", "A100 80GB", dict(FMS_PURE, method="lora", quant="none", micro_batch=8)),
-    "FMS-06": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=4)),
-    "FMS-07": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, method="qlora", micro_batch=8)),
+    "FMS-06": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, **TRL_KBIT, method="qlora", micro_batch=4)),
+    "FMS-07": ("mistral-7b-v0.1", "A100 80GB", dict(FMS, **TRL_KBIT, method="qlora", micro_batch=8)),
     "FMS-10": ("llama-2-70b", "A100 80GB", dict(FMS, method="qlora", micro_batch=4)),
     "TT-12": (
         "llama-3.1-8b",
@@ -277,9 +283,9 @@ ROWS: dict[str, tuple[str, str, dict]] = {
     # cross-entropy run, which TRL 1.16, the pinned stack, turns off for its own fused head: the loss is a few
     # tenths of a percent of the step either way); 4 and 8 GPUs ran DeepSpeed ZeRO-3
     # the table says only "not flash-attention 2": transformers 4.46.3's default, sdpa (as the issue that quotes it)
-    "TP-PS-02": ("llama-3.1-8b", "L4", dict(PS_EMB, micro_batch=2, grad_accum=2, attn="sdpa")),
-    "TP-PS-03": ("llama-3.1-8b", "L4", dict(PS_EMB, micro_batch=2, grad_accum=4)),
-    "TP-PS-04": ("llama-3.1-8b", "L4", dict(PS_EMB, micro_batch=4, grad_accum=4, liger=True)),
+    "TP-PS-02": ("llama-3.1-8b", "L4", dict(PS_EMB, **TRL_KBIT, micro_batch=2, grad_accum=2, attn="sdpa")),
+    "TP-PS-03": ("llama-3.1-8b", "L4", dict(PS_EMB, **TRL_KBIT, micro_batch=2, grad_accum=4)),
+    "TP-PS-04": ("llama-3.1-8b", "L4", dict(PS_EMB, **TRL_KBIT, micro_batch=4, grad_accum=4, liger=True)),
     "TP-PS-05": ("llama-3.1-8b", "L4", dict(PS_EMB, micro_batch=8, grad_accum=2, liger=True, n_gpus=4, shard="zero3")),
     "TP-PS-06": ("llama-3.1-8b", "L4", dict(PS_EMB, micro_batch=8, grad_accum=2, liger=True, n_gpus=8, shard="zero3")),
     # fine-tune-llms-in-2024-with-trl @10ad907 on one L4: TRL QLoRA r256 all-linear, packed 2048, batch 1 x accum 8,
@@ -298,6 +304,7 @@ ROWS: dict[str, tuple[str, str, dict]] = {
             lora_targets="all",
             fused_optimizer=True,
             stack="trl",
+            **TRL_KBIT,
         ),
     ),
     # peft method_comparison on one L40S: rsLoRA r64 on q,v (the same matmuls as LoRA r64), the PM loop and data

@@ -161,6 +161,31 @@ def test_norms_activations_rotary_residuals_by_hand(spec, a100) -> None:
     assert timing.elementwise_seconds(spec, no_ckpt, a100) == pytest.approx(seconds * 4 / 5)
 
 
+def test_an_fp32_stream_into_a_4bit_base_costs_each_linears_casts_by_hand(spec, a100) -> None:
+    """peft's kbit preparation leaves fp32 norms, so the stream is fp32: every Linear4bit casts its input down and
+    its output back, and their gradients back in backward (6 bytes an element for bf16), and q, k, gate and up
+    come back fp32, so rotary and SwiGLU move 4-byte elements."""
+    qlora = lora(method="qlora", quant="nf4")
+    prepared = lora(method="qlora", quant="nf4", kbit_prep=True)
+    assert timing.stream_cast_seconds(spec, qlora, a100) == 0.0
+    assert timing.stream_cast_seconds(spec, lora(kbit_prep=True), a100) == 0.0  # no 4-bit layer to cast into
+    # in + out of q, k, v, o (4096 + 4096 each), gate and up (4096 + 11008 each), down (11008 + 4096)
+    elements = 4 * 8192 + 3 * (4096 + 11008)
+    seconds = 6 * elements * 32 * 2048 * (2 + 1) / A100_BYTES  # forward, recomputation, backward
+    assert timing.stream_cast_seconds(spec, prepared, a100) == pytest.approx(seconds)
+    per_token = (
+        2 * 36 * 4096  # two RMSNorms
+        + 2 * 3 * 4 * 4096  # two residual sums on the fp32 stream
+        + 10 * 4 * (4096 + 4096)  # rotary on fp32 q and k
+        + 5 * 4 * 11008  # SwiGLU on fp32 gate and up
+        + 2 * 2 * 4096  # the attention's output (autocast ran it in bf16) back to the token layout
+    )
+    assert timing.elementwise_bytes_per_token(spec, prepared) == per_token
+    ops = timing.micro_batch_time(spec, prepared, a100)
+    plain = timing.elementwise_seconds(spec, prepared, a100)
+    assert ops.elementwise == pytest.approx(plain + seconds)
+
+
 def test_loss_and_kernels_by_hand(spec, a100) -> None:
     # 36 bytes a logit, and accelerate's fp32 copy of the bf16 logits under autocast (2 + 4)
     assert timing.loss_seconds(spec, lora(), a100) == pytest.approx(2048 * 32000 * 42 / A100_BYTES)

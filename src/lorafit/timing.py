@@ -48,11 +48,12 @@ KERNEL_SECONDS = 4e-6
 # (`make bench-throughput` prints what each asks).
 MATMUL_SHAPE_SHARE = 0.897
 # bitsandbytes' 4-bit matmul runs the bf16 matmul on a freshly dequantised weight (and its transpose in
-# backward): slower than the same matmul on a resident weight by more than the dequantisation's traffic, which
-# dequant_seconds counts. Fitted: the fit rows FMS-06 and FMS-07 (QLoRA; FMS-03/04 are the same runs over a
-# 16-bit base) ask for 1.337 and 1.295 on the decoder layers' matmuls, with the share above in place; their mean
-# (`make bench-throughput`).
-QUANT_MATMUL_SLOWDOWN = 1.316
+# backward); beyond the dequantisation's traffic (dequant_seconds) it is the same matmul. Fitted: the fit rows
+# FMS-06 and FMS-07 (QLoRA under TRL with peft's kbit preparation, whose fp32 stream's casts and fp32
+# projections the elementwise terms count; FMS-03/04 are the same runs over a 16-bit base) ask for 1.029 and
+# 0.986 on the decoder layers' matmuls, with the share above in place; their mean (`make bench-throughput`):
+# no slowdown of note. Before the fp32 stream was counted the same rows asked for 1.316.
+QUANT_MATMUL_SLOWDOWN = 1.008
 
 
 def achievable_matmul_flops(gpu: GpuSpec, precision: str) -> float:
@@ -347,11 +348,14 @@ def elementwise_bytes_per_token(spec: ModelSpec, settings: Settings) -> float:
         return compiled_elementwise_bytes_per_token(spec, settings, runtime)
     if runtime.liger_kernels:
         return liger_elementwise_bytes_per_token(spec, settings, runtime)
+    # the projections' outputs: fp32 over a 4-bit base under an fp32 stream (Linear4bit hands back its input's
+    # dtype), so rotary runs on fp32 q and k as SwiGLU on fp32 gate and up
+    projected = memory.swiglu_dtype_bytes(settings, runtime)
     return (
         norms * NORM_BYTES * h
         + 2 * 3 * s * h
-        + ROTARY_ELEMENT_PASSES * c * (spec.q_size + spec.kv_size)
-        + 5 * memory.swiglu_dtype_bytes(settings, runtime) * spec.mlp_width * experts_run
+        + ROTARY_ELEMENT_PASSES * projected * (spec.q_size + spec.kv_size)
+        + 5 * projected * spec.mlp_width * experts_run
         + 2 * c * spec.q_size
     )
 
@@ -386,6 +390,22 @@ def liger_elementwise_bytes_per_token(spec: ModelSpec, settings: Settings, runti
         + 3 * memory.swiglu_dtype_bytes(settings, runtime) * spec.intermediate_size * experts
         + 2 * c * spec.q_size
     )
+
+
+def stream_cast_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
+    """An fp32 residual stream into a 4-bit base (peft's kbit preparation leaves the norms in fp32, and they
+    promote the stream): bitsandbytes' Linear4bit casts each input to its compute dtype and its output back to
+    the input's (`x.to(self.compute_dtype)`, `.to(inp_dtype)` in Linear4bit.forward, bitsandbytes 0.43 and
+    0.50), and autograd casts both gradients back in backward: (4 + c) bytes per input and output element of
+    every quantised linear, in forward, recomputation and backward. From the source, not fitted."""
+    runtime = memory.stack_runtime(settings)
+    c = DTYPE_BYTES[settings.precision]
+    if settings.quant != "nf4" or c == 4 or memory.stream_dtype_bytes(settings, runtime) != 4:
+        return 0.0
+    # the nn.Linear layers bitsandbytes replaces: not an MoE's fused experts (copies > 1)
+    elements = sum(i + o for _, i, o, copies in spec.layer_linears() if copies == 1)
+    per_pass = (4 + c) * elements * spec.num_hidden_layers * settings.tokens_per_micro_batch
+    return per_pass * (forward_passes(settings) + 1) / achievable_bytes_per_second(gpu)
 
 
 def elementwise_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
@@ -543,7 +563,9 @@ def micro_batch_time(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> Micro
         attention=attention_seconds(spec, settings, gpu),
         dequant=dequant_seconds(spec, settings, gpu),
         lora=lora_seconds(spec, settings, gpu),
-        elementwise=elementwise_seconds(spec, settings, gpu) + trained_embedding_seconds(spec, settings, gpu),
+        elementwise=elementwise_seconds(spec, settings, gpu)
+        + trained_embedding_seconds(spec, settings, gpu)
+        + stream_cast_seconds(spec, settings, gpu),
         loss=loss_seconds(spec, settings, gpu),
         launches=launch_seconds(spec, settings),
     )
