@@ -603,9 +603,36 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
             ("USN-06", "2024.7", "compute"),
             ("USN-07", "2024.7", "fp32"),  # gemma.py keeps Gemma's RoPE in fp32
             ("USN-10", "2024.9", "compute"),
+            # the rows added later whose banners name a release under transformers < 4.48 (2024.1-2024.6 print
+            # no transformers version and predate 4.48 as 2024.5 does; gemma.py / gemma2.py keep RoPE in fp32)
+            ("USN-11", "2024.5", "compute"),
+            ("USN-12", "2024.9.post4", "compute"),
+            ("USN-13", "2024.5", "compute"),
+            ("USN-14", "2024.8", "compute"),
+            ("USN-15", "2024.5", "compute"),
+            ("USN-16", "2025.1.5", "compute"),  # under transformers 4.47.1
+            ("USN-17", "2024.11.6", "compute"),
+            ("USN-18", "2024.6", "compute"),
+            ("USN-19", "2024.4", "fp32"),
+            ("USN-20", "2024.8", "fp32"),
+            ("USN-26", "2024.1", "compute"),
         )
     },
     "USM-02": dict(settings=dict(grad_accum=1)),  # Unsloth's gpt-oss-120b notebook: gradient accumulation 1
+    # the later notebooks' gradient accumulation where it is not 4 (their SFTConfig cells)
+    "USN-21": dict(settings=dict(grad_accum=8)),
+    "USN-27": dict(settings=dict(grad_accum=1)),
+    "USN-28": dict(settings=dict(grad_accum=2)),
+    "USN-29": dict(settings=dict(grad_accum=2)),
+    "USM-11": dict(settings=dict(grad_accum=2)),
+    "USM-12": dict(settings=dict(grad_accum=1)),
+    # Unsloth 2026.4.4 left Gemma 4's fused 3-D experts 16-bit (transformers' bitsandbytes integration packs
+    # nn.Linear only): the notebook's own after-loading figure, 46.4 GB for the 26B-A4B against 18.6 GB for the
+    # dense 31B under the same release and load_in_4bit, is the 16-bit experts (~24B parameters x 2 bytes)
+    "USM-08": dict(
+        runtime=dict(quantized_experts=False),
+        notes=["Unsloth 2026.4.4: Gemma 4's experts not packed to 4-bit (46.4 GB reserved after loading)"],
+    ),
     # Unsloth context-length table, HF + FA2 columns (kind = estimate): shown beside their bound, not scored
     "US-09": dict(settings=dict(lora_dropout=0.0, grad_accum=1, grad_ckpt=True)),
     "US-11": dict(settings=dict(lora_dropout=0.0, grad_accum=1, grad_ckpt=True)),
@@ -621,6 +648,15 @@ UNSLOTH_RELEASE_LOSS: dict[str, dict[str, str]] = {
     **{row: dict(loss="compute_logits") for row in (*(f"USN-{n:02d}" for n in range(1, 8)), "USN-10")},
     **{row: dict(loss="cut_ce") for row in ("USN-08", *(f"USC-{n:02d}" for n in range(1, 10)))},
     **{row: dict(fused_chunk_sizing="half_free") for row in ("USN-09", "USM-01", "USM-02", "USM-03")},
+    # the rows added from the other notebooks, by their banners' releases (PyPI upload dates; 2024.1-2024.6 are
+    # not on PyPI and predate 2024.8): 2024.1-2024.11.6 (2024-11-12) the Triton loss, 2025.1.5-2025.5.9 cut
+    # cross-entropy, 2025.8.9 (2025-08-20) to 2026.4.4 (2026-04-06) the uncapped fused loss
+    **{row: dict(loss="compute_logits") for row in (f"USN-{n}" for n in (11, 12, 13, 14, 15, 17, 18, 19, 20, 26))},
+    **{row: dict(loss="cut_ce") for row in ("USN-16", "USN-21", "USN-22", "USN-23", "USN-25")},
+    **{
+        row: dict(fused_chunk_sizing="half_free")
+        for row in ("USN-24", "USN-27", "USN-28", "USN-29", *(f"USM-{n:02d}" for n in range(6, 13)))
+    },
 }
 
 COMPILED = (
@@ -634,6 +670,11 @@ COMPILED = (
 UNSCORED = {
     "USM-04": "Unsloth forces float32 for Gemma 3 on a card without bf16 (loader.py FORCE_FLOAT32 @ 015bdef0), "
     "which lorafit does not model; the notebook's cells are from different runs (an RTX 3060 banner, a T4 figure)",
+    **{
+        row: "Unsloth forces float32 for Gemma 3 on a card without bf16 ('Unsloth: Switching to float32 training' in "
+        "the notebook's output; loader.py FORCE_FLOAT32), which lorafit does not model"
+        for row in ("USN-27", "USN-28", "USN-29")
+    },
     "TT-01": COMPILED,
     **{f"TT-{n}": COMPILED for n in range(20, 26)},
     "TTD-05": "the reserved figure was set while loading: 9.13 GB reserved after model init vs 9.29 GB in training "
@@ -678,6 +719,10 @@ EXCLUDED = {
     },
     "USB-01": "vendor headline with no batch size or sequence length",
     "USB-02": "Unsloth's own kernels (fused loss, offloaded checkpointing): not a runtime lorafit models",
+    "USM-07": "the 4-bit 31B model was spread over two T4s by the loader's device map ('Num GPUs used = 2'), and "
+    "the figure is GPU 0's share; lorafit models one card per replica",
+    "USM-12": "Unsloth's tiled MLP (unsloth_tiled_mlp) and 486,607 tokens, past gpt-oss-20b's 131072 positions: "
+    "--stack unsloth neither models the tiling nor scales RoPE",
 }
 
 

@@ -376,7 +376,7 @@ def accuracy():
 
 def test_the_unsloth_calibration_rows_load_and_route_to_the_stack(accuracy) -> None:
     rows = [row for row in accuracy.read_rows(accuracy.DEFAULT_CSV) if row.id.startswith(("USN-", "USC-"))]
-    assert len(rows) == 19 and {row.raw["stack"] for row in rows} == {"unsloth"}
+    assert len(rows) == 38 and {row.raw["stack"] for row in rows} == {"unsloth"}
     for row in rows:
         spec = accuracy.resolve_model(row.raw["model"])
         mapping = accuracy.map_row(row, spec)
