@@ -628,7 +628,8 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
     "USM-12": dict(settings=dict(grad_accum=1)),
     # Unsloth 2026.4.4 left Gemma 4's fused 3-D experts 16-bit (transformers' bitsandbytes integration packs
     # nn.Linear only): the notebook's own after-loading figure, 46.4 GB for the 26B-A4B against 18.6 GB for the
-    # dense 31B under the same release and load_in_4bit, is the 16-bit experts (~24B parameters x 2 bytes)
+    # dense 31B under the same release and load_in_4bit, is the 16-bit experts (~24B parameters x 2 bytes); unsloth_zoo
+    # added its NF4 packing of fused experts (temporary_patches/moe_utils_bnb4bit.py) on 2026-05-15 (1d009af0)
     "USM-08": dict(
         runtime=dict(quantized_experts=False),
         notes=["Unsloth 2026.4.4: Gemma 4's experts not packed to 4-bit (46.4 GB reserved after loading)"],
@@ -1320,9 +1321,37 @@ STACK_TARGET_MEDIAN_PCT = 10.0
 STACK_TARGET_WORST_PCT = 20.0
 
 
+def before_the_fused_loss(row_id: str) -> bool:
+    """An Unsloth row of a release before its fused loss (2025-08-13): its loss replayed (UNSLOTH_RELEASE_LOSS),
+    a step further from the pinned one than the later rows'."""
+    return UNSLOTH_RELEASE_LOSS.get(row_id, {}).get("loss") in ("compute_logits", "cut_ce")
+
+
+def print_check_figures(label: str, figures: list[Figure], rows: dict[str, Row]) -> dict[str, Any]:
+    """One group of a stack's check figures: fixed-length ones against the median / worst target, padded ones
+    against 'never under-predicts'."""
+    fixed = [abs(f.error_pct) for f in figures if not rows[f.row_id].seq_is_max]
+    padded = [f for f in figures if rows[f.row_id].seq_is_max]
+    under = [f"{f.label} {f.error_pct:+.1f} %" for f in padded if f.error_pct < 0]
+    print(f"  {label}:")
+    if fixed:
+        median, worst = statistics.median(fixed), max(fixed)
+        met = median <= STACK_TARGET_MEDIAN_PCT and worst <= STACK_TARGET_WORST_PCT
+        print(
+            f"    fixed length: {len(fixed)} figures, median |err| {median:.1f} %, worst {worst:.1f} % (target "
+            f"<= {STACK_TARGET_MEDIAN_PCT:.0f} % / {STACK_TARGET_WORST_PCT:.0f} %: {'met' if met else 'not met'})"
+        )
+    spread = f"median |err| {statistics.median(abs(f.error_pct) for f in padded):.1f} %, " if padded else ""
+    print(
+        f"    padded to each batch's longest row, estimated at the cap: {len(padded)} figures, {spread}"
+        + (f"under-predicted: {', '.join(under)}" if under else "none under-predicted")
+    )
+    return {"fixed_abs_err_pct": fixed, "padded_under": under}
+
+
 def print_stack_rows(report: Report, rows: dict[str, Row]) -> dict[str, Any]:
-    """Per stack routed by the CSV's stack column (STACK_ROWS): its check rows apart, fixed-length ones against
-    the median / worst target, padded ones against 'never under-predicts'."""
+    """Per stack routed by the CSV's stack column (STACK_ROWS): its check rows apart, Unsloth's releases since its
+    fused loss (the pinned step's loss family) apart from the earlier ones, whose loss is replayed."""
     out: dict[str, Any] = {}
     for stack in STACK_ROWS:
         mine = [
@@ -1333,21 +1362,12 @@ def print_stack_rows(report: Report, rows: dict[str, Row]) -> dict[str, Any]:
             and rows[f.row_id].raw["stack"] == stack
             and prefix_of(f.row_id) not in FRAMEWORK_OF_PREFIX
         ]
-        fixed = [abs(f.error_pct) for f in mine if not rows[f.row_id].seq_is_max]
-        padded = [f for f in mine if rows[f.row_id].seq_is_max]
-        under = [f"{f.label} {f.error_pct:+.1f} %" for f in padded if f.error_pct < 0]
         print(f"\n--stack {stack} check rows (routed by the CSV's stack column)")
-        if fixed:
-            median, worst = statistics.median(fixed), max(fixed)
-            met = median <= STACK_TARGET_MEDIAN_PCT and worst <= STACK_TARGET_WORST_PCT
-            print(
-                f"  fixed length: {len(fixed)} figures, median |err| {median:.1f} %, worst {worst:.1f} % (target "
-                f"<= {STACK_TARGET_MEDIAN_PCT:.0f} % / {STACK_TARGET_WORST_PCT:.0f} %: {'met' if met else 'not met'})"
-            )
-        spread = f"median |err| {statistics.median(abs(f.error_pct) for f in padded):.1f} %, " if padded else ""
-        print(
-            f"  padded to each batch's longest row, estimated at the cap: {len(padded)} figures, {spread}"
-            + (f"under-predicted: {', '.join(under)}" if under else "none under-predicted")
+        recent = [f for f in mine if not before_the_fused_loss(f.row_id)]
+        earlier = [f for f in mine if before_the_fused_loss(f.row_id)]
+        out[stack] = print_check_figures("releases since its fused loss (2025-08-13), as the pinned one", recent, rows)
+        out[f"{stack} before 2025-08-13"] = print_check_figures(
+            "earlier releases, their loss replayed (Triton cross-entropy, cut cross-entropy)", earlier, rows
         )
         fitted = [
             abs(f.error_pct)
@@ -1359,7 +1379,6 @@ def print_stack_rows(report: Report, rows: dict[str, Row]) -> dict[str, Any]:
                 f"  fit rows (used to choose its terms): {len(fitted)} figures, median |err| "
                 f"{statistics.median(fitted):.1f} %, worst {max(fitted):.1f} %"
             )
-        out[stack] = {"fixed_abs_err_pct": fixed, "padded_under": under}
     return out
 
 
