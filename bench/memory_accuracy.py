@@ -48,7 +48,7 @@ from typing import Any, Literal
 
 from lorafit import hardware, models, stacks
 from lorafit.errors import LorafitError
-from lorafit.memory import GIB, Runtime
+from lorafit.memory import CUT_CE_MIN_TOKENS, GIB, Runtime
 from lorafit.models import ModelSpec
 from lorafit.schema import Settings
 from torchtune_step import StepRuntime, estimate
@@ -739,6 +739,9 @@ class Mapping:
     notes: list[str] = field(default_factory=list)
     # the row's GPU, for a stack whose step sizes itself by the free memory (Unsloth's fused loss)
     gpu: hardware.GpuSpec | None = None
+    # a shorter length whose peak may pass the cap's, for a padded row: Unsloth's cut cross-entropy ran only above
+    # CUT_CE_MIN_TOKENS, so a batch at or below it held its logits (shorter_peak_at)
+    shorter: Settings | None = None
 
 
 def prefix_of(row_id: str) -> str:
@@ -787,7 +790,13 @@ def map_row(row: Row, spec: ModelSpec) -> Mapping:
         facts = stacks.resolve(raw["stack"]).facts(quant != "none") | setup.get("runtime", {})
         facts |= UNSLOTH_RELEASE_LOSS.get(row.id, {})
         gpu = hardware.custom(gpu_gib_of(raw["gpu"]))  # a card sold as "24 GB" has 24 GiB (hardware.custom)
-        return Mapping(spec, Settings(**fields), Runtime(**facts), notes, gpu)
+        settings, runtime = Settings(**fields), Runtime(**facts)
+        shorter = shorter_peak_at(row, settings, runtime)
+        if shorter:
+            notes.append(
+                f"cut cross-entropy only above {CUT_CE_MIN_TOKENS} tokens: also estimated at {shorter.seq_len}"
+            )
+        return Mapping(spec, settings, runtime, notes, gpu, shorter)
     runtime = dict(FRAMEWORK_OF_PREFIX[prefix_of(row.id)])
     if quant != "none":
         runtime.update(QUANTIZED_EXTRAS.get(prefix_of(row.id), {}))
@@ -840,9 +849,22 @@ class Report:
     cpu_rows: str = ""
 
 
+def shorter_peak_at(row: Row, settings: Settings, runtime: Runtime) -> Settings | None:
+    """The longest micro-batch Unsloth's releases with cut cross-entropy still scored through the logits (at most
+    CUT_CE_MIN_TOKENS tokens), for a row padded to each batch's longest: its rows' peak is the highest over the
+    lengths up to the cap, which may be there rather than at the cap."""
+    fits = CUT_CE_MIN_TOKENS // settings.micro_batch
+    if runtime.loss != "cut_ce" or not row.seq_is_max or settings.tokens_per_micro_batch <= CUT_CE_MIN_TOKENS:
+        return None
+    return settings.model_copy(update={"seq_len": fits}) if fits else None
+
+
 def predicted_bytes(mapping: Mapping, metric: Metric) -> float:
-    result = estimate(mapping.spec, mapping.settings, mapping.gpu, runtime=mapping.runtime)
-    return getattr(result, ESTIMATE_FIELD[metric]) * GIB
+    """lorafit's figure for the row: at its length, or, for a padded row whose peak may be at a shorter length
+    (Mapping.shorter), the higher of the two."""
+    lengths = [mapping.settings] + ([mapping.shorter] if mapping.shorter else [])
+    results = [estimate(mapping.spec, settings, mapping.gpu, runtime=mapping.runtime) for settings in lengths]
+    return max(getattr(result, ESTIMATE_FIELD[metric]) for result in results) * GIB
 
 
 def lorafit_figures_gib(mapping: Mapping) -> dict[str, float]:

@@ -501,15 +501,18 @@ def test_unsloth_before_its_cap_scores_the_whole_micro_batch_in_one_chunk() -> N
 
 def test_unsloth_s_earlier_losses_by_release() -> None:
     """Up to 2024-11 its Triton cross-entropy kept the whole micro-batch's logits in the compute dtype and wrote
-    their gradient over them; from then until the fused loss, Apple's cut cross-entropy kept no logits for a
-    micro-batch of more than 1024 tokens (and the logits below that)."""
+    their gradient over them, and the model returned them, which the Trainer's mixed precision copies to fp32;
+    from then until the fused loss, Apple's cut cross-entropy kept no logits for a micro-batch of more than 1024
+    tokens (and returned none; below that, the logits as before)."""
     spec = resolve("llama-3.1-8b")
     step = Settings(stack="unsloth", **UNSLOTH_STEP)
     runtime = memory.stack_runtime(step)
     n, h, v = step.tokens_per_micro_batch, spec.hidden_size, spec.vocab_size
     triton = runtime.model_copy(update={"loss": "compute_logits"})
     cut = runtime.model_copy(update={"loss": "cut_ce"})
-    assert memory.logits_bytes(spec, step, triton) == C * v * n + C * h * n
+    # the model returns the logits: accelerate's mixed precision hands them back as an fp32 copy (4 bytes each)
+    assert memory.logits_bytes(spec, step, triton) == C * v * n + 4 * v * n
+    assert memory.logits_bytes(spec, step, triton.model_copy(update={"autocast": False})) == C * v * n + C * h * n
     assert memory.logits_bytes(spec, step, cut) == C * h * n + 4 * n
     short = Settings(stack="unsloth", **(UNSLOTH_STEP | dict(micro_batch=1, seq_len=1024)))
     assert memory.logits_bytes(spec, short, cut) == memory.logits_bytes(spec, short, triton)
@@ -527,3 +530,20 @@ def test_each_unsloth_row_runs_the_loss_of_its_release(accuracy) -> None:
         assert (runtime.loss, runtime.fused_chunk_sizing) == (loss, sizing), row_id
     pinned = memory.stack_runtime(Settings(stack="unsloth", **UNSLOTH_STEP))
     assert (pinned.loss, pinned.fused_chunk_sizing) == ("fused_chunked", "capped")
+
+
+def test_a_padded_row_of_the_cut_cross_entropy_releases_is_bounded_at_its_longest_logits_batch(accuracy) -> None:
+    """Unsloth's releases with cut cross-entropy scored micro-batches of at most 1024 tokens through the whole
+    logits: a row padded to each batch's longest may peak below its cap, so its figure is the higher of the two."""
+    rows = {row.id: row for row in accuracy.read_rows(accuracy.DEFAULT_CSV)}
+    row = rows["USN-21"]  # Llama-3.2-1B, micro-batch 1, padded up to 2048, Unsloth 2025.4.7
+    mapping = accuracy.map_row(row, accuracy.resolve_model(row.raw["model"]))
+    assert mapping.runtime.loss == "cut_ce" and mapping.shorter is not None and mapping.shorter.seq_len == 1024
+    at = {
+        length.seq_len: memory.estimate(mapping.spec, length, mapping.gpu, runtime=mapping.runtime).peak_reserved_gib
+        for length in (mapping.settings, mapping.shorter)
+    }
+    assert at[1024] > at[2048]  # the logits of 1024 tokens outweigh everything 1024 more tokens add
+    assert accuracy.predicted_bytes(mapping, "reserved") == max(at.values()) * GIB
+    fixed = rows["USN-26"]  # packed to 4096: no shorter batch
+    assert accuracy.map_row(fixed, accuracy.resolve_model(fixed.raw["model"])).shorter is None

@@ -52,6 +52,7 @@ from lorafit.memory.host import (
     offloaded_state_bytes,
 )
 from lorafit.memory.loss import (
+    CUT_CE_MIN_TOKENS,
     chunked_loss_bytes,
     head_forward_bytes,
     head_saved_bytes,
@@ -165,6 +166,7 @@ __all__ = [
     "trainable_dtype_bytes",
     "trainable_params",
     "transient_bytes",
+    "CUT_CE_MIN_TOKENS",
     "unsloth_chunk_target",
     "unsloth_chunk_tokens",
     "unsloth_offloads",

@@ -106,8 +106,12 @@ def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime, gpu_byte
         # the hidden states' gradient, and its fp32 log-sum-exp per token: the logits stay in on-chip blocks
         return c * spec.hidden_size * n + 4 * n
     if runtime.loss in ("compute_logits", "cut_ce"):
-        # the logits, made into their own gradient in place, and the hidden states' gradient of the head
-        return c * vocab * n + c * spec.hidden_size * n
+        # the logits, made into their own gradient in place, and in backward the hidden states' gradient of the
+        # head; before that the model returns its logits, and under mixed precision accelerate's
+        # convert_outputs_to_fp32 (Accelerator.prepare_model with native AMP, utils/operations.py convert_to_fp32:
+        # fp16/bf16 outputs to fp32) holds an fp32 copy of them until the loss is returned
+        returned = 4 * vocab * n if runtime.autocast and c != 4 else 0
+        return c * vocab * n + max(returned, c * spec.hidden_size * n)
     # Gemma-2 soft-caps the logits (tanh(logits / 30) x 30) in the compute dtype: tanh keeps its output
     softcap = DTYPE_BYTES[settings.precision] * vocab * n if spec.logit_softcapping else 0
     return 12 * vocab * n + softcap + head_weight_cast_bytes(spec, settings, runtime)
