@@ -329,7 +329,7 @@ def test_the_e2b_plan_says_what_is_16_bit_and_what_is_shared(capsys: pytest.Capt
 @pytest.mark.parametrize(
     ("hub_id", "words"),
     [
-        ("google/gemma-4-12B-it", "Gemma 4 12B (gemma4_unified"),
+        ("google/gemma-4-12B-it", "Gemma 4 12B, another model class than the 31B's (gemma4_unified)"),
     ],
 )
 def test_the_sizes_not_modelled_are_one_line_naming_a_gemma3_image_text_preset(

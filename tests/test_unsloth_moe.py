@@ -155,16 +155,19 @@ def test_a_family_lorafit_has_not_read_unsloths_step_for_is_refused_in_one_line(
 
 def test_the_unsloth_moe_rows_route_to_the_stack_with_4_bit_experts() -> None:
     """USM-01..04 state their settings and are estimated as --stack unsloth; USM-05 (a README claim with no
-    setting) is kept but cannot be compared."""
+    setting) is kept but cannot be compared. Their experts are 4-bit, but for USM-08: Unsloth 2026.4.4 predates
+    unsloth_zoo's NF4 packing of fused experts (2026-05-15), so Gemma 4 26B-A4B's stayed 16-bit."""
     sys.path.insert(0, str(BENCH))
     accuracy = importlib.import_module("memory_accuracy")
     rows = {row.id: row for row in accuracy.read_rows(accuracy.DEFAULT_CSV) if row.id.startswith("USM-")}
-    assert {row.raw["split"] for row in rows.values()} == {"check"} and len(rows) == 5
-    for row_id, row in rows.items():
+    assert {row.raw["split"] for row in rows.values()} == {"check"} and len(rows) == 12
+    for row_id in ("USM-01", "USM-02", "USM-03", "USM-04", "USM-05", "USM-08"):
+        row = rows[row_id]
         spec = accuracy.resolve_model(row.raw["model"])
         if row_id == "USM-05":
             with pytest.raises(accuracy.Unmappable):
                 accuracy.map_row(row, spec)
             continue
         mapping = accuracy.map_row(row, spec)
-        assert mapping.settings.stack == "unsloth" and mapping.runtime.quantized_experts
+        assert mapping.settings.stack == "unsloth"
+        assert mapping.runtime.quantized_experts == (row_id != "USM-08")
