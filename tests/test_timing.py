@@ -344,3 +344,39 @@ def test_the_hours_range_is_the_check_rows_error_of_the_narrowest_class_with_row
         assert high == pytest.approx(10 * (1 + entry["high"]), abs=1e-3)
         assert low <= 10.0 <= high
     assert costs.hours_range(None, 10.0) is None and costs.hours_range(a100, 0.0) is None
+
+
+def test_a_linear4bit_casts_an_fp32_input_and_output_as_the_time_model_counts() -> None:
+    """stream_cast_seconds' count, checked on bitsandbytes itself (its CPU kernels): with an fp32 input a
+    Linear4bit casts the input down and its output back in forward, and both gradients back in backward - four
+    casts moving (4 + 2) x (in + out) bytes per token each way - and none with a bf16 input."""
+    torch = pytest.importorskip("torch")
+    bnb = pytest.importorskip("bitsandbytes")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Casts(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.moved = self.kernels = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and args[0].dtype != out.dtype and out.is_floating_point():
+                self.moved += args[0].nbytes + out.nbytes
+                self.kernels += 1
+            return out
+
+    width_in, width_out, tokens = 256, 512, 64
+    layer = bnb.nn.Linear4bit(width_in, width_out, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+    weight = torch.randn(width_out, width_in, dtype=torch.bfloat16)
+    layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
+    layer = layer.to("cpu")
+    moved = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(tokens, width_in, dtype=dtype, requires_grad=True)
+        casts = Casts()
+        with casts:
+            layer(x).sum().backward()
+        moved[dtype] = (casts.kernels, casts.moved)
+    assert moved[torch.float32] == (4, (4 + 2) * (width_in + width_out) * tokens * 2)
+    assert moved[torch.bfloat16] == (0, 0)
