@@ -169,6 +169,21 @@ def build_on_meta(spec: ModelSpec):
         return auto_model_class(config.model_type).from_config(config)
 
 
+def packed_4bit_params(model) -> int:
+    """The weights transformers' bitsandbytes quantizer packs into 4-bit Linears (in place, on the meta device)."""
+    import bitsandbytes as bnb
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    packed = replace_with_bnb_linear(
+        model,
+        modules_to_not_convert=get_keys_to_not_convert(model),
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True),
+    )
+    return sum(m.in_features * m.out_features for m in packed.modules() if isinstance(m, bnb.nn.Linear4bit))
+
+
 def tiny_spec(tmp_path: Path, audio: bool = False, **text: object) -> ModelSpec:
     return from_config_json(write_config(tmp_path / "tiny", gemma4_config(TINY_TEXT | text, TINY_VISION, audio)))
 
@@ -209,10 +224,7 @@ def test_the_modelled_names_resolve_to_their_shapes(hub_id: str, preset: str) ->
 
 @pytest.mark.parametrize("preset", sorted(CONVERTER))
 def test_the_preset_is_the_model_transformers_builds_from_the_converters_config(preset: str) -> None:
-    import bitsandbytes as bnb
-    from transformers import BitsAndBytesConfig, Gemma4Config, Gemma4ForConditionalGeneration
-    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
-    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     config = Gemma4Config(**gemma4_config(*CONVERTER[preset]))
     with torch.device("meta"):
@@ -229,13 +241,7 @@ def test_the_preset_is_the_model_transformers_builds_from_the_converters_config(
         linears = (m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "language_model" in n)
         assert timing.layer_matmul_params(spec) == pytest.approx(sum(m.weight.numel() for m in linears), rel=1e-3)
     # what bitsandbytes packs (the E sizes' per-layer table, an nn.Embedding, stays 16-bit)
-    packed = replace_with_bnb_linear(
-        model,
-        modules_to_not_convert=get_keys_to_not_convert(model),
-        quantization_config=BitsAndBytesConfig(load_in_4bit=True),
-    )
-    linears = [m.in_features * m.out_features for m in packed.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    assert sum(linears) == spec.quantized_linear_params
+    assert packed_4bit_params(model) == spec.quantized_linear_params
 
 
 @pytest.mark.parametrize("preset", sorted(CONVERTER))
@@ -257,11 +263,7 @@ def test_lora_and_4_bit_packing_count_what_peft_and_bitsandbytes_do(layout: str,
     its experts through target_parameters; the E sizes' shared-KV layers have no k_proj / v_proj, the E2B's MLP
     there is twice as wide, the per-layer input path is not a LoRA target); transformers' quantizer packs the
     language model's and the towers' linears (the 26B-A4B's router too), not the fused experts."""
-    import bitsandbytes as bnb
     from peft import get_peft_model
-    from transformers import BitsAndBytesConfig
-    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
-    from transformers.quantizers.base import get_keys_to_not_convert
 
     from lorafit.train.build import lora_config
 
@@ -282,13 +284,7 @@ def test_lora_and_4_bit_packing_count_what_peft_and_bitsandbytes_do(layout: str,
         assert any(".mlp.down_proj." in name for name in trained) == (targets == "all")
         assert any(".experts." in name for name in trained) == (targets == "experts")
         assert not any(".layers.11.self_attn.k_proj" in name for name in trained) if e_size else True
-    packed = replace_with_bnb_linear(
-        model,
-        modules_to_not_convert=get_keys_to_not_convert(model),
-        quantization_config=BitsAndBytesConfig(load_in_4bit=True),
-    )
-    linears = [m.in_features * m.out_features for m in packed.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    assert sum(linears) == spec.quantized_linear_params
+    assert packed_4bit_params(model) == spec.quantized_linear_params
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
