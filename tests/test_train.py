@@ -88,23 +88,13 @@ def lorafit(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
     return run_cli(args, capsys)
 
 
+def run_args(tiny: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    """`lorafit train` on the tiny model and data into `out`, with `extra` options."""
+    return ["train", "--model", str(tiny["model"]), "--data", str(tiny["data"]), "--output-dir", str(out), *extra]
+
+
 def train_args(tiny: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    return [
-        "train",
-        "--model",
-        str(tiny["model"]),
-        "--data",
-        str(tiny["data"]),
-        "--output-dir",
-        str(out),
-        "--micro-batch",
-        "4",
-        "--grad-accum",
-        "2",
-        "--seed",
-        "3",
-        *extra,
-    ]
+    return run_args(tiny, out, "--micro-batch", "4", "--grad-accum", "2", "--seed", "3", *extra)
 
 
 def metrics(run: Path) -> list[dict]:
@@ -531,24 +521,8 @@ def test_out_of_memory_at_micro_batch_1_is_one_line(
     tiny: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LORAFIT_FAULT_OOM_AT_STEP", "1")
-    code, _, err = lorafit(
-        [
-            "train",
-            "--model",
-            str(tiny["model"]),
-            "--data",
-            str(tiny["data"]),
-            "--output-dir",
-            str(tmp_path / "run"),
-            "--micro-batch",
-            "1",
-            "--grad-accum",
-            "4",
-            "--max-steps",
-            "2",
-        ],
-        capsys,
-    )
+    args = run_args(tiny, tmp_path / "run", "--micro-batch", "1", "--grad-accum", "4", "--max-steps", "2")
+    code, _, err = lorafit(args, capsys)
     assert code == 2
     assert err.count("\n") == 1 and "out of memory in step 1 at micro-batch 1" in err
     plan = Plan.load(tmp_path / "run" / "plan.json").settings
@@ -765,21 +739,8 @@ def test_bad_input_is_one_line_and_exit_2(
 ) -> None:
     make, expected = BAD_INPUTS[case]
     out = tmp_path / "run"
-    args = [
-        "train",
-        "--model",
-        str(tiny["model"]),
-        "--data",
-        str(tiny["data"]),
-        "--output-dir",
-        str(out),
-        "--max-steps",
-        "1",
-        *make(tiny, tmp_path),
-    ]
-    code, _, err = lorafit(args, capsys)
-    assert code == 2
-    assert err.count("\n") == 1 and err.startswith("lorafit: error:")
+    code, _, err = lorafit(run_args(tiny, out, "--max-steps", "1", *make(tiny, tmp_path)), capsys)
+    assert code == 2 and one_line(err), err
     assert expected in err
     assert not out.exists()  # refused before anything was written
 
