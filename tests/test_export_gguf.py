@@ -4,6 +4,7 @@ and SentencePiece vocabularies, the pre-tokenizer identified by behaviour, q8_0 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,22 @@ def hf_logits(model: Any, ids: list[int]) -> Any:
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
+def f32_logit_gap(model: Any, tokenizer: Any, folder: Path) -> Callable[[Path], float]:
+    """The check of `folder` against transformers' `model` on TEXT: a function that writes `folder` as an f32 GGUF
+    at the path it is given (through whatever export code is patched in by then) and returns llama.cpp's largest
+    logit difference as a fraction of transformers' largest logit."""
+    from lorafit.export import gguf
+
+    ids = tokenizer(TEXT)["input_ids"]
+    reference = hf_logits(model, ids)
+
+    def gap(path: Path) -> float:
+        gguf.write_gguf(folder, path, "f32")
+        return float(np.abs(llama_cpp_logits(path, ids) - reference).max() / np.abs(reference).max())
+
+    return gap
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_gives_llama_cpp_the_logits_of_transformers(family: str, tokenizer: Any, tmp_path: Path) -> None:
     from lorafit.export import gguf, verify
@@ -115,10 +132,7 @@ def test_a_missing_rotary_permutation_would_be_caught(
     monkeypatch.setattr(
         gguf, "architecture", lambda path: gguf.Architecture(**(vars(original(path)) | {"permute_qk": False}))
     )
-    written = gguf.write_gguf(folder, tmp_path / "wrong.gguf", "f32")
-    ids = tokenizer(TEXT)["input_ids"]
-    reference = hf_logits(model, ids)
-    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() > 1e-2 * np.abs(reference).max()
+    assert f32_logit_gap(model, tokenizer, folder)(tmp_path / "wrong.gguf") > 1e-2
 
 
 def test_tied_embeddings_write_no_output_tensor(tokenizer: Any, tmp_path: Path) -> None:
@@ -352,11 +366,7 @@ def test_chat_with_a_prompt_longer_than_the_gguf_context_is_one_line(
 def test_the_check_reads_llama_cpp_with_an_f32_cache(tokenizer: Any, tmp_path: Path) -> None:
     """The check compares the file, not llama.cpp's cache: with keys and values kept in f32 an f32 file gives
     transformers' logits to 1e-5 of the largest, where llama.cpp's default f16 cache alone moves them ~1e-3."""
-    from lorafit.export import gguf
 
     folder = tmp_path / "model"
     model = tiny_model(folder, tokenizer, "llama")
-    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
-    ids = tokenizer(TEXT)["input_ids"]
-    reference = hf_logits(model, ids)
-    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-5 * np.abs(reference).max()
+    assert f32_logit_gap(model, tokenizer, folder)(tmp_path / "model-f32.gguf") < 1e-5

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import export_checked, randomize_lora_b, run_train, word_rows
 from lorafit.errors import ExportError
+from lorafit.export.verify import reference_model
 from lorafit.models import from_config_json
 from lorafit.serving import gguf_tensors
 
@@ -21,7 +22,7 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is the [gguf] extra")
 
-from test_export_gguf import TEXT, llama_cpp_logits  # noqa: E402
+from test_export_gguf import TEXT, f32_logit_gap  # noqa: E402
 from test_gemma4 import TINY_E, TINY_MOE, TINY_TEXT, TINY_VISION, gemma4_config  # noqa: E402
 
 # a window narrower than the test text, so that the sliding layers' mask shows in the logits
@@ -79,13 +80,6 @@ def gemma4_model(
     tokenizer.save_pretrained(folder)
 
 
-def reference_logits(folder: Path, ids: list[int]) -> Any:
-    from lorafit.export.verify import reference_model
-
-    with torch.no_grad():
-        return reference_model(folder)(torch.tensor([ids])).logits[0].numpy()
-
-
 @pytest.mark.parametrize(
     ("image_text", "moe", "e_size"),
     [(False, False, False), (True, False, False), (True, True, False), (True, False, True)],
@@ -96,16 +90,11 @@ def test_gemma4_gives_llama_cpp_the_logits_of_transformers(
 ) -> None:
     from gguf import GGUFReader
 
-    from lorafit.export import gguf
-
     folder = tmp_path / "model"
     gemma4_model(folder, tokenizer, image_text=image_text, moe=moe, e_size=e_size)
-    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
-    ids = tokenizer(TEXT)["input_ids"]
-    assert len(ids) > 8 * 4  # several sliding windows long
-    reference = reference_logits(folder, ids)
-    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-3 * np.abs(reference).max()
-    reader = GGUFReader(written.path)
+    assert len(tokenizer(TEXT)["input_ids"]) > 8 * 4  # several sliding windows long
+    assert f32_logit_gap(reference_model(folder), tokenizer, folder)(tmp_path / "model-f32.gguf") < 1e-3
+    reader = GGUFReader(tmp_path / "model-f32.gguf")
     names = [tensor.name for tensor in reader.tensors]
     assert all(name.startswith(("token_embd.", "per_layer_", "blk.", "output", "rope_freqs")) for name in names), names
     kv_heads = reader.fields["gemma4.attention.head_count_kv"]
@@ -134,10 +123,7 @@ def test_gemma4_without_its_proportional_rope_would_be_caught(
     folder = tmp_path / "model"
     gemma4_model(folder, tokenizer, image_text=False)
     monkeypatch.setattr(gguf, "proportional_factors", lambda rope, head_dim: [1.0] * (head_dim // 2))
-    written = gguf.write_gguf(folder, tmp_path / "wrong.gguf", "f32")
-    ids = tokenizer(TEXT)["input_ids"]
-    reference = reference_logits(folder, ids)
-    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() > 1e-2 * np.abs(reference).max()
+    assert f32_logit_gap(reference_model(folder), tokenizer, folder)(tmp_path / "wrong.gguf") > 1e-2
 
 
 def test_shared_kv_layers_llama_cpp_would_read_differently_are_one_line(tokenizer: Any, tmp_path: Path) -> None:

@@ -14,12 +14,13 @@ import pytest
 
 from conftest import randomize_lora_b, run_cli, run_train, word_rows
 from lorafit.errors import ExportError
+from lorafit.export.verify import reference_model
 
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is the [gguf] extra")
 
-from test_export_gguf import TEXT, llama_cpp_logits  # noqa: E402
+from test_export_gguf import TEXT, f32_logit_gap, hf_logits, llama_cpp_logits  # noqa: E402
 from test_vision import ONE_PER_FAMILY, tiny  # noqa: E402
 
 WRITTEN = ("gemma3", "mistral3", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
@@ -55,29 +56,17 @@ def image_text_model(folder: Path, tokenizer: Any, family: str) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
-def reference_logits(folder: Path, ids: list[int]) -> Any:
-    from lorafit.export.verify import reference_model
-
-    with torch.no_grad():
-        return reference_model(folder)(torch.tensor([ids])).logits[0].numpy()
-
-
 @pytest.mark.parametrize("family", WRITTEN)
 def test_the_language_model_gives_llama_cpp_the_logits_of_transformers(
     family: str, tokenizer: Any, tmp_path: Path
 ) -> None:
     from gguf import GGUFReader
 
-    from lorafit.export import gguf
-
     folder = tmp_path / "model"
     image_text_model(folder, tokenizer, family)
-    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
-    ids = tokenizer(TEXT)["input_ids"]
-    assert len(ids) > 8 * 4  # several sliding windows long
-    reference = reference_logits(folder, ids)
-    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-3 * np.abs(reference).max()
-    names = [tensor.name for tensor in GGUFReader(written.path).tensors]
+    assert len(tokenizer(TEXT)["input_ids"]) > 8 * 4  # several sliding windows long
+    assert f32_logit_gap(reference_model(folder), tokenizer, folder)(tmp_path / "model-f32.gguf") < 1e-3
+    names = [tensor.name for tensor in GGUFReader(tmp_path / "model-f32.gguf").tensors]
     assert all(name.startswith(("token_embd.", "blk.", "output")) for name in names), names
 
 
@@ -85,8 +74,6 @@ def test_qwen3_vl_moe_experts_as_the_hub_ships_them(tokenizer: Any, tmp_path: Pa
     """Qwen3-VL-MoE checkpoints store the fused experts experts x in x out (transformers transposes them on load);
     a model built from a config saves them experts x out x in. Both give llama.cpp transformers' logits."""
     from safetensors.torch import load_file, save_file
-
-    from lorafit.export import gguf
 
     folder = tmp_path / "model"
     image_text_model(folder, tokenizer, "qwen3_vl_moe")
@@ -96,10 +83,7 @@ def test_qwen3_vl_moe_experts_as_the_hub_ships_them(tokenizer: Any, tmp_path: Pa
     for name in fused:
         weights[name] = weights[name].transpose(1, 2).contiguous()
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
-    ids = tokenizer(TEXT)["input_ids"]
-    reference = reference_logits(folder, ids)
-    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-3 * np.abs(reference).max()
+    assert f32_logit_gap(reference_model(folder), tokenizer, folder)(tmp_path / "model-f32.gguf") < 1e-3
 
 
 def test_gemma3_without_its_sliding_window_would_be_caught(
@@ -118,10 +102,7 @@ def test_gemma3_without_its_sliding_window_would_be_caught(
             **(vars(original(path)) | {"entry": original(path).entry | {"sliding_window": False}})
         ),
     )
-    written = gguf.write_gguf(folder, tmp_path / "wrong.gguf", "f32")
-    ids = tokenizer(TEXT)["input_ids"]
-    reference = reference_logits(folder, ids)
-    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() > 1e-2 * np.abs(reference).max()
+    assert f32_logit_gap(reference_model(folder), tokenizer, folder)(tmp_path / "wrong.gguf") > 1e-2
 
 
 def test_llama_cpps_qwen2vl_normalises_with_eps_zero(tokenizer: Any, tmp_path: Path) -> None:
@@ -129,7 +110,6 @@ def test_llama_cpps_qwen2vl_normalises_with_eps_zero(tokenizer: Any, tmp_path: P
     1e-5 the tiny model's logits differ from transformers' by more than 0.5 % of the largest; with transformers'
     epsilon set to 0 they agree."""
     from lorafit.export import gguf
-    from lorafit.export.verify import reference_model
 
     folder = tmp_path / "model"
     image_text_model(folder, tokenizer, "qwen2_5_vl")
@@ -139,14 +119,13 @@ def test_llama_cpps_qwen2vl_normalises_with_eps_zero(tokenizer: Any, tmp_path: P
     written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
     ids = tokenizer(TEXT)["input_ids"]
     ours = llama_cpp_logits(written.path, ids)
-    reference = reference_logits(folder, ids)
-    assert np.abs(ours - reference).max() > 5e-3 * np.abs(reference).max()
     model = reference_model(folder)
+    reference = hf_logits(model, ids)
+    assert np.abs(ours - reference).max() > 5e-3 * np.abs(reference).max()
     for module in model.modules():
         if hasattr(module, "variance_epsilon"):
             module.variance_epsilon = 0.0
-    with torch.no_grad():
-        eps_zero = model(torch.tensor([ids])).logits[0].numpy()
+    eps_zero = hf_logits(model, ids)
     assert np.abs(ours - eps_zero).max() < 1e-3 * np.abs(eps_zero).max()
 
 

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is the [gguf] extra")
 
-from test_export_gguf import TEXT, hf_logits, llama_cpp_logits  # noqa: E402
+from test_export_gguf import f32_logit_gap  # noqa: E402
 
 # DeepSeek-V2-Lite's yarn (config.json: factor 40, mscale and mscale_all_dim 0.707, beta_fast 32, beta_slow 1),
 # over a shorter original context so that the tiny model's positions reach the scaled frequencies
@@ -109,16 +109,15 @@ def test_deepseek_gives_llama_cpp_the_logits_of_transformers(
     folder = tmp_path / "model"
     model_type, extra = VARIANTS[variant]
     model = deepseek_model(folder, tokenizer, model_type, **extra)
-    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
-    ids = tokenizer(TEXT)["input_ids"]
-    reference = hf_logits(model, ids)
-    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-3 * np.abs(reference).max()
-    tensors = {tensor.name for tensor in GGUFReader(written.path).tensors}
+    gap = f32_logit_gap(model, tokenizer, folder)
+    assert gap(tmp_path / "model-f32.gguf") < 1e-3
+    reader = GGUFReader(tmp_path / "model-f32.gguf")
+    tensors = {tensor.name for tensor in reader.tensors}
     assert {"blk.0.ffn_gate.weight", "blk.1.ffn_gate_exps.weight", "blk.2.ffn_up_shexp.weight"} <= tensors
     assert ("blk.0.attn_q_a.weight" in tensors) == (variant != "v2-lite")
     assert ("blk.1.exp_probs_b.bias" in tensors) == (variant == "v3")
     if variant == "mistral4":
-        assert GGUFReader(written.path).get_field("mistral4.attention.temperature_length").contents() == 32
+        assert reader.get_field("mistral4.attention.temperature_length").contents() == 32
 
     # the comparison can fail: experts stacked in another order (Mistral 4's fused gate_up: its gate and up halves
     # swapped), or (V2-Lite) yarn's attention scale, or (Mistral 4) the query temperature, left out
@@ -137,16 +136,13 @@ def test_deepseek_gives_llama_cpp_the_logits_of_transformers(
 
     with monkeypatch.context() as patch:
         patch.setattr(gguf, "tensor_plans", reversed_experts)
-        wrong = gguf.write_gguf(folder, tmp_path / "wrong.gguf", "f32")
-    assert np.abs(llama_cpp_logits(wrong.path, ids) - reference).max() > 1e-2 * np.abs(reference).max()
+        assert gap(tmp_path / "wrong.gguf") > 1e-2
     if variant == "mistral4":  # the query temperature left out
         monkeypatch.setattr(gguf_py.GGUFWriter, "add_attn_temperature_scale", lambda *args: None)
-        wrong = gguf.write_gguf(folder, tmp_path / "wrong-temperature.gguf", "f32")
-        assert np.abs(llama_cpp_logits(wrong.path, ids) - reference).max() > 1e-2 * np.abs(reference).max()
+        assert gap(tmp_path / "wrong-temperature.gguf") > 1e-2
     if variant == "v2-lite":
         monkeypatch.setattr(gguf_py.GGUFWriter, "add_rope_scaling_yarn_log_mul", lambda *args: None)
-        wrong = gguf.write_gguf(folder, tmp_path / "wrong-yarn.gguf", "f32")
-        assert np.abs(llama_cpp_logits(wrong.path, ids) - reference).max() > 1e-2 * np.abs(reference).max()
+        assert gap(tmp_path / "wrong-yarn.gguf") > 1e-2
 
 
 @pytest.mark.parametrize(
@@ -201,8 +197,6 @@ def test_mistral_small_4_as_the_hub_ships_it(tokenizer: Any, tmp_path: Path) -> 
     from gguf import GGUFReader
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    from lorafit.export import gguf
-
     text = deepseek_model(tmp_path / "text", tokenizer, "mistral4", **VARIANTS["mistral4"][1])
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
     vision |= {"image_size": 32, "patch_size": 8, "head_dim": 16}
@@ -213,8 +207,5 @@ def test_mistral_small_4_as_the_hub_ships_it(tokenizer: Any, tmp_path: Path) -> 
     folder = tmp_path / "model"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
-    assert GGUFReader(written.path).get_field("general.architecture").contents() == "mistral4"
-    ids = tokenizer(TEXT)["input_ids"]
-    reference = hf_logits(text, ids)
-    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-3 * np.abs(reference).max()
+    assert f32_logit_gap(text, tokenizer, folder)(tmp_path / "model-f32.gguf") < 1e-3
+    assert GGUFReader(tmp_path / "model-f32.gguf").get_field("general.architecture").contents() == "mistral4"

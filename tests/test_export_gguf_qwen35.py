@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is the [gguf] extra")
 
-from test_export_gguf import TEXT, hf_logits, llama_cpp_logits  # noqa: E402
+from test_export_gguf import f32_logit_gap  # noqa: E402
 from test_qwen35 import small_hybrid  # noqa: E402
 
 
@@ -63,15 +63,13 @@ def test_qwen35_gives_llama_cpp_the_logits_of_transformers(
 ) -> None:
     from gguf import GGUFReader
 
-    from lorafit.export import gguf, gguf_hybrid
+    from lorafit.export import gguf_hybrid
 
     folder = tmp_path / "model"
     model = tiny_qwen35(folder, tokenizer, value_heads)
-    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
-    ids = tokenizer(TEXT)["input_ids"]
-    reference = hf_logits(model, ids)
-    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-3 * np.abs(reference).max()
-    tensors = {tensor.name for tensor in GGUFReader(written.path).tensors}
+    gap = f32_logit_gap(model, tokenizer, folder)
+    assert gap(tmp_path / "model-f32.gguf") < 1e-3
+    tensors = {tensor.name for tensor in GGUFReader(tmp_path / "model-f32.gguf").tensors}
     assert {"blk.0.ssm_a", "blk.0.ssm_dt.bias", "blk.0.ssm_conv1d.weight", "blk.3.attn_q.weight"} <= tensors
     assert not any(name.startswith("blk.3.ssm_") for name in tensors)
 
@@ -86,8 +84,7 @@ def test_qwen35_gives_llama_cpp_the_logits_of_transformers(
             "transform",
             lambda entry, config, name, weight: transform(entry, config | {"linear_num_value_heads": 2}, name, weight),
         )
-    wrong = gguf.write_gguf(folder, tmp_path / "wrong.gguf", "f32")
-    assert np.abs(llama_cpp_logits(wrong.path, ids) - reference).max() > 1e-2 * np.abs(reference).max()
+    assert gap(tmp_path / "wrong.gguf") > 1e-2
 
 
 def test_value_heads_of_another_width_are_one_line(tmp_path: Path) -> None:
@@ -119,8 +116,6 @@ def test_the_language_model_of_qwen35_image_text_is_written(tokenizer: Any, tmp_
     from safetensors.torch import load_file
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from lorafit.export import gguf
-
     text = tiny_qwen35(tmp_path / "text", tokenizer, 4).config.to_dict()
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 256}
     config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
@@ -133,7 +128,5 @@ def test_the_language_model_of_qwen35_image_text_is_written(tokenizer: Any, tmp_
     folder = tmp_path / "model"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    written = gguf.write_gguf(folder, tmp_path / "model-f32.gguf", "f32")
-    ids = tokenizer(TEXT)["input_ids"]
-    reference = hf_logits(model, ids)
-    assert np.abs(llama_cpp_logits(written.path, ids) - reference).max() < 1e-3 * np.abs(reference).max()
+    gap = f32_logit_gap(model, tokenizer, folder)
+    assert gap(tmp_path / "model-f32.gguf") < 1e-3
