@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from conftest import export_checked, randomize_lora_b, run_train, word_rows
-from lorafit.linear_attention import LinearAttention
 from lorafit.models import resolve
 
 torch = pytest.importorskip("torch")
@@ -21,6 +20,8 @@ np = pytest.importorskip("numpy")
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is the [gguf] extra")
 
 from test_export_gguf import f32_logit_gap  # noqa: E402
+from test_export_gguf_qwen35 import tiny_qwen35  # noqa: E402
+from test_qwen35 import small_hybrid  # noqa: E402
 
 # The families and the tensors only their GGUF files have
 FAMILIES = {
@@ -29,49 +30,9 @@ FAMILIES = {
 }
 
 
-def tiny_hybrid_moe(folder: Path, tokenizer: Any, model_type: str) -> Any:
-    """Four layers (three DeltaNet with twice as many value heads as key heads, one gated attention), 8 experts of
-    which 2 per token, a router and shared-expert gate far from zero (both runtimes route alike; the gate matters),
-    1-D parameters away from their init so that one written wrong shows."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        model_type,
-        hidden_size=256,
-        intermediate_size=512,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=96,
-        num_experts=8,
-        num_experts_per_tok=2,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=512,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-        linear_conv_kernel_dim=4,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.dim() == 1:
-                shifted = name.endswith("norm.weight") and ".linear_attn." not in name  # (1 + w) norms
-                torch.nn.init.normal_(parameter, 0.0 if shifted else 1.0, 0.1)
-            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
-                parameter.normal_(0.0, 0.5)
-            elif ".experts." in name:
-                parameter.normal_(0.0, 0.05)
-    torch.nn.init.normal_(model.get_output_embeddings().weight, std=0.1)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    model.eval()
-    return model
+# Four layers (three DeltaNet with twice as many value heads as key heads, one gated attention), 8 experts of which
+# 2 per token and a shared expert 96 wide
+MOE = dict(moe_intermediate_size=64, shared_expert_intermediate_size=96, num_experts=8, num_experts_per_tok=2)
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
@@ -83,7 +44,7 @@ def test_the_hybrid_moe_gives_llama_cpp_the_logits_of_transformers(
     from lorafit.export import gguf_hybrid
 
     folder = tmp_path / "model"
-    model = tiny_hybrid_moe(folder, tokenizer, model_type)
+    model = tiny_qwen35(folder, tokenizer, 4, model_type, **MOE)
     gap = f32_logit_gap(model, tokenizer, folder)
     assert gap(tmp_path / "model-f32.gguf") < 1e-3
     reader = GGUFReader(tmp_path / "model-f32.gguf")
@@ -119,18 +80,11 @@ def test_a_trained_hybrid_moe_run_exports_to_checked_gguf(
     # model's tokenizer as Qwen3_5Tokenizer whatever its tokenizer_config says (tokenization_auto.py
     # MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS), which adds the <|endoftext|> the hub's has and the demo's lacks:
     # one row more for it (unused by Qwen3-Next's)
-    block = LinearAttention(
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_conv_kernel_dim=4,
-        shared_expert_intermediate_size=128,
-    )
+    block = small_hybrid(4).linear_attention.model_dump() | {"shared_expert_intermediate_size": 128}
     shape = dict(hidden_size=512, moe_intermediate_size=128, num_local_experts=4, num_experts_per_tok=4)
     heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=128, num_hidden_layers=4)
     fused = {"fused_inputs": preset.startswith("qwen3-next")}
-    spec = resolve(preset).scaled(**shape, **heads, linear_attention=block.model_dump() | fused)
+    spec = resolve(preset).scaled(**shape, **heads, linear_attention=block | fused)
     spec = spec.scaled(vocab_size=len(small) + 1, max_position_embeddings=4096)
     build_model(tmp_path / "model", small, spec, seed=0, dtype="bfloat16")
     flags = ["--max-steps", "1", "--micro-batch", "2"]

@@ -22,13 +22,15 @@ from test_export_gguf import f32_logit_gap  # noqa: E402
 from test_qwen35 import small_hybrid  # noqa: E402
 
 
-def tiny_qwen35(folder: Path, tokenizer: Any, value_heads: int) -> Any:
-    """Four layers (three DeltaNet, one gated attention), rows of 256; 1-D parameters away from their init (norms
-    of 1 + w near 1, the DeltaNet's gated norm, A_log and dt_bias near 1) so that one written wrong shows."""
+def tiny_qwen35(folder: Path, tokenizer: Any, value_heads: int, model_type: str = "qwen3_5_text", **moe: int) -> Any:
+    """Four layers (three DeltaNet, one gated attention), rows of 256 (with `moe`, Qwen3-MoE's experts and shared
+    expert); 1-D parameters away from their init (norms of 1 + w near 1, the DeltaNet's gated norm, A_log and
+    dt_bias near 1) so that one written wrong shows; a router and shared-expert gate far from zero (both runtimes
+    route alike; the gate matters)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(
-        "qwen3_5_text",
+        model_type,
         hidden_size=256,
         intermediate_size=512,
         num_hidden_layers=4,
@@ -43,13 +45,19 @@ def tiny_qwen35(folder: Path, tokenizer: Any, value_heads: int) -> Any:
         linear_value_head_dim=32,
         linear_conv_kernel_dim=4,
         tie_word_embeddings=False,
+        **moe,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    for name, parameter in model.named_parameters():
-        if parameter.dim() == 1:
-            shifted = name.endswith("norm.weight") and ".linear_attn." not in name  # (1 + w) norms
-            torch.nn.init.normal_(parameter, 0.0 if shifted else 1.0, 0.1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 1:
+                shifted = name.endswith("norm.weight") and ".linear_attn." not in name  # (1 + w) norms
+                torch.nn.init.normal_(parameter, 0.0 if shifted else 1.0, 0.1)
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                parameter.normal_(0.0, 0.5)
+            elif ".experts." in name:
+                parameter.normal_(0.0, 0.05)
     torch.nn.init.normal_(model.get_output_embeddings().weight, std=0.1)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
