@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, tiny_spec
 from lorafit import hardware, models
 
 LORAFIT = Path(sys.executable).with_name("lorafit")
@@ -281,14 +281,8 @@ def test_bad_config_json_is_one_line_and_exit_2(
 
 
 def test_a_local_config_json_is_planned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    spec = models.resolve("llama-2-7b").scaled(
-        num_hidden_layers=2,
-        hidden_size=256,
-        intermediate_size=704,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=32,
-        vocab_size=2048,
+    spec = tiny_spec(
+        hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=4, vocab_size=2048
     )
     folder = write_config(tmp_path / "tiny-llama", json.dumps(spec.to_hf_config()))
     data = run_json(

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
-from lorafit import hardware, models
+from conftest import run_cli, tiny_spec
+from lorafit import hardware
 from lorafit.measure import engine, run
 
 CALIBRATION = Path(__file__).resolve().parents[1] / "bench" / "calibration" / "measured_memory.csv"
@@ -25,15 +25,7 @@ SMALL_RUN = ["--method", "lora", "--seq-len", "64", "--micro-batch", "2", "--gra
 def tiny_model(tmp_path: Path) -> Path:
     """A Llama config.json at a few thousand parameters per layer: all `lorafit measure` needs (it builds the
     weights itself, at random)."""
-    spec = models.resolve("llama-2-7b").scaled(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=256,
-    )
+    spec = tiny_spec(hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=256)
     folder = tmp_path / "tiny-llama"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(spec.to_hf_config()))

@@ -338,15 +338,7 @@ def test_analytic_estimate_is_within_5_percent_of_the_trace(case: str) -> None:
     assert analytic == pytest.approx(traced, rel=0.05), f"analytic {analytic} GiB, traced {traced} GiB"
 
 
-SMALL = resolve("llama-2-7b").scaled(
-    num_hidden_layers=2,
-    hidden_size=256,
-    intermediate_size=704,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=32,
-    vocab_size=2048,
-)
+SMALL = tiny(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=4, vocab_size=2048)
 SMALL_GRID = {
     f"{method} {'ckpt' if ckpt else 'no-ckpt'} {attn} {targets}": Settings(
         method=method,
