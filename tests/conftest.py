@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from lorafit.models import ModelSpec, resolve
+from lorafit.schema import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,6 +30,36 @@ def tiny_spec(name: str = "llama-2-7b", **changes: int | bool) -> ModelSpec:
         vocab_size=512,
     )
     return resolve(name).scaled(**(shape | changes))
+
+
+def build_on_meta(spec: ModelSpec) -> Any:
+    """The real transformers model for `spec`, with no memory behind its tensors."""
+    import torch
+
+    from lorafit.train.build import hf_config
+    from lorafit.train.model_files import auto_model_class
+
+    # Parameter shapes do not depend on the attention kernel; eager is the one every architecture has
+    # (transformers 5 has no SDPA path for Gemma-2).
+    config = hf_config(spec, Settings(method="lora", quant="none", attn="eager"))
+    with torch.device("meta"):
+        return auto_model_class(config.model_type).from_config(config)
+
+
+def packed_4bit(model: Any) -> dict[str, int]:
+    """What transformers' bitsandbytes quantizer packs into 4-bit Linears (in place, as QLoRA loads the model):
+    each packed module's weight elements, by module name."""
+    import bitsandbytes as bnb
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    packed = replace_with_bnb_linear(
+        model,
+        modules_to_not_convert=get_keys_to_not_convert(model),
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True),
+    )
+    return {n: m.in_features * m.out_features for n, m in packed.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
 
 
 def load_script(relative: str) -> ModuleType:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import randomize_lora_b, run_cli, run_train, word_rows
+from conftest import build_on_meta, packed_4bit, randomize_lora_b, run_cli, run_train, word_rows
 from lorafit import timing
 from lorafit.models import ModelSpec, from_config_json, resolve
 from lorafit.schema import Settings
@@ -160,30 +160,6 @@ def write_config(folder: Path, config: dict) -> Path:
     return folder
 
 
-def build_on_meta(spec: ModelSpec):
-    from lorafit.train.build import hf_config
-    from lorafit.train.model_files import auto_model_class
-
-    config = hf_config(spec, Settings(method="lora", quant="none", attn="eager"))
-    with torch.device("meta"):
-        return auto_model_class(config.model_type).from_config(config)
-
-
-def packed_4bit_params(model) -> int:
-    """The weights transformers' bitsandbytes quantizer packs into 4-bit Linears (in place, on the meta device)."""
-    import bitsandbytes as bnb
-    from transformers import BitsAndBytesConfig
-    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
-    from transformers.quantizers.base import get_keys_to_not_convert
-
-    packed = replace_with_bnb_linear(
-        model,
-        modules_to_not_convert=get_keys_to_not_convert(model),
-        quantization_config=BitsAndBytesConfig(load_in_4bit=True),
-    )
-    return sum(m.in_features * m.out_features for m in packed.modules() if isinstance(m, bnb.nn.Linear4bit))
-
-
 def tiny_spec(tmp_path: Path, audio: bool = False, **text: object) -> ModelSpec:
     return from_config_json(write_config(tmp_path / "tiny", gemma4_config(TINY_TEXT | text, TINY_VISION, audio)))
 
@@ -241,7 +217,7 @@ def test_the_preset_is_the_model_transformers_builds_from_the_converters_config(
         linears = (m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "language_model" in n)
         assert timing.layer_matmul_params(spec) == pytest.approx(sum(m.weight.numel() for m in linears), rel=1e-3)
     # what bitsandbytes packs (the E sizes' per-layer table, an nn.Embedding, stays 16-bit)
-    assert packed_4bit_params(model) == spec.quantized_linear_params
+    assert sum(packed_4bit(model).values()) == spec.quantized_linear_params
 
 
 @pytest.mark.parametrize("preset", sorted(CONVERTER))
@@ -284,7 +260,7 @@ def test_lora_and_4_bit_packing_count_what_peft_and_bitsandbytes_do(layout: str,
         assert any(".mlp.down_proj." in name for name in trained) == (targets == "all")
         assert any(".experts." in name for name in trained) == (targets == "experts")
         assert not any(".layers.11.self_attn.k_proj" in name for name in trained) if e_size else True
-    assert packed_4bit_params(model) == spec.quantized_linear_params
+    assert sum(packed_4bit(model).values()) == spec.quantized_linear_params
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import randomize_lora_b, run_cli, run_train, word_rows
+from conftest import build_on_meta, packed_4bit, randomize_lora_b, run_cli, run_train, word_rows
 from lorafit import memory
 from lorafit.errors import InvalidConfig
 from lorafit.models import ModelSpec, catalog, from_config_json, resolve
@@ -40,16 +40,6 @@ def tiny(**changes: object) -> ModelSpec:
     return catalog()["llama-3.2-11b-vision"].scaled(**(TINY_MLLAMA | changes))
 
 
-def build_on_meta(spec: ModelSpec):
-    from lorafit.train.build import hf_config
-    from lorafit.train.model_files import auto_model_class
-
-    config = hf_config(spec, Settings(method="lora", quant="none", attn="eager"))
-    with torch.device("meta"):
-        return auto_model_class(config.model_type).from_config(config)
-
-
-# --- names and weights ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("hub_id", "preset"),
     [
@@ -119,19 +109,8 @@ def test_the_11b_cross_attention_layers_summed_by_hand() -> None:
 
 
 def test_bitsandbytes_packs_the_cross_attention_linears_too() -> None:
-    import bitsandbytes as bnb
-    from transformers import BitsAndBytesConfig
-    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
-    from transformers.quantizers.base import get_keys_to_not_convert
-
     spec = tiny()
-    model = build_on_meta(spec)
-    model = replace_with_bnb_linear(
-        model,
-        modules_to_not_convert=get_keys_to_not_convert(model),
-        quantization_config=BitsAndBytesConfig(load_in_4bit=True),
-    )
-    packed = {n: m.in_features * m.out_features for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    packed = packed_4bit(build_on_meta(spec))
     assert sum(packed.values()) == spec.quantized_linear_params
     assert any(".cross_attn." in name for name in packed)
 

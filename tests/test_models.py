@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import build_on_meta, run_cli
 from lorafit import mla
 from lorafit.errors import InvalidConfig, LorafitError, UnknownModel
 from lorafit.families import MODEL_TYPES
@@ -49,21 +49,6 @@ def whole_groups(name: str) -> dict[str, int]:
     """A hybrid (Qwen3.5) has one full-attention layer in every 4: a tiny copy keeps one group of 4 layers."""
     block = catalog()[name].linear_attention
     return {"num_hidden_layers": block.full_attention_interval} if block else {}
-
-
-def build_on_meta(spec: ModelSpec):
-    """The real transformers model for `spec`, with no memory behind its tensors."""
-    import torch
-
-    from lorafit.train.build import hf_config
-    from lorafit.train.model_files import auto_model_class
-
-    # Parameter shapes do not depend on the attention kernel; eager is the one every architecture has
-    # (transformers 5 has no SDPA path for Gemma-2).
-    settings = Settings(method="lora", quant="none", attn="eager")
-    config = hf_config(spec, settings)
-    with torch.device("meta"):
-        return auto_model_class(config.model_type).from_config(config)
 
 
 def parameter_count(model) -> int:

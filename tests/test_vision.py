@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, run_train, word_rows
+from conftest import build_on_meta, packed_4bit, run_cli, run_train, word_rows
 from lorafit import memory
 from lorafit.errors import InvalidConfig
 from lorafit.models import ModelSpec, catalog, from_config_json, resolve
@@ -44,15 +44,6 @@ def tiny(name: str, vision: dict | None = None, **text: int) -> ModelSpec:
     tower = spec.vision.model_copy(update=update).model_dump()
     experts = dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=48) if spec.is_moe else {}
     return spec.scaled(**(TINY_TEXT | experts | text), vision=tower)
-
-
-def build_on_meta(spec: ModelSpec):
-    from lorafit.train.build import hf_config
-    from lorafit.train.model_files import auto_model_class
-
-    config = hf_config(spec, Settings(method="lora", quant="none", attn="eager"))
-    with torch.device("meta"):
-        return auto_model_class(config.model_type).from_config(config)
 
 
 def is_language_model(name: str) -> bool:
@@ -145,19 +136,8 @@ def test_the_gemma_3_vision_tower_summed_by_hand() -> None:
 def test_bitsandbytes_packs_the_linears_the_estimate_counts(family: str) -> None:
     """transformers' quantizer skips only get_keys_to_not_convert (tied embeddings, the LM head): the vision
     tower's and projector's linears are packed like the language model's."""
-    import bitsandbytes as bnb
-    from transformers import BitsAndBytesConfig
-    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
-    from transformers.quantizers.base import get_keys_to_not_convert
-
     spec = tiny(ONE_PER_FAMILY[family])
-    model = build_on_meta(spec)
-    model = replace_with_bnb_linear(
-        model,
-        modules_to_not_convert=get_keys_to_not_convert(model),
-        quantization_config=BitsAndBytesConfig(load_in_4bit=True),
-    )
-    packed = {n: m.in_features * m.out_features for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    packed = packed_4bit(build_on_meta(spec))
     assert sum(packed.values()) == spec.quantized_linear_params
     assert any(not is_language_model(name) for name in packed)  # the tower is packed too
 
