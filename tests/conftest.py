@@ -62,6 +62,17 @@ def packed_4bit(model: Any) -> dict[str, int]:
     return {n: m.in_features * m.out_features for n, m in packed.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
 
 
+def lora_trained(spec: ModelSpec, settings: Settings) -> dict[str, int]:
+    """What peft trains when it wraps the model of `spec` (built on the meta device) in lorafit's LoRA config for
+    `settings`: each trainable parameter's element count, by name."""
+    from peft import get_peft_model
+
+    from lorafit.train.build import lora_config
+
+    model = get_peft_model(build_on_meta(spec), lora_config(spec, settings))
+    return {name: p.numel() for name, p in model.named_parameters() if p.requires_grad}
+
+
 def load_script(relative: str) -> ModuleType:
     """A script of the repository (bench/..., tools/...) imported as a module under its file's name, registered
     in sys.modules so that dataclasses and pickling inside it resolve."""

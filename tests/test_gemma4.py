@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import build_on_meta, packed_4bit, randomize_lora_b, run_cli, run_train, word_rows
+from conftest import build_on_meta, lora_trained, packed_4bit, randomize_lora_b, run_cli, run_train, word_rows
 from lorafit import timing
 from lorafit.models import ModelSpec, from_config_json, resolve
 from lorafit.schema import Settings
@@ -239,9 +239,6 @@ def test_lora_and_4_bit_packing_count_what_peft_and_bitsandbytes_do(layout: str,
     its experts through target_parameters; the E sizes' shared-KV layers have no k_proj / v_proj, the E2B's MLP
     there is twice as wide, the per-layer input path is not a LoRA target); transformers' quantizer packs the
     language model's and the towers' linears (the 26B-A4B's router too), not the fused experts."""
-    from peft import get_peft_model
-
-    from lorafit.train.build import lora_config
 
     moe, e_size = layout == "26b-a4b-layout", layout == "e2b-layout"
     spec = tiny_spec(tmp_path, num_hidden_layers=12, audio=e_size, **LAYOUTS[layout])
@@ -253,8 +250,7 @@ def test_lora_and_4_bit_packing_count_what_peft_and_bitsandbytes_do(layout: str,
         settings = Settings(
             method="lora", quant="none", attn="eager", lora_r=4, lora_targets=targets, lora_dropout=dropout
         )
-        peft_model = get_peft_model(build_on_meta(spec), lora_config(spec, settings))
-        trained = {n: p.numel() for n, p in peft_model.named_parameters() if p.requires_grad}
+        trained = lora_trained(spec, settings)
         assert sum(trained.values()) == spec.lora_params(4, targets) > 0, targets
         assert all(".language_model." in name for name in trained)
         assert any(".mlp.down_proj." in name for name in trained) == (targets == "all")

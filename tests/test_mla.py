@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, train_tiny
+from conftest import build_on_meta, lora_trained, run_cli, train_tiny
 from lorafit import memory
 from lorafit.errors import InvalidConfig
 from lorafit.models import ModelSpec, catalog, from_config_json, resolve
@@ -72,17 +72,6 @@ def tiny_deepseek(name: str = "deepseek-v2-lite", vocab_size: int = 512) -> Mode
     )
 
 
-def meta_model(spec: ModelSpec):
-    import torch
-    from transformers import AutoConfig
-
-    from lorafit.train.model_files import auto_model_class
-
-    config = AutoConfig.for_model(**spec.to_hf_config())
-    with torch.device("meta"):  # Mistral 4 is in transformers' image-text table only, as Mistral4ForCausalLM
-        return auto_model_class(config.model_type).from_config(config)
-
-
 # --- names and config.json ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("hub_id", "preset"),
@@ -134,7 +123,7 @@ def test_counts_equal_the_meta_device_build(name: str) -> None:
     import torch
 
     spec = resolve(name)
-    model = meta_model(spec)
+    model = build_on_meta(spec)
     assert model.num_parameters() == spec.num_params
     linears = sum(
         module.weight.numel() for module in model.model.layers.modules() if isinstance(module, torch.nn.Linear)
@@ -147,16 +136,9 @@ def test_counts_equal_the_meta_device_build(name: str) -> None:
 def test_lora_params_equal_the_trainable_count_of_a_peft_model(name: str, targets: str) -> None:
     """The latent projections LoRA adapts (q_proj, or q_a_proj and q_b_proj; kv_a_proj_with_mqa, kv_b_proj,
     o_proj), counted as peft builds them; `experts` adds the routed experts of the MoE blocks."""
-    from peft import get_peft_model
-
-    from lorafit.train.build import hf_config, lora_config
-    from lorafit.train.model_files import auto_model_class
-
     spec = tiny_deepseek(name).scaled(num_hidden_layers=2)
     settings = Settings(method="lora", quant="none", attn="eager", lora_r=4, lora_targets=targets, lora_dropout=0.0)
-    config = hf_config(spec, settings)
-    model = get_peft_model(auto_model_class(config.model_type).from_config(config), lora_config(spec, settings))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = sum(lora_trained(spec, settings).values())
     assert trainable == spec.lora_params(4, targets) > 0
 
 

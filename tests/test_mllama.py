@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import build_on_meta, packed_4bit, randomize_lora_b, run_cli, run_train, word_rows
+from conftest import build_on_meta, lora_trained, packed_4bit, randomize_lora_b, run_cli, run_train, word_rows
 from lorafit import memory
 from lorafit.errors import InvalidConfig
 from lorafit.models import ModelSpec, catalog, from_config_json, resolve
@@ -116,14 +116,8 @@ def test_bitsandbytes_packs_the_cross_attention_linears_too() -> None:
 
 
 def test_lora_adapts_the_self_attention_layers_only() -> None:
-    from peft import get_peft_model
-
-    from lorafit.train.build import lora_config
-
     spec = tiny(num_hidden_layers=4, cross_attention={"layers": [1, 3]})
-    settings = Settings(method="lora", quant="none", attn="eager", lora_r=4, lora_targets="all")
-    model = get_peft_model(build_on_meta(spec), lora_config(spec, settings))
-    trained = {name: p.numel() for name, p in model.named_parameters() if p.requires_grad}
+    trained = lora_trained(spec, Settings(method="lora", quant="none", attn="eager", lora_r=4, lora_targets="all"))
     assert sum(trained.values()) == spec.lora_params(4, "all") > 0
     assert {name.split(".layers.")[1].split(".")[0] for name in trained} == {"0", "2", "4", "5"}
 

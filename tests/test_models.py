@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import build_on_meta, run_cli
+from conftest import build_on_meta, lora_trained, run_cli
 from lorafit import mla
 from lorafit.errors import InvalidConfig, LorafitError, UnknownModel
 from lorafit.families import MODEL_TYPES
@@ -199,14 +199,9 @@ def test_scaled_copy_matches_the_real_modules(name: str, shape: dict) -> None:
 @pytest.mark.parametrize("targets", ["all", "attn", "qv"])
 @pytest.mark.parametrize("name", ONE_PER_ARCHITECTURE)
 def test_lora_params_equal_the_trainable_count_of_a_peft_model(name: str, targets: str) -> None:
-    from peft import get_peft_model
-
-    from lorafit.train.build import lora_config
-
     spec = catalog()[name].scaled(**TINY_WIDE_HEADS | whole_groups(name))
     settings = Settings(method="lora", quant="none", attn="eager", lora_r=4, lora_targets=targets)
-    model = get_peft_model(build_on_meta(spec), lora_config(spec, settings))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = sum(lora_trained(spec, settings).values())
     assert trainable == spec.lora_params(4, targets)
     assert trainable > 0
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import randomize_lora_b, run_cli, train_tiny
+from conftest import lora_trained, randomize_lora_b, run_cli, train_tiny
 from lorafit import memory
 from lorafit.errors import InvalidConfig
 from lorafit.models import ModelSpec, catalog, from_config_json, resolve
@@ -160,16 +160,10 @@ def test_train_adapts_the_attention_and_exports_merged(
 @pytest.mark.parametrize("name", MOE_PRESETS)
 def test_expert_lora_params_equal_the_trainable_count_of_a_peft_model(name: str) -> None:
     """peft's target_parameters gives each adapted 3-D expert parameter an A (r x in) and a B (out x r) per expert."""
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from lorafit.train.build import hf_config, lora_config
-
     spec = tiny_moe(name)
     attn = "sdpa" if "sdpa" in spec.attention_implementations else "eager"
     settings = Settings(method="lora", quant="none", attn=attn, lora_r=4, lora_targets="experts", lora_dropout=0.0)
-    model = get_peft_model(AutoModelForCausalLM.from_config(hf_config(spec, settings)), lora_config(spec, settings))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = sum(lora_trained(spec, settings).values())
     assert trainable == spec.lora_params(4, "experts") > spec.lora_params(4, "attn")
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, train_tiny
+from conftest import build_on_meta, lora_trained, run_cli, train_tiny
 from lorafit import memory
 from lorafit.errors import InvalidConfig
 from lorafit.linear_attention import LinearAttention
@@ -44,14 +44,6 @@ def tiny_spec(tmp_path: Path, **changes: object) -> ModelSpec:
     return from_config_json(tmp_path)
 
 
-def meta_model(spec: ModelSpec):  # type: ignore[no-untyped-def]
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec.to_hf_config()))
-
-
 # --- config.json and counts -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "changes",
@@ -60,7 +52,7 @@ def meta_model(spec: ModelSpec):  # type: ignore[no-untyped-def]
 )
 def test_counts_equal_the_models_transformers_builds(tmp_path: Path, changes: dict) -> None:
     spec = tiny_spec(tmp_path, **changes)
-    model = meta_model(spec)
+    model = build_on_meta(spec)
     assert type(model).__name__ == "Qwen3_5ForCausalLM"
     assert spec.num_params == model.num_parameters()
     linear_weights = sum(m.weight.numel() for n, m in model.named_modules() if type(m).__name__ == "Linear")
@@ -88,17 +80,10 @@ def test_an_image_text_config_reads_as_the_text_model_the_trainer_loads(tmp_path
 def test_lora_params_equal_the_trainable_count_of_a_peft_model(tmp_path: Path) -> None:
     """LoRA on the full-attention layers' q/k/v/o and the linear-attention layers' in_proj_qkv / in_proj_z /
     out_proj, and the MLP in every layer: peft finds each name in the layers that have it."""
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from lorafit.train.build import hf_config, lora_config
-
     spec = tiny_spec(tmp_path)
     for targets in ("all", "attn", "qv"):
         settings = Settings(method="lora", quant="none", attn="sdpa", lora_r=4, lora_targets=targets)
-        model = get_peft_model(AutoModelForCausalLM.from_config(hf_config(spec, settings)), lora_config(spec, settings))
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        assert trainable == spec.lora_params(4, targets), targets
+        assert sum(lora_trained(spec, settings).values()) == spec.lora_params(4, targets), targets
 
 
 @pytest.mark.parametrize(

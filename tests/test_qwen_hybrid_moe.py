@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, train_tiny
+from conftest import build_on_meta, lora_trained, run_cli, train_tiny
 from lorafit import memory
 from lorafit.memory.linear_attention import shared_expert_saved_bytes
 from lorafit.models import ModelSpec, from_config_json, resolve
@@ -32,14 +32,6 @@ FAMILIES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe_text": "Qwen3_5Mo
 def tiny_spec(tmp_path: Path, model_type: str, **changes: object) -> ModelSpec:
     (tmp_path / "config.json").write_text(json.dumps(TINY | {"model_type": model_type} | changes))
     return from_config_json(tmp_path)
-
-
-def meta_model(spec: ModelSpec):  # type: ignore[no-untyped-def]
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec.to_hf_config()))
 
 
 # --- names and config.json ------------------------------------------------------------------------------------
@@ -64,7 +56,7 @@ def test_counts_equal_the_models_transformers_builds(tmp_path: Path, model_type:
     """Every parameter and, of the decoder's nn.Linear weights (what 4-bit packs: the shared expert and its
     hidden -> 1 gate among them, not the fused experts), the per-layer mean within rounding."""
     spec = tiny_spec(tmp_path, model_type)
-    model = meta_model(spec)
+    model = build_on_meta(spec)
     assert type(model).__name__ == FAMILIES[model_type]
     assert spec.num_params == model.num_parameters()
     layers = model.model.layers
@@ -105,17 +97,10 @@ def test_an_image_text_qwen35_moe_config_reads_as_its_text_model(tmp_path: Path)
 def test_lora_params_equal_the_trainable_count_of_a_peft_model(tmp_path: Path, model_type: str) -> None:
     """peft finds each adapted name in the layers that have it: Qwen3-Next's fused in_proj_qkvz, Qwen3.5 MoE's
     in_proj_qkv / in_proj_z; with `experts`, the fused experts through target_parameters."""
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from lorafit.train.build import hf_config, lora_config
-
     spec = tiny_spec(tmp_path, model_type)
     for targets in ("all", "attn", "qv", "experts"):
         settings = Settings(method="lora", quant="none", attn="sdpa", lora_r=4, lora_targets=targets, lora_dropout=0)
-        model = get_peft_model(AutoModelForCausalLM.from_config(hf_config(spec, settings)), lora_config(spec, settings))
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        assert trainable == spec.lora_params(4, targets), targets
+        assert sum(lora_trained(spec, settings).values()) == spec.lora_params(4, targets), targets
 
 
 def test_the_moe_block_terms_are_what_transformers_block_saves_for_backward() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import build_on_meta, packed_4bit, run_cli, run_train, word_rows
+from conftest import build_on_meta, lora_trained, packed_4bit, run_cli, run_train, word_rows
 from lorafit import memory
 from lorafit.errors import InvalidConfig
 from lorafit.models import ModelSpec, catalog, from_config_json, resolve
@@ -144,14 +144,8 @@ def test_bitsandbytes_packs_the_linears_the_estimate_counts(family: str) -> None
 
 @pytest.mark.parametrize("family", sorted(ONE_PER_FAMILY))
 def test_lora_adapts_the_language_model_only(family: str) -> None:
-    from peft import get_peft_model
-
-    from lorafit.train.build import lora_config
-
     spec = tiny(ONE_PER_FAMILY[family])
-    settings = Settings(method="lora", quant="none", attn="eager", lora_r=4, lora_targets="all")
-    model = get_peft_model(build_on_meta(spec), lora_config(spec, settings))
-    trained = {name: p.numel() for name, p in model.named_parameters() if p.requires_grad}
+    trained = lora_trained(spec, Settings(method="lora", quant="none", attn="eager", lora_r=4, lora_targets="all"))
     assert sum(trained.values()) == spec.lora_params(4, "all") > 0
     assert all(".language_model." in name for name in trained)
 
