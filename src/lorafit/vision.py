@@ -108,15 +108,9 @@ _KEYS: dict[str, dict[str, str]] = {
     # Qwen3-VL's tower adds a learned position table and the layers its deepstack mergers read
     "qwen3_vl": _QWEN_VL_NAMES
     | {"num_position_embeddings": "num_position_embeddings", "deepstack_visual_indexes": "deepstack_visual_indexes"},
-    "qwen2_vl": {  # the MLP width is embed_dim x mlp_ratio; vision_config's hidden_size is the merger's output
-        "hidden_size": "embed_dim",
-        "num_hidden_layers": "depth",
-        "num_attention_heads": "num_heads",
-        "patch_size": "patch_size",
-        "num_channels": "in_channels",
-        "temporal_patch_size": "temporal_patch_size",
-        "spatial_merge_size": "spatial_merge_size",
-    },
+    # Qwen2-VL's: the MLP width is embed_dim x mlp_ratio; vision_config's hidden_size is the merger's output
+    "qwen2_vl": {key: name for key, name in _QWEN_VL_NAMES.items() if key != "intermediate_size"}
+    | {"hidden_size": "embed_dim"},
 }
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3": {  # SiglipVisionConfig
