@@ -4,7 +4,7 @@ import importlib.util
 import json
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -82,6 +82,16 @@ def load_script(relative: str) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def bench_module(name: str) -> Iterator[ModuleType]:
+    """A bench/ script imported by name with bench/ on sys.path while the caller holds it (bench/ is a folder of
+    scripts that import each other, not a package): `yield from` it in a fixture."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
 
 
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")

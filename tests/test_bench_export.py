@@ -3,29 +3,22 @@ measurement reads a child's own peak, and on a tiny model lorafit's file matches
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import bench_module
 
 pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 np = pytest.importorskip("numpy")
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    """bench/ is a folder of scripts, not a package: import the benchmark from it."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("export_gguf")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield from bench_module("export_gguf")
 
 
 @pytest.fixture(scope="module")

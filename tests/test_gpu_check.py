@@ -3,26 +3,20 @@ time budget stops new rows."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from conftest import bench_module
+
 MODELS = {"llama-2-7b", "llama-3.1-8b", "qwen2.5-7b"}
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    """bench/ is a folder of scripts, not a package: import the check from it."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("gpu_check")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield from bench_module("gpu_check")
 
 
 def positive(value: object) -> bool:
