@@ -22,9 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from lorafit import memory  # noqa: E402
-from lorafit.models import resolve  # noqa: E402
 from lorafit.schema import Settings  # noqa: E402
+from trace_rows import peak_gib  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "image-text-trace.json"
 QLORA_2048 = dict(method="qlora", quant="nf4", micro_batch=1, seq_len=2048, grad_ckpt=True, lora_targets="all")
@@ -70,19 +69,15 @@ TOLERANCE = 0.03
 
 
 def row(model: str, settings: Settings) -> dict:
-    from lorafit.trace import exact_estimate
-
-    spec = resolve(model)
     started = time.monotonic()
-    traced = exact_estimate(spec, settings).peak_allocated_gib
-    analytic = memory.estimate(spec, settings).peak_allocated_gib
+    traced, analytic, error = peak_gib(model, settings)
     return {
         "model": model,
         "settings": f"{settings.method} b{settings.micro_batch} s{settings.seq_len} "
         f"{'ckpt' if settings.grad_ckpt else 'no-ckpt'} {settings.lora_targets}",
         "traced_gib": round(traced, 3),
         "estimate_gib": round(analytic, 3),
-        "error_pct": round(100 * (analytic - traced) / traced, 2),
+        "error_pct": round(error, 2),
         "trace_seconds": round(time.monotonic() - started, 1),
     }
 

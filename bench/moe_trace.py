@@ -14,17 +14,16 @@ experts (`experts`, lora_dropout 0). These are check rows: no constant was fitte
 
 from __future__ import annotations
 
-import argparse
 import sys
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from lorafit import hardware, memory, timing  # noqa: E402
+from lorafit import hardware  # noqa: E402
 from lorafit.models import resolve  # noqa: E402
 from lorafit.schema import Settings  # noqa: E402
+from trace_rows import TIME_TITLE, main, micro_batch_times, peak_gib  # noqa: E402
 
 MODELS = ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b", "deepseek-v2-lite", "mistral-small-4-119b", "gemma-4-26b-a4b")
 
@@ -39,45 +38,24 @@ def settings_for(name: str, targets: str, ckpt: bool) -> Settings:
 
 
 def memory_rows(models: list[str]) -> None:
-    from lorafit.trace import exact_estimate
-
     print(f"{'model':15s} {'targets':8s} {'ckpt':5s} {'trace GiB':>10s} {'estimate GiB':>13s} {'diff':>7s}")
     for name in models:
         for targets in ("all", "experts"):
             for ckpt in (True, False):
-                settings = settings_for(name, targets, ckpt)
-                traced = exact_estimate(resolve(name), settings).peak_allocated_gib
-                analytic = memory.estimate(resolve(name), settings).peak_allocated_gib
-                diff = 100 * (analytic / traced - 1)
+                traced, analytic, diff = peak_gib(name, settings_for(name, targets, ckpt))
                 print(f"{name:15s} {targets:8s} {ckpt!s:5s} {traced:10.2f} {analytic:13.2f} {diff:+6.2f}%", flush=True)
 
 
 def time_rows(models: list[str]) -> None:
-    from lorafit.trace.optime import trace_micro_batch
-
     gpu = hardware.resolve("H100")
-    print(f"\none micro-batch on an {gpu.name}: the closed form beside the roofline over the traced op list")
+    print("\n" + TIME_TITLE.format(gpu=gpu.name))
     print(f"{'model':15s} {'targets':8s} {'traced ms':>10s} {'closed ms':>10s} {'diff':>7s}")
     for name in models:
         for targets in ("all", "experts"):
-            settings = settings_for(name, targets, True)
-            traced = trace_micro_batch(resolve(name), settings).time(gpu).total
-            closed = timing.micro_batch_time(resolve(name), settings, gpu).total
+            traced, closed = (time.total for time in micro_batch_times(name, settings_for(name, targets, True), gpu))
             diff = 100 * (closed / traced - 1)
             print(f"{name:15s} {targets:8s} {traced * 1e3:10.0f} {closed * 1e3:10.0f} {diff:+6.1f}%", flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--time", action="store_true", help="also the time model against the traced op list")
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")
-    models = args.models.split(",")
-    memory_rows(models)
-    if args.time:
-        time_rows(models)
-
-
 if __name__ == "__main__":
-    main()
+    main(__doc__, MODELS, memory_rows, time_rows)
