@@ -640,26 +640,17 @@ def _edit_json(**changes: object) -> Callable[[Path], None]:
     return edit
 
 
-def _drop_tensor(name: str) -> Callable[[Path], None]:
-    def drop(path: Path) -> None:
+def _edit_tensors(change: Callable[[dict], object]) -> Callable[[Path], None]:
+    """A change to a safetensors file's tensors (a dict by name), written back in place."""
+
+    def edit(path: Path) -> None:
         from safetensors.torch import load_file, save_file
 
         tensors = load_file(path)
-        del tensors[name]
+        change(tensors)
         save_file(tensors, path, metadata={"format": "pt"})
 
-    return drop
-
-
-def _narrow_tensor(name: str) -> Callable[[Path], None]:
-    def narrow(path: Path) -> None:
-        from safetensors.torch import load_file, save_file
-
-        tensors = load_file(path)
-        tensors[name] = tensors[name][:, :32].contiguous()
-        save_file(tensors, path, metadata={"format": "pt"})
-
-    return narrow
+    return edit
 
 
 def _cut_in_half(path: Path) -> None:
@@ -674,17 +665,18 @@ def _unknown_tokenizer(path: Path) -> None:
     (path.parent / "tokenizer.json").unlink()
 
 
+UP_PROJ = "model.layers.0.mlp.up_proj.weight"
 QUANTISED = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
 BAD_MODELS = {
     "missing tensor": (
         "model.safetensors",
-        _drop_tensor("model.layers.1.mlp.down_proj.weight"),
+        _edit_tensors(lambda tensors: tensors.pop("model.layers.1.mlp.down_proj.weight")),
         "lacks tensor model.layers.1.mlp.down_proj.weight in its weights",
     ),
     "tensor of another shape": (
         "model.safetensors",
-        _narrow_tensor("model.layers.0.mlp.up_proj.weight"),
-        "tensor model.layers.0.mlp.up_proj.weight has shape",
+        _edit_tensors(lambda tensors: tensors.update({UP_PROJ: tensors[UP_PROJ][:, :32].contiguous()})),
+        f"tensor {UP_PROJ} has shape",
     ),
     "weights cut short": ("model.safetensors", _cut_in_half, "model.safetensors is cut short"),
     "quantization_config over 16-bit weights": (
