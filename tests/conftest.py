@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import random
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -82,6 +83,13 @@ def load_script(relative: str) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free a moment ago, for a test's process group or server to listen on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def bench_module(name: str) -> Iterator[ModuleType]:

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import run_cli
+from conftest import free_port, run_cli
 from lorafit import hardware, memory, models, timing
 from lorafit.memory import Runtime
 from lorafit.schema import Settings
@@ -269,12 +268,6 @@ def test_one_gpu_on_each_of_two_nodes_shards(capsys: pytest.CaptureFixture[str])
 
 
 # --- FSDP2 on two CPU processes -----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _shard_and_measure(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     """One process: load the demo base in 4-bit NF4 stored as bf16 (what `lorafit train` loads for FSDP), add
     the adapters, shard every decoder layer and the root with FSDP2's fully_shard, give each trainable shard a
@@ -345,7 +338,7 @@ def test_fsdp2_shards_the_demo_model_as_the_estimate_says(tmp_path: Path) -> Non
 
     model_dir = tmp_path / "base"
     build_demo_base(model_dir, hidden_size=256)
-    mp.spawn(_shard_and_measure, args=(2, _free_port(), str(model_dir), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_shard_and_measure, args=(2, free_port(), str(model_dir), str(tmp_path)), nprocs=2, join=True)
     spec = tiny_spec(1024, hidden_size=256)
     settings = qlora(n_gpus=2, shard="fsdp", lora_dropout=0.0)
     parts, _ = memory.breakdown(spec, settings, memory.stack_runtime(settings))
@@ -434,7 +427,7 @@ def test_a_base_loaded_in_host_memory_and_sharded_by_fsdp2_steps_as_one_process_
 
     model_dir = tmp_path / "base"
     build_demo_base(model_dir, hidden_size=256)
-    mp.spawn(_shard_and_step, args=(2, _free_port(), str(model_dir), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_shard_and_step, args=(2, free_port(), str(model_dir), str(tmp_path)), nprocs=2, join=True)
     sharded = torch.load(tmp_path / "sharded_step.pt")
 
     model = _adapted_demo(str(model_dir), 2)
@@ -517,7 +510,7 @@ def test_an_fsdp_checkpoint_resumes_on_another_number_of_processes(tmp_path: Pat
     model_dir = tmp_path / "base"
     build_demo_base(model_dir, hidden_size=256)
     for world, mode in ((2, "save"), (1, "load"), (3, "load")):
-        mp.spawn(_fsdp_checkpoint, args=(world, _free_port(), str(model_dir), str(tmp_path), mode), nprocs=world)
+        mp.spawn(_fsdp_checkpoint, args=(world, free_port(), str(model_dir), str(tmp_path), mode), nprocs=world)
     saved = torch.load(tmp_path / "save-2.pt")
     assert sum(key.startswith("exp_avg_sq ") for key in saved) > 10
     assert all(value.abs().sum() > 0 for key, value in saved.items() if key.startswith("exp_avg"))

@@ -20,30 +20,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from conftest import free_port
 from lorafit import memory
-from lorafit.schema import Settings
 from lorafit.train.demo import tiny_spec
+from test_multi_gpu import qlora
 
 # A bucket big enough for every adapter gradient at once (131,072 on the demo base), so that the buckets stay
 # small on a CPU: DeepSpeed's default of 5e8 elements would allocate 2 GB per bucket per process.
 REDUCE_BUCKET_ELEMENTS = 200_000
-
-
-def qlora(**values: Any) -> Settings:
-    return Settings(**({"method": "qlora", "precision": "bf16", "micro_batch": 1, "grad_accum": 1} | values))
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _zero_step_and_measure(rank: int, world: int, port: int, stage: int, model_dir: str, out_dir: str) -> None:
@@ -152,7 +141,7 @@ def test_deepspeed_zero_shards_the_demo_model_as_the_estimate_says(stage: int, t
 
     model_dir = tmp_path / "base"
     build_demo_base(model_dir, hidden_size=256)
-    args = (2, _free_port(), stage, str(model_dir), str(tmp_path))
+    args = (2, free_port(), stage, str(model_dir), str(tmp_path))
     mp.spawn(_zero_step_and_measure, args=args, nprocs=2, join=True)
 
     spec = tiny_spec(1024, hidden_size=256)

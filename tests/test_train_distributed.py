@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from conftest import run_cli
+from conftest import free_port, run_cli
 from lorafit.errors import InvalidConfig
 from lorafit.options import TrainConfig
 from lorafit.schema import Settings
@@ -33,12 +32,6 @@ STEPS = ["--max-steps", "6", "--logging-steps", "1", "--eval-steps", "3", "--sav
 # one-process update up to float32 rounding (the sum of two halves instead of one sum). Measured: at most 1e-7
 # relative over 6 steps; a wrong normalisation or data order is off by 1e-3 or more.
 RELATIVE = 1e-5
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def lorafit(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
