@@ -186,6 +186,35 @@ def train_tiny(
     return run_train(tmp_path, rows, capsys, *flags, "--max-steps", "2", "--micro-batch", "2"), spec
 
 
+def adapter_names(run: Path) -> list[str]:
+    """The tensor names of a finished run's adapter, after asserting that it logged metrics and no NaN loss."""
+    from safetensors import safe_open
+
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert metrics and all(row.get("loss", 1.0) == row.get("loss", 1.0) for row in metrics)  # no NaN
+    with safe_open(run / "adapter_model.safetensors", "pt") as adapter:
+        return list(adapter.keys())
+
+
+def merged_changes(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> tuple[str, set[str]]:
+    """`lorafit export` of the run tmp_path/run `--to merged` into tmp_path/merged (with `flags`), asserting it
+    succeeded and wrote every tensor of the base tmp_path/model again: its stdout, and the names of the tensors
+    the merge changed."""
+    import torch
+    from safetensors import safe_open
+
+    merged_dir = tmp_path / "merged"
+    code, out, err = run_cli(["export", str(tmp_path / "run"), "--to", "merged", "-o", str(merged_dir), *flags], capsys)
+    assert code == 0, err
+    with (
+        safe_open(tmp_path / "model" / "model.safetensors", "pt") as base,
+        safe_open(merged_dir / "model.safetensors", "pt") as merged,
+    ):
+        names = list(base.keys())
+        assert set(merged.keys()) == set(names)
+        return out, {name for name in names if not torch.equal(base.get_tensor(name), merged.get_tensor(name))}
+
+
 def randomize_lora_b(run: Path) -> None:
     """A seeded random B for every adapter of a run (a trained step leaves it near zero): a real update of every
     adapted weight for a merge or an export to show."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import lora_trained, randomize_lora_b, run_cli, train_tiny
+from conftest import lora_trained, merged_changes, randomize_lora_b, run_cli, run_train, train_tiny
 from lorafit import memory
 from lorafit.errors import InvalidConfig
 from lorafit.models import ModelSpec, catalog, from_config_json, resolve
@@ -263,34 +263,18 @@ def test_an_expert_adapter_trains_and_merges_into_the_saved_experts(
     projection (experts.N.gate_proj ...) and gpt-oss's fused and transposed (experts x in x out): the merge
     writes B A into either layout, and the export's own check compares the merged model's logits with base +
     adapter run by peft. The adapter's B matrices are made random first, so the check sees a real update."""
-    import torch
-    from safetensors.torch import load_file
-
     from lorafit.train.demo import build_model, build_tokenizer, corpus
 
     tokenizer = build_tokenizer(corpus(), vocab_size=512)
     build_model(tmp_path / "model", tokenizer, tiny_moe(name, len(tokenizer)), seed=0)
-    data = tmp_path / "data.jsonl"
-    data.write_text(
-        "".join(json.dumps({"instruction": "hi", "input": "", "output": "yo " * n}) + "\n" for n in range(1, 9))
-    )
-    run = tmp_path / "run"
-    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
-    code, _, err = run_cli(
-        [*args, "--max-steps", "1", "--micro-batch", "2", "--lora-targets", "experts", "--lora-dropout", "0"], capsys
-    )
-    assert code == 0, err
+    rows = [{"instruction": "hi", "input": "", "output": "yo " * n} for n in range(1, 9)]
+    flags = ["--max-steps", "1", "--micro-batch", "2", "--lora-targets", "experts", "--lora-dropout", "0"]
+    run = run_train(tmp_path, rows, capsys, *flags)
     adapter = json.loads((run / "adapter_config.json").read_text())
     assert sorted(adapter["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]  # a set
 
     randomize_lora_b(run)
-    code, out, err = run_cli(["export", str(run), "--to", "merged", "-o", str(tmp_path / "merged")], capsys)
-    assert code == 0, err
-    base, merged = (
-        load_file(tmp_path / "model" / "model.safetensors"),
-        load_file(tmp_path / "merged" / "model.safetensors"),
-    )
-    changed = [key for key in base if "experts" in key and not torch.equal(base[key], merged[key])]
+    changed = [key for key in merged_changes(tmp_path, capsys)[1] if "experts" in key]
     assert changed and all(".mlp.experts." in key for key in changed)
 
 
