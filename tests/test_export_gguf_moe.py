@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from conftest import export_checked, randomize_lora_b, run_cli
+from conftest import export_checked, randomize_lora_b, run_cli, run_train
 from lorafit.errors import ExportError
 
 torch = pytest.importorskip("torch")
@@ -123,15 +123,9 @@ def test_a_trained_moe_run_exports_to_checked_gguf(
     # find; with all 4 the router's weights are continuous (top-2 routing is compared in f32 above)
     spec = tiny_moe(name, len(small)).scaled(num_experts_per_tok=4)
     build_model(tmp_path / "model", small, spec, seed=0, dtype="bfloat16")
-    data = tmp_path / "data.jsonl"
-    data.write_text(
-        "".join(json.dumps({"instruction": "hi", "input": "", "output": "yo " * n}) + "\n" for n in range(1, 9))
-    )
-    run = tmp_path / "run"
-    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
-    args += ["--max-steps", "1", "--micro-batch", "2", "--lora-targets", "experts", "--lora-dropout", "0"]
-    code, _, err = run_cli(args, capsys)
-    assert code == 0, err
+    rows = [{"instruction": "hi", "input": "", "output": "yo " * n} for n in range(1, 9)]
+    flags = ["--max-steps", "1", "--micro-batch", "2", "--lora-targets", "experts", "--lora-dropout", "0"]
+    run = run_train(tmp_path, rows, capsys, *flags)
     randomize_lora_b(run)
 
     # f32: the check's 24 greedy tokens of a random model (flat next-token distributions) then see the file, not
@@ -154,12 +148,8 @@ def test_a_run_on_the_mxfp4_gpt_oss_the_hub_ships_exports_to_checked_gguf(
     spec = tiny_moe("gpt-oss-20b", len(small)).scaled(num_experts_per_tok=4)  # every expert: see above
     build_model(tmp_path / "model", small, spec, seed=0, dtype="bfloat16")
     save_mxfp4_experts(tmp_path / "model")
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"instruction": "hi", "input": "", "output": "hello"}) + "\n" for _ in range(8)))
-    run = tmp_path / "run"
-    args = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--output-dir", str(run)]
-    code, _, err = run_cli([*args, "--method", "lora", "--max-steps", "1", "--micro-batch", "2"], capsys)
-    assert code == 0, err
+    rows = [{"instruction": "hi", "input": "", "output": "hello"}] * 8
+    run = run_train(tmp_path, rows, capsys, "--method", "lora", "--max-steps", "1", "--micro-batch", "2")
     code, out, err = run_cli(["export", str(run), "--to", "gguf", "-o", str(tmp_path / "gguf"), "--json"], capsys)
     assert code == 0, err
     f16 = json.loads(out)["verify"]["f16"]
