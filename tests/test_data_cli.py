@@ -293,6 +293,7 @@ OUTPUTS = (  # (the option's name in messages, the arguments before the output p
     ("--plot", ["check"], ["--plot"]),
     ("output", ["convert"], []),
 )
+SUFFIXES = {"--report": ".json", "--plot": ".png", "output": ".jsonl"}  # each output's file name ending
 
 
 def output_args(kind: list[str], option: list[str], source: Path, target: Path) -> list[str]:
@@ -307,7 +308,7 @@ def test_a_symlink_output_is_refused_never_replaced(
 ) -> None:
     """A link to a file, a dangling link, a link to itself: the writer's rename once replaced each of them."""
     source = write_jsonl(tmp_path / "a.jsonl", [GOOD])
-    suffix = {"--report": ".json", "--plot": ".png", "output": ".jsonl"}[label]
+    suffix = SUFFIXES[label]
     mine = tmp_path / f"mine{suffix}"
     mine.write_text("keep me")
     for name, points_to in (("to-a-file", mine), ("dangling", tmp_path / f"gone{suffix}"), ("loop", None)):
@@ -327,7 +328,7 @@ def test_any_legal_output_name_is_written_and_a_longer_one_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], label: str, kind: list[str], option: list[str]
 ) -> None:
     source = write_jsonl(tmp_path / "a.jsonl", [GOOD])
-    suffix = {"--report": ".json", "--plot": ".png", "output": ".jsonl"}[label]
+    suffix = SUFFIXES[label]
     longest = tmp_path / ("n" * (255 - len(suffix)) + suffix)
     code, _, err = run_main(output_args(kind, option, source, longest), capsys)
     assert code == 0, err
