@@ -143,6 +143,14 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
     return code, out, err
 
 
+def refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """`lorafit ARGS` refused as bad input is: exit 2, nothing on stdout and one `lorafit: error:` line on stderr
+    (never a traceback); that line."""
+    code, out, err = run_cli(args, capsys)
+    assert code == 2 and not out and err.count("\n") == 1 and err.startswith("lorafit: error: "), (code, out, err)
+    return err
+
+
 def run_train(tmp_path: Path, rows: list[dict], capsys: pytest.CaptureFixture[str], *flags: str) -> Path:
     """`lorafit train` of the model folder tmp_path/model on `rows` (written as JSONL) with `flags`: the run
     folder, after asserting the command succeeded."""

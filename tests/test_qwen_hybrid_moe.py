@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import build_on_meta, lora_trained, run_cli, train_tiny
+from conftest import build_on_meta, lora_trained, refused, run_cli, train_tiny
 from lorafit import memory
 from lorafit.memory.linear_attention import shared_expert_saved_bytes
 from lorafit.models import ModelSpec, from_config_json, resolve
@@ -72,8 +72,8 @@ def test_a_qwen3_next_with_dense_mlp_layers_is_one_line(
     """Qwen3NextConfig can make some layers a dense MLP; lorafit plans every layer sparse, as every released
     checkpoint is, and says so rather than miscount."""
     (tmp_path / "config.json").write_text(json.dumps(TINY | {"model_type": "qwen3_next"} | changes))
-    code, out, err = run_cli(["estimate", "--model", str(tmp_path)], capsys)
-    assert code == 2 and not out and err.count("\n") == 1 and "sparse" in err
+    err = refused(["estimate", "--model", str(tmp_path)], capsys)
+    assert "sparse" in err
 
 
 def test_an_image_text_qwen35_moe_config_reads_as_its_text_model(tmp_path: Path) -> None:
