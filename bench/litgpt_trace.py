@@ -5,7 +5,7 @@ BitsandbytesPrecision, bitsandbytes 0.42 as litgpt pinned it in 2024). This runs
 its LoRA layers, `lm_head_chunk_size=128`, `chunked_cross_entropy` and the loop of `fit()` - on fake tensors of
 each row's real shape (nothing is computed, every allocation is counted) under lorafit's LiveTensorTracker, and
 prints three figures per row: the published peak, the trace's peak, and lorafit's analytic estimate with the
-Settings and Runtime bench/memory_accuracy.py gives that row. The trace against the publication checks that the
+Settings and Runtime bench/calibration_rows.py gives that row. The trace against the publication checks that the
 trace is the step that was measured; lorafit against the trace checks the litgpt terms of `Runtime`
 (docs/memory-model.md, "litgpt's step"). `--layers` and `--scale` trace shallower and narrower models of the same
 architectures, to check the terms away from the rows' shapes.
@@ -50,7 +50,7 @@ from lorafit.trace.tracker import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_accuracy import DEFAULT_CSV, Mapping, Row, map_row, read_rows, resolve_model  # noqa: E402
+from calibration_rows import DEFAULT_CSV, Mapping, Row, map_row, read_rows, resolve_model  # noqa: E402
 
 LITGPT_DIR = Path(__file__).resolve().parent / "out" / "litgpt"
 LM_HEAD_CHUNK = 128  # finetune/lora.py: model(input_ids, lm_head_chunk_size=128)

@@ -63,7 +63,7 @@ PS = dict(method="qlora", seq_len=1024, grad_ckpt=True, attn="flash", lora_r=16,
 PS_EMB = dict(PS, train_embeddings=True)
 # TRL's SFTTrainer of these runs (0.8-0.12) ran peft's prepare_model_for_kbit_training on a 4-bit model that is not
 # sharded (`is_qlora and not is_sharded_qlora`; one GPU), and peft_module_casting_to_bf16 left the norms in fp32,
-# so the residual stream is fp32 (the kbit_prep facet; bench/memory_accuracy.py's TRL_KBIT for the same FMS rows):
+# so the residual stream is fp32 (the kbit_prep facet; bench/calibration_rows.py's TRL_KBIT for the same FMS rows):
 # FMS-06/07 and the philschmid one-GPU rows. Under FSDP / ZeRO-3 (TP-FA-04/05, TP-PS-05/06) it is skipped, and
 # fms-acceleration's accelerated-peft-bnb plugin (FMS-10) prepares without dtype casts.
 TRL_KBIT = dict(kbit_prep=True)

@@ -27,6 +27,12 @@ def bench():
         sys.path.remove(str(BENCH))
 
 
+@pytest.fixture(scope="module")
+def rows(bench):
+    """bench/calibration_rows.py: how the benchmark reads and maps the calibration file."""
+    return importlib.import_module("calibration_rows")
+
+
 def litgpt_lora_row(row_id: str, peak: str, metric: str, split: str = "check") -> dict[str, str]:
     """A litgpt LoRA row as the calibration file writes it (Llama-2-7B, r32 q/v, 2 x <=512 tokens)."""
     return dict(
@@ -67,32 +73,32 @@ def write_csv(path: Path, rows: list[dict[str, str]]) -> Path:
     return path
 
 
-def test_units_follow_the_metric_text(bench) -> None:
-    assert bench.unit_of("Peak memory = torch.cuda.max_memory_allocated (GB, 1e9)") == ("GB", 10**9)
-    assert bench.unit_of("peak memory per GPU (GiB; torchtune memory util divides by 1024**3)") == ("GiB", 2**30)
-    assert bench.unit_of("HF Trainer peak torch.cuda.max_memory_allocated (bytes -> GiB, rank 0)") == ("GiB", 2**30)
-    assert bench.unit_of("'memory MB' (converted /1000; MB vs MiB not stated)") == ("GB", 10**9)
-    assert bench.unit_of("GPU memory per GPU (screenshot)") is None
+def test_units_follow_the_metric_text(rows) -> None:
+    assert rows.unit_of("Peak memory = torch.cuda.max_memory_allocated (GB, 1e9)") == ("GB", 10**9)
+    assert rows.unit_of("peak memory per GPU (GiB; torchtune memory util divides by 1024**3)") == ("GiB", 2**30)
+    assert rows.unit_of("HF Trainer peak torch.cuda.max_memory_allocated (bytes -> GiB, rank 0)") == ("GiB", 2**30)
+    assert rows.unit_of("'memory MB' (converted /1000; MB vs MiB not stated)") == ("GB", 10**9)
+    assert rows.unit_of("GPU memory per GPU (screenshot)") is None
 
 
-def test_metrics_map_to_the_figure_they_measure(bench) -> None:
-    assert bench.metric_of("Peak memory = torch.cuda.max_memory_allocated (GB, 1e9)") == "allocated"
-    assert bench.metric_of("Peak Memory Active (GiB)") == "allocated"
-    assert bench.metric_of("torch.cuda.max_memory_reserved during training (GB, 1e9)") == "reserved"
-    assert bench.metric_of("peak memory (GB; tutorial compares 'peak memory reserved')") == "reserved"
-    assert bench.metric_of("GPU memory used per GPU (screenshot, nvidia-smi style)") == "device"
-    assert bench.metric_of("capacity bound: fits within 80 GB (not a peak)") == "bound"
-    assert bench.metric_of("OOM on 24 GB") == "oom"
-    assert bench.metric_of("peak memory (GB; alloc vs reserved not stated)") is None
-    assert bench.nvidia_smi_mib("...; nvidia-smi used = 29576 MiB (28.88 GiB)") == 29576
+def test_metrics_map_to_the_figure_they_measure(rows) -> None:
+    assert rows.metric_of("Peak memory = torch.cuda.max_memory_allocated (GB, 1e9)") == "allocated"
+    assert rows.metric_of("Peak Memory Active (GiB)") == "allocated"
+    assert rows.metric_of("torch.cuda.max_memory_reserved during training (GB, 1e9)") == "reserved"
+    assert rows.metric_of("peak memory (GB; tutorial compares 'peak memory reserved')") == "reserved"
+    assert rows.metric_of("GPU memory used per GPU (screenshot, nvidia-smi style)") == "device"
+    assert rows.metric_of("capacity bound: fits within 80 GB (not a peak)") == "bound"
+    assert rows.metric_of("OOM on 24 GB") == "oom"
+    assert rows.metric_of("peak memory (GB; alloc vs reserved not stated)") is None
+    assert rows.nvidia_smi_mib("...; nvidia-smi used = 29576 MiB (28.88 GiB)") == 29576
 
 
-def test_sequence_lengths_keep_whether_they_are_a_maximum(bench) -> None:
-    assert bench.seq_len_of("<=512 (Alpaca2k, truncated, dynamic padding)") == (512, True)
-    assert bench.seq_len_of("4096 (packed)") == (4096, False)
-    assert bench.seq_len_of("alpaca (dynamic; max not stated)") == (None, False)
-    assert bench.on_off("on (config default; not stated in table)") is True
-    assert bench.on_off("off") is False
+def test_sequence_lengths_keep_whether_they_are_a_maximum(rows) -> None:
+    assert rows.seq_len_of("<=512 (Alpaca2k, truncated, dynamic padding)") == (512, True)
+    assert rows.seq_len_of("4096 (packed)") == (4096, False)
+    assert rows.seq_len_of("alpaca (dynamic; max not stated)") == (None, False)
+    assert rows.on_off("on (config default; not stated in table)") is True
+    assert rows.on_off("off") is False
 
 
 def test_gb_and_gib_rows_of_the_same_bytes_score_the_same(bench, tmp_path: Path) -> None:
