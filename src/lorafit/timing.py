@@ -47,12 +47,10 @@ KERNEL_SECONDS = 4e-6
 # tokens a micro-batch) ask for 0.857, 0.897 and 0.905 once every other op of the step is counted; their median
 # (`make bench-throughput` prints what each asks).
 MATMUL_SHAPE_SHARE = 0.897
-# bitsandbytes' 4-bit matmul runs the bf16 matmul on a freshly dequantised weight (and its transpose in
-# backward); beyond the dequantisation's traffic (dequant_seconds) it is the same matmul. Fitted: the fit rows
-# FMS-06 and FMS-07 (QLoRA under TRL with peft's kbit preparation, whose fp32 stream's casts and fp32
-# projections the elementwise terms count; FMS-03/04 are the same runs over a 16-bit base) ask for 1.029 and
-# 0.986 on the decoder layers' matmuls, with the share above in place; their mean (`make bench-throughput`):
-# no slowdown of note. Before the fp32 stream was counted the same rows asked for 1.316.
+# bitsandbytes' 4-bit matmul: the bf16 matmul on a freshly dequantised weight (its traffic is dequant_seconds').
+# Fitted: the fit rows FMS-06/07 (TRL QLoRA with peft's kbit preparation, whose fp32 stream the elementwise terms
+# count; FMS-03/04 the same runs over a 16-bit base) ask for 1.029 and 0.986 with the share above in place; their
+# mean (`make bench-throughput`). They asked for 1.316 while their fp32 stream was not counted.
 QUANT_MATMUL_SLOWDOWN = 1.008
 
 
@@ -531,16 +529,8 @@ class MicroBatchTime:
 
     @property
     def total(self) -> float:
-        return (
-            self.matmul
-            + self.attention
-            + self.dequant
-            + self.lora
-            + self.elementwise
-            + self.loss
-            + self.launches
-            + self.host_copies
-        )
+        """The ops run one after another: their sum."""
+        return sum(asdict(self).values())
 
 
 def trained_embedding_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
