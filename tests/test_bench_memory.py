@@ -3,12 +3,12 @@
 import csv
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
+from conftest import bench_module
 from lorafit import memory, models
 from lorafit.measure.store import CALIBRATION_COLUMNS
 from lorafit.schema import Settings
@@ -20,17 +20,13 @@ COLUMNS = CALIBRATION_COLUMNS  # the header `lorafit measure --export` writes, d
 @pytest.fixture(scope="module")
 def bench():
     """bench/ is a folder of scripts, not a package: import the benchmark from it."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("memory_accuracy")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield from bench_module("memory_accuracy")
 
 
 @pytest.fixture(scope="module")
-def rows(bench):
+def rows():
     """bench/calibration_rows.py: how the benchmark reads and maps the calibration file."""
-    return importlib.import_module("calibration_rows")
+    yield from bench_module("calibration_rows")
 
 
 def litgpt_lora_row(row_id: str, peak: str, metric: str, split: str = "check") -> dict[str, str]:

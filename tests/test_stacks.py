@@ -5,14 +5,12 @@ docs/memory-model.md derives them ("Other trainers' steps"); the real CPU steps 
 trainer under the live-tensor tracker (bench/stack_trace.py) and hold the estimate to 2 % of them.
 """
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import bench_module, run_cli
 from lorafit import memory, stacks
 from lorafit.errors import InvalidConfig
 from lorafit.memory import GIB
@@ -20,7 +18,6 @@ from lorafit.models import resolve
 from lorafit.options import Stack
 from lorafit.schema import Settings
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 C = 2  # bf16
 FUSED_TILE, FUSED_CHUNK = 4096, 32768  # trl/kernels/chunked_logprob.py TOKEN_CHUNK_SIZE, the head's vocabulary chunk
 
@@ -250,11 +247,7 @@ def test_a_stack_that_scales_rope_trains_past_the_trained_context(seq_len: int, 
 # --- each stack's own step on the CPU ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def stack_trace():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("stack_trace")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield from bench_module("stack_trace")
 
 
 @pytest.mark.slow
@@ -367,11 +360,7 @@ def test_lorafit_train_says_unsloth_is_plan_and_estimate_only(tmp_path: Path, ca
 
 @pytest.fixture(scope="module")
 def accuracy():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("memory_accuracy")
-    finally:
-        sys.path.remove(str(BENCH))
+    yield from bench_module("memory_accuracy")
 
 
 def test_the_unsloth_calibration_rows_load_and_route_to_the_stack(accuracy) -> None:

@@ -5,19 +5,15 @@ Expected figures are worked out from the model's shapes and bitsandbytes' NF4 la
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import bench_module, run_cli
 from lorafit import hardware, memory, timing
 from lorafit.models import resolve
 from lorafit.schema import Settings
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 STEP = dict(method="qlora", micro_batch=1, seq_len=2048, lora_dropout=0.0, optimizer="adamw_8bit", double_quant=True)
 # NF4 with double quantisation: half a byte a weight, one uint8 absmax per 64 weights, one fp32 per 256 absmax
 NF4_DQ_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
@@ -153,12 +149,15 @@ def test_a_family_lorafit_has_not_read_unsloths_step_for_is_refused_in_one_line(
     assert code == 2 and err.count("\n") == 1 and "gpt_oss, qwen3_moe, mixtral, gemma3" in err, err
 
 
-def test_the_unsloth_moe_rows_route_to_the_stack_with_4_bit_experts() -> None:
+@pytest.fixture(scope="module")
+def accuracy():
+    yield from bench_module("memory_accuracy")
+
+
+def test_the_unsloth_moe_rows_route_to_the_stack_with_4_bit_experts(accuracy) -> None:
     """USM-01..04 state their settings and are estimated as --stack unsloth; USM-05 (a README claim with no
     setting) is kept but cannot be compared. Their experts are 4-bit, but for USM-08: Unsloth 2026.4.4 predates
     unsloth_zoo's NF4 packing of fused experts (2026-05-15), so Gemma 4 26B-A4B's stayed 16-bit."""
-    sys.path.insert(0, str(BENCH))
-    accuracy = importlib.import_module("memory_accuracy")
     rows = {row.id: row for row in accuracy.read_rows(accuracy.DEFAULT_CSV) if row.id.startswith("USM-")}
     assert {row.raw["split"] for row in rows.values()} == {"check"} and len(rows) == 12
     for row_id in ("USM-01", "USM-02", "USM-03", "USM-04", "USM-05", "USM-08"):
