@@ -85,13 +85,13 @@ def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime, gpu_byte
     together - 12 bytes x V per token, more than the whole model's activations for a 128k vocabulary.
     litgpt's chunked loss and TRL's fused head never upcast all logits; lorafit's chunked loss upcasts one chunk
     at a time (chunked_loss_bytes)."""
-    n, vocab = settings.tokens_per_micro_batch, spec.vocab_size
+    n, vocab, c = settings.tokens_per_micro_batch, spec.vocab_size, DTYPE_BYTES[settings.precision]
     if settings.loss == "chunked" and runtime.loss == "hf":
         return chunked_loss_bytes(spec, settings)
     if runtime.loss == "chunked_compute":
         # litgpt: the logits list and every chunk's log-softmax (compute dtype, no upcast); in backward one
         # chunk's gradient, then the gradient of its log-softmax or the head's dequantised weight
-        c, chunk = DTYPE_BYTES[settings.precision], head_chunk_tokens(settings)
+        chunk = head_chunk_tokens(settings)
         backward_chunk = max(c * vocab * chunk, head_dequant_bytes(spec, settings, runtime))
         return 2 * c * vocab * n + c * vocab * chunk + backward_chunk
     if runtime.loss == "fused_logprob":
@@ -101,7 +101,6 @@ def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime, gpu_byte
         return fused_chunked_loss_bytes(spec, settings, target, runtime.fused_chunk_sizing)
     if runtime.loss == "liger_fused":
         return liger_loss_bytes(spec, settings, runtime)
-    c = DTYPE_BYTES[settings.precision]
     if runtime.loss == "cut_ce" and n > CUT_CE_MIN_TOKENS:
         # the hidden states' gradient, and its fp32 log-sum-exp per token: the logits stay in on-chip blocks
         return c * spec.hidden_size * n + 4 * n
@@ -113,7 +112,7 @@ def logits_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime, gpu_byte
         returned = 4 * vocab * n if runtime.autocast and c != 4 else 0
         return c * vocab * n + max(returned, c * spec.hidden_size * n)
     # Gemma-2 soft-caps the logits (tanh(logits / 30) x 30) in the compute dtype: tanh keeps its output
-    softcap = DTYPE_BYTES[settings.precision] * vocab * n if spec.logit_softcapping else 0
+    softcap = c * vocab * n if spec.logit_softcapping else 0
     return 12 * vocab * n + softcap + head_weight_cast_bytes(spec, settings, runtime)
 
 
