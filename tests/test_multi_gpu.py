@@ -198,15 +198,38 @@ def test_a_base_loaded_whole_on_every_gpu_rules_out_sharding_it_over_cards_small
     answer = json.loads(out)
     nf4_bytes_per_weight = 0.5 + 4 / 64  # packed weight + fp32 absmax per 64 (double quantisation shrinks it)
     packed_gib = 69e9 * nf4_bytes_per_weight / 2**30
-    assert answer["peak_device_gib"] < answer["gpu_memory_gib"]  # the sharded step itself fits
+    assert answer["peak_allocated_gib"] < answer["gpu_memory_gib"]  # the sharded step itself fits
     loading = answer["host_ram_breakdown_gib"].get("model_loading", 0.0)
     if whole:
         assert answer["loading_peak_gib"] > 0.9 * packed_gib > answer["gpu_memory_gib"]
+        # and the cache keeps what loading reserved while the step runs in it (memory.device_side)
+        assert answer["peak_device_gib"] > answer["loading_peak_gib"]
         assert answer["fits"] is False
         assert loading < 4 * 5  # each process holds one checkpoint file (5 GB) on its way to the GPU
     else:
         assert answer["loading_peak_gib"] is None and answer["fits"] is True
         assert loading > 4 * 0.9 * packed_gib  # four processes, each its packed copy
+
+
+def test_what_loading_the_whole_base_reserved_stays_cached_through_the_sharded_step(spec: models.ModelSpec) -> None:
+    """ZeRO-3 shards a base loaded whole onto the GPU by freeing the whole tensors into PyTorch's cache, which
+    nothing empties before the step: reserved is at least the whole base, and nvidia-smi that plus the CUDA
+    context and NCCL. A base that was never whole on the GPU leaves the reserve as the step makes it."""
+    settings = qlora(n_gpus=2, shard="zero3")
+    runtime = Runtime()
+    whole = memory.gpu_loading_bytes(spec, settings, runtime)
+    assert whole == memory.weights_bytes(spec, settings, runtime) > 0
+    extra = (runtime.cuda_context_gib + runtime.nccl_gib) * GIB
+    step_reserved, _ = memory.device_side(1 * GIB, 0.0, settings, runtime)
+    assert 1 * GIB < step_reserved < 3 * GIB
+    assert memory.device_side(1 * GIB, 0.0, settings, runtime, kept_from_loading=3 * GIB) == (3 * GIB, 3 * GIB + extra)
+    # below the step's own reserve, what loading left changes nothing
+    assert memory.device_side(1 * GIB, 0.0, settings, runtime, kept_from_loading=GIB)[0] == step_reserved
+    # the estimate passes the base it loaded whole, and only then
+    zero3 = memory.estimate(spec, settings)
+    assert zero3.peak_reserved_gib * GIB >= whole and zero3.loading_peak_gib is not None
+    fsdp = memory.estimate(spec, qlora(n_gpus=2, shard="fsdp"))
+    assert fsdp.loading_peak_gib is None
 
 
 @pytest.mark.parametrize("stack", ["lorafit", "trl"])

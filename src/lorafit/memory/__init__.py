@@ -349,7 +349,13 @@ def assemble(peak: StepPeak, settings: Settings, runtime: Runtime, gpu: GpuSpec 
     parts, paged_state_bytes, host_ram = peak.parts, peak.paged_state_bytes, peak.host_ram
     allocated = sum(parts.values())
     reserved, device = device_side(
-        allocated, peak.transient_bytes, settings, runtime, paged_state_bytes, reserved=peak.simulated_reserved
+        allocated,
+        peak.transient_bytes,
+        settings,
+        runtime,
+        paged_state_bytes,
+        reserved=peak.simulated_reserved,
+        kept_from_loading=peak.loading_bytes,
     )
     breakdown_gib = {name: round(gib(value), 4) for name, value in parts.items() if value > 0}
     breakdown_gib["allocator_reserve"] = round(gib(reserved - allocated), 4)
@@ -388,12 +394,19 @@ def device_side(
     runtime: Runtime = Runtime(),
     paged_state_bytes: float = 0.0,
     reserved: float | None = None,
+    kept_from_loading: float = 0.0,
 ) -> tuple[float, float]:
     """(reserved, device) bytes for an allocated peak: the same device-side model for the analytic estimate
-    and the `--exact` trace (whose `reserved` comes from its allocator simulation; never below allocated)."""
+    and the `--exact` trace (whose `reserved` comes from its allocator simulation; never below allocated).
+
+    `kept_from_loading`: a quantised base loaded whole onto the GPU and sharded after (gpu_loading_bytes). The
+    shard frees the whole tensors into PyTorch's cache and nothing empties it before the step (the HF Trainer
+    empties it at the start of its loop, before the engine shards the model, and after that only with
+    torch_empty_cache_steps; DeepSpeed's engine only when it offloads states), so the cache stays at least that
+    large while the step runs in it."""
     if reserved is None:
         reserved = reserved_bytes(allocated_bytes, transient_bytes, settings)
     else:  # the simulation's two same-shaped steps, plus what a run strands beyond them
         reserved = max(reserved, allocated_bytes) + unsimulated_reserve_bytes(settings)
-    reserved = max(reserved, allocated_bytes)
+    reserved = max(reserved, allocated_bytes, kept_from_loading)
     return reserved, device_bytes(reserved, settings, runtime, paged_state_bytes)
