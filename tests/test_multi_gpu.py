@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from conftest import free_port, run_cli
-from lorafit import hardware, memory, models, timing
+from lorafit import hardware, memory, models, timing, transfers
 from lorafit.memory import Runtime
 from lorafit.schema import Settings
 from lorafit.train.demo import tiny_spec
@@ -107,21 +107,21 @@ def test_each_gpu_has_the_link_its_board_gives_it() -> None:
     every = hardware.links()
     assert all(link.source and link.as_of for link in every.values())
     # over two machines the ring runs at the slower link: 25 GB/s of HDR, not NVLink's 300
-    rate = timing.collective_bytes_per_second(Settings(n_gpus=8, nodes=2, shard="zero3"), a100)
-    assert rate == pytest.approx(25e9 * timing.COLLECTIVE_EFFICIENCY)
+    rate = transfers.collective_bytes_per_second(Settings(n_gpus=8, nodes=2, shard="zero3"), a100)
+    assert rate == pytest.approx(25e9 * transfers.COLLECTIVE_EFFICIENCY)
     assert between.name == "ethernet-25"
 
 
 def test_communication_volume_follows_zero(spec: models.ModelSpec) -> None:
     lora_params = spec.lora_params(16, "all")
-    ddp = timing.communication_bytes(spec, qlora(n_gpus=4, shard="ddp"))
+    ddp = transfers.communication_bytes(spec, qlora(n_gpus=4, shard="ddp"))
     assert ddp == (0.0, pytest.approx(2 * 3 / 4 * lora_params * 4))  # all-reduce of fp32 adapter gradients
-    zero3 = timing.communication_bytes(spec, qlora(n_gpus=4, shard="zero3"))
+    zero3 = transfers.communication_bytes(spec, qlora(n_gpus=4, shard="zero3"))
     params = 0.5 * LINEAR + 2 * REST + lora_params * 4  # packed base, bf16 rest, fp32 adapters
     assert zero3 == (pytest.approx(3 / 4 * (2 * params + lora_params * 4)), 0.0)
     full = Settings(method="full", precision="bf16", n_gpus=2, shard="fsdp")
     psi = spec.num_params * 2
-    assert timing.communication_bytes(spec, full)[0] == pytest.approx(1 / 2 * 3 * psi)  # 3 Psi x (n-1)/n
+    assert transfers.communication_bytes(spec, full)[0] == pytest.approx(1 / 2 * 3 * psi)  # 3 Psi x (n-1)/n
 
 
 def test_deepspeed_buckets_are_allocated_whole(spec: models.ModelSpec) -> None:

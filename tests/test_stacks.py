@@ -103,7 +103,7 @@ def test_peft_kbit_without_autocast_keeps_the_attention_in_fp32() -> None:
     spec = resolve("llama-3.1-8b")
     chosen = Settings(method="qlora", micro_batch=1, seq_len=1024, grad_ckpt=False, autocast=False, stack="peft-kbit")
     fp32 = memory.stack_runtime(chosen)
-    bf16 = fp32.model_copy(update={"fp32_stream": False})
+    bf16 = fp32.model_copy(update={"fp32_stream": False, "fp32_norms": False})
     per_token = 2 * (2 * spec.q_size + 2 * spec.kv_size) + 3 * (4 - C) * spec.intermediate_size
     extra = memory.activation_bytes_per_layer(spec, chosen, fp32) - memory.activation_bytes_per_layer(
         spec, chosen, bf16
@@ -111,7 +111,8 @@ def test_peft_kbit_without_autocast_keeps_the_attention_in_fp32() -> None:
     assert extra == pytest.approx(per_token * 1024)
     # under autocast (the Trainer's bf16=True) the attention runs in bf16: only SwiGLU's tensors stay fp32
     mixed = chosen.model_copy(update={"autocast": True})
-    fp32, bf16 = memory.stack_runtime(mixed), memory.stack_runtime(mixed).model_copy(update={"fp32_stream": False})
+    fp32 = memory.stack_runtime(mixed)
+    bf16 = fp32.model_copy(update={"fp32_stream": False, "fp32_norms": False})
     extra = memory.activation_bytes_per_layer(spec, mixed, fp32) - memory.activation_bytes_per_layer(spec, mixed, bf16)
     assert extra == pytest.approx(3 * (4 - C) * spec.intermediate_size * 1024)
 

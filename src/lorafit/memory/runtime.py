@@ -193,6 +193,9 @@ def rope_cache_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> f
     return spec.num_hidden_layers * 2 * positions * spec.head_size * c
 
 
+KBIT_PREP_FIELDS = ("kbit_upcast", "fp32_norms", "fp32_stream")
+
+
 def stack_runtime(settings: Settings, **overrides: Any) -> Runtime:
     """The Runtime of the trainer `settings.stack` names (lorafit.stacks, catalog/stacks.toml), with the facets
     the settings switch (autocast, kbit_prep, fp32_adapters, fused_optimizer, torch_compile, liger) and
@@ -209,8 +212,10 @@ def stack_runtime(settings: Settings, **overrides: Any) -> Runtime:
         fields["compiled"] = settings.torch_compile
     if settings.kbit_prep is not None and quantized:
         # peft's preparation upcasts every non-quantised parameter, the norms' weights and the embeddings too, to
-        # fp32: the norms' outputs and with them the residual stream are fp32 (Runtime.fp32_norms, fp32_stream)
-        fields["kbit_upcast"] = fields["fp32_norms"] = fields["fp32_stream"] = settings.kbit_prep
+        # fp32: the norms' outputs and with them the residual stream are fp32 (Runtime.fp32_norms, fp32_stream),
+        # as far as the stack leaves them so (StackSpec.kbit_prep_runtime)
+        kbit = stacks.resolve(settings.stack).kbit_prep_runtime
+        fields |= {name: settings.kbit_prep and kbit.get(name, False) for name in KBIT_PREP_FIELDS}
     if settings.autocast is False and fields.get("kbit_upcast"):
         # a plain loop over peft's kbit preparation (the peft QLoRA scripts) calls enable_input_require_grads; the
         # Trainer's path calls it only with checkpointing, where the first layer's recompute counts it anyway

@@ -167,14 +167,27 @@ def cuda_kernel_choices() -> Iterator[None]:
 
     torch.nn.functional.dropout = dropout
     torch.nn.functional.scaled_dot_product_attention = _sdpa_unequal_value_dims(original_sdpa := _SDPA)
+    torch.is_autocast_enabled = _autocast_seen_as_cuda(original_enabled := torch.is_autocast_enabled)
     try:
         yield
     finally:
         torch.nn.functional.dropout = original
         torch.nn.functional.scaled_dot_product_attention = original_sdpa
+        torch.is_autocast_enabled = original_enabled
 
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _autocast_seen_as_cuda(is_enabled: Any) -> Any:
+    """`torch.is_autocast_enabled()` without a device asks about CUDA's autocast, and peft's bitsandbytes LoRA
+    layers ask it to decide whether to cast their input to the adapter dtype (tuners/lora/bnb.py). The trace's
+    autocast is the CPU's, which on the GPU would be CUDA's: the question without a device answers for it."""
+
+    def enabled(device_type: str | None = None) -> bool:
+        return bool(is_enabled("cpu" if device_type is None else device_type))
+
+    return enabled
 
 
 def _sdpa_unequal_value_dims(sdpa: Any) -> Any:
