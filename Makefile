@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-unsloth-speed bench-throughput bench-time-cpu bench-train bench-data bench-tokens bench-exact bench-image-text bench-moe bench-hybrid bench-time-trace bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-session gpu-wheels clean
+.PHONY: run test lint install bench-memory bench-allocator bench-litgpt bench-stacks-external bench-stacks bench-unsloth-speed bench-throughput bench-time-cpu bench-train bench-data bench-tokens bench-exact bench-image-text bench-moe bench-hybrid bench-time-trace bench-padded-reserve bench-export bench-savers bench-serve bench-startup screenshots serve gpu-check gpu-session gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -138,6 +138,12 @@ bench-time-trace: $(STAMP)
 # writes bench/results/allocator-fit.json (docs/memory-model.md, section 5)
 bench-allocator: $(STAMP)
 	$(BIN)/python bench/allocator_fit.py --quick
+
+# what micro-batches of changing length (a collator padding each batch to its longest row) strand in the simulated
+# caching allocator, plain and with expandable segments, against two steps at the cap; writes
+# bench/results/padded-reserve.json
+bench-padded-reserve: $(STAMP)
+	$(BIN)/python bench/padded_reserve.py
 
 # lorafit's GGUF writer against llama.cpp's convert_hf_to_gguf.py (from the llama-cpp-python sdist, fetched once by
 # pip into bench/out/llama-src) on a TinyLlama-1.1B-shaped model: identical tensors, time and peak RSS side by side;

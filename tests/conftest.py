@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from lorafit.hardware import GpuSpec
+from lorafit.hardware import resolve as resolve_gpu
 from lorafit.models import ModelSpec, resolve
 from lorafit.schema import Settings
 
@@ -109,6 +111,12 @@ OFFLINE_FLAGS = {
     "huggingface_hub.constants": ("HF_HUB_OFFLINE",),
     "datasets.config": ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"),
 }
+
+
+@pytest.fixture(scope="session")
+def a100() -> GpuSpec:
+    """The catalog's A100 80GB, the card the time model's tests work out by hand."""
+    return resolve_gpu("A100 80GB")
 
 
 @pytest.fixture(scope="session")

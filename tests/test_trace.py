@@ -516,3 +516,20 @@ def test_the_trace_answers_cuda_s_autocast_question_with_its_own_autocast() -> N
     with cuda_kernel_choices():
         assert not torch.is_autocast_enabled()
     assert torch.is_autocast_enabled is original
+
+
+def test_a_trace_of_padded_micro_batches_runs_each_length_and_peaks_at_the_longest() -> None:
+    """`lengths` runs one micro-batch per length (a collator padding each batch to its longest row), as many steps
+    as they make: with the cap among them the peak is the cap's, without it lower; the allocator keeps at least
+    what the same-shaped steps left (make bench-padded-reserve reads how much more at 7-8B shapes)."""
+    spec, settings = tiny(), Settings(method="qlora", micro_batch=2, seq_len=128, grad_accum=2)
+    fixed = trace_step(spec, settings)
+    padded = trace_step(spec, settings, lengths=[32, 128, 64, 128])
+    assert padded.peak_bytes == fixed.peak_bytes
+    assert trace_step(spec, settings, lengths=[32, 64, 48, 64]).peak_bytes < fixed.peak_bytes
+    assert padded.reserved_bytes >= fixed.reserved_bytes
+
+    def last_step(trace) -> int:  # noqa: ANN001
+        return max(phase.step for phase in trace.phase_peaks)
+
+    assert last_step(trace_step(spec, settings, lengths=[32] * 6)) == last_step(fixed) + 1  # three steps, not two

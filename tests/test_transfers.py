@@ -18,11 +18,6 @@ def spec() -> models.ModelSpec:
     return models.resolve("llama-2-7b")
 
 
-@pytest.fixture(scope="module")
-def a100() -> hardware.GpuSpec:
-    return hardware.resolve("A100 80GB")
-
-
 def full(**fields) -> Settings:
     return Settings(**({"method": "full", "quant": "none", "micro_batch": 1, "seq_len": 2048} | fields))
 

@@ -8,7 +8,7 @@ highest phase at its real depth. tests/test_trace.py checks this against a full-
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -77,6 +77,7 @@ def trace_step(
     kbit_upcast: bool = False,
     autocast: bool = True,
     device: Literal["cuda", "cpu"] = "cuda",
+    lengths: Sequence[int] = (),
 ) -> StepTrace:
     """Two training steps of `spec` (at `num_layers` decoder layers; default all) on fake tensors.
 
@@ -86,7 +87,9 @@ def trace_step(
     with a real CPU step. The attention kernel saves the same tensors on both. AdamW runs fused (lorafit's
     trainer, `memory.Runtime.fused_optimizer`) or, with `fused_optimizer=False`, torch's CUDA default
     (foreach); `kbit_upcast` adds peft's `prepare_model_for_kbit_training`; `autocast` runs a bf16/fp16
-    forward under autocast, as transformers' Trainer does with `bf16=True` / `fp16=True`."""
+    forward under autocast, as transformers' Trainer does with `bf16=True` / `fp16=True`. `lengths`: instead of
+    two steps at the settings' length, as many as these micro-batch lengths make, each padded to its own (a
+    collator padding every batch to its longest row), to see what changing shapes strand in the allocator."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lorafit.trace.model import at_depth, fake_model
@@ -100,9 +103,8 @@ def trace_step(
     optimizer = build.build_optimizer(
         model, settings, fused=fused_optimizer, **optimizer_overrides(settings, fused_optimizer)
     )
-    return _run(
-        model, optimizer, depth_spec, settings, total_params, fake_mode, cuda=device == "cuda", autocast=autocast
-    )
+    cuda = device == "cuda"
+    return _run(model, optimizer, depth_spec, settings, total_params, fake_mode, cuda, autocast, lengths=lengths)
 
 
 def optimizer_overrides(settings: Settings, fused: bool) -> dict[str, bool]:
@@ -127,11 +129,12 @@ def _run(
     cuda: bool = False,
     autocast: bool = True,
     before_steps: Callable[[], None] | None = None,
+    lengths: Sequence[int] = (),
 ) -> StepTrace:
     import contextlib
 
     from lorafit.trace.model import cuda_kernel_choices, eager_data_checks, parameter_tensors
-    from lorafit.trace.step import run_training_steps, token_batch
+    from lorafit.trace.step import STEPS, padded_batches, run_training_steps, token_batch
     from lorafit.trace.tracker import PARAMETERS, LiveTensorTracker
 
     tracker = LiveTensorTracker()
@@ -142,6 +145,10 @@ def _run(
     plain, expandable = CachingAllocator(), CachingAllocator(expandable=True)
     tracker.attach_allocators(plain, expandable)  # the loaded model first, then the steps' blocks
     make_batch = token_batch(spec.vocab_size, settings.micro_batch, settings.seq_len)
+    steps = STEPS
+    if lengths:
+        make_batch = padded_batches(spec.vocab_size, settings.micro_batch, lengths)
+        steps = len(lengths) // min(settings.grad_accum, 2)
     if before_steps is not None:
         before_steps()
     try:
@@ -150,7 +157,7 @@ def _run(
             eager_data_checks(),
             cuda_kernel_choices() if cuda else contextlib.nullcontext(),
         ):
-            run_training_steps(model, optimizer, settings, tracker, make_batch, autocast=autocast)
+            run_training_steps(model, optimizer, settings, tracker, make_batch, steps, autocast=autocast)
     except (RuntimeError, ValueError) as error:  # what the first training step of `lorafit train` would hit
         raise build.setup_error(spec, "the training step fails", error) from None
     phase, snapshot = tracker.peak

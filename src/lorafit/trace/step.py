@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -227,3 +227,9 @@ def token_batch(vocab_size: int, micro_batch: int, seq_len: int) -> Callable[[],
         return {"input_ids": input_ids, "labels": input_ids.clone()}
 
     return make
+
+
+def padded_batches(vocab_size: int, micro_batch: int, lengths: Sequence[int]) -> Callable[[], dict[str, torch.Tensor]]:
+    """Micro-batches padded to their longest row, as a collator pads: one length after the other."""
+    upcoming = iter(lengths)
+    return lambda: token_batch(vocab_size, micro_batch, next(upcoming))()
