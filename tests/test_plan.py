@@ -265,7 +265,8 @@ def test_cost_scales_with_the_data_and_the_epochs() -> None:
     base = planner.make_plan(ask(gpu="RTX 4090", tokens_per_epoch=1_000_000, epochs=1))
     more = planner.make_plan(ask(gpu="RTX 4090", tokens_per_epoch=2_000_000, epochs=3))
     assert more.settings == base.settings
-    assert more.hours == pytest.approx(6 * base.hours, abs=0.003)  # hours are rounded to 3 decimals
+    # hours are rounded to 3 decimals: six times base's rounding (6 x 0.0005) and more's own (0.0005)
+    assert more.hours == pytest.approx(6 * base.hours, abs=0.0035)
     assert base.hours == pytest.approx(1_000_000 / base.tokens_per_s / 3600, abs=5e-4)
 
 
@@ -292,12 +293,14 @@ def test_time_model_by_hand() -> None:
     # nf4 read, bf16 written, the nested absmax's fp32 traffic (15/64), 3 passes
     dequant = linears * (0.5 + 1 / 64 + 4 / (64 * 256) + 2 + 15 / 64) * 3 / byte_rate
     in_widths, out_widths = 6 * 4096 + 11008, 4 * 4096 + 2 * 11008 + 4096  # the 7 adapted linears of a layer
-    # fp32 adapters, dropout, peft's clone of the 4-bit output (4 bytes) in the two forwards; backward as the forward
-    adapters = tokens * layers * (2 * (23 * in_widths + 16 * out_widths) + 23 * in_widths + 12 * out_widths)
+    # under CUDA's autocast peft's bitsandbytes layer casts nothing: dropout on the bf16 input (5) and lora_A's read
+    # (2); lora_B, scaling and sum (12), peft's clone of the 4-bit output (4 bytes) in the two forwards; backward
+    # as the forward
+    adapters = tokens * layers * (2 * (7 * in_widths + 16 * out_widths) + 7 * in_widths + 12 * out_widths)
     adapters /= byte_rate
     elementwise = tokens * layers * 634368 * (2 + 3) / byte_rate  # norms, residuals, rotary, SwiGLU
     loss = tokens * 32000 * 42 / byte_rate  # with accelerate's fp32 copy of the logits
-    launches = ((30 + 1 + 7 + 21 + 70) * 2 + 60 + 7 + 21 + 77) * layers * 4e-6
+    launches = ((30 + 1 + 7 + 21 + 56) * 2 + 60 + 7 + 21 + 63) * layers * 4e-6
     compute = matmul + attention + dequant + adapters + elementwise + loss + launches
     lora_params = 32 * 16 * (4 * 8192 + 3 * (4096 + 11008))  # r=16 on q, k, v, o (4096 -> 4096) and the MLP
     # fused AdamW on fp32 adapters: read param, grad, two moments, write param and moments (28), clipping 3 x 4
@@ -312,7 +315,17 @@ def test_speed_follows_the_work() -> None:
     speed = timing.tokens_per_second
     assert speed(spec, base.model_copy(update={"grad_ckpt": False}), gpu) > speed(spec, base, gpu)  # no recompute
     lora_ = Settings(method="lora", quant="none", micro_batch=2, grad_accum=8)
-    assert speed(spec, lora_, gpu) > speed(spec, base, gpu)  # no 4-bit matmuls
+    # with adapters in the compute dtype the LoRA path is the same over either base: LoRA has no dequantisation
+    in_bf16 = {"fp32_adapters": False}
+    assert speed(spec, lora_.model_copy(update=in_bf16), gpu) > speed(spec, base.model_copy(update=in_bf16), gpu)
+    # with peft's fp32 adapters a 16-bit base's layers cast every input to fp32 and back (23 bytes an input
+    # element, 12 an output one, in two forwards and backward), where the bitsandbytes layers under CUDA's autocast
+    # cast nothing (7 bytes) but clone the base output (+4 in the forwards): bandwidth-bound, the bytes' ratio
+    widths_in, widths_out = 6 * 4096 + 11008, 4 * 4096 + 2 * 11008 + 4096
+    over_16bit = 3 * (23 * widths_in + 12 * widths_out)
+    over_4bit = 2 * (7 * widths_in + 16 * widths_out) + 7 * widths_in + 12 * widths_out
+    ratio = timing.lora_seconds(spec, lora_, gpu) / timing.lora_seconds(spec, base, gpu)
+    assert ratio == pytest.approx(over_16bit / over_4bit, rel=1e-3)
     # the base's weight gradients cost more than LoRA's adapter path on the attention projections (the fit rows
     # FMS-01 and FMS-03 say the same); on all seven linears the eager fp32 adapter path costs about as much
     full_ = Settings(method="full", quant="none", micro_batch=2, grad_accum=8)
@@ -581,8 +594,9 @@ def test_an_8b_qlora_at_2048_tokens_fits_8gb_with_the_savers(model: str) -> None
     plan = planner.make_plan(ask(model, gpu=gpu, method="qlora", seq_len=2048))
     assert_verdict_follows_from_the_estimate(plan)
     assert plan.fits
-    # every saver is needed: the 128k-152k vocabulary's logits, the embeddings and the reserve
-    assert set(search.savers_on(plan.settings)) == set(search.SAVERS)
+    # the savers of the 128k-152k vocabulary's logits, of the embeddings and of the reserve are needed (Qwen2.5-7B
+    # then fits with a paged 8-bit optimizer instead of offloading its activations, which costs more time)
+    assert {"loss", "offload_embeddings", "expandable_segments"} <= set(search.savers_on(plan.settings))
     without = planner.make_plan(ask(model, gpu=gpu, method="qlora", seq_len=2048, pinned=SAVERS_OFF))
     assert not without.fits
     assert plan.estimate.peak_device_gib < without.estimate.peak_device_gib - 3

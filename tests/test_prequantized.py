@@ -151,3 +151,52 @@ def test_train_runs_qlora_on_a_prequantized_folder_and_refuses_lora(
     plan = Plan.load(tmp_path / "run" / "plan.json")
     assert (plan.method, plan.quant) == ("qlora", "nf4") and plan.model.prequantized is not None
     assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
+
+
+def tiny_4bit_config(folder: Path, skip: list[str] | None) -> Path:
+    """A config.json as Unsloth saves a dynamic 4-bit repo: nf4 with double quantisation and, where given, the
+    modules it keeps 16-bit. 12 layers of width 256 (k and v 128 wide), MLP 512."""
+    quantization = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
+    if skip is not None:
+        quantization["llm_int8_skip_modules"] = skip
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1024,
+        "max_position_embeddings": 2048,
+        "quantization_config": quantization,
+    }
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_dynamic_4bit_config_counts_the_layers_it_keeps_16bit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """llm_int8_skip_modules, matched as transformers 5 matches it: from the start of the module's name up to a
+    module boundary ("model.layers.1" is not "model.layers.11"), or as its suffix ("layers.5.mlp" is neither). The
+    kept weights are 16-bit in the estimate, and the plan no longer says the estimate may be low."""
+    from lorafit import memory
+    from lorafit.schema import Settings
+
+    skip = ["lm_head", "model.layers.1.self_attn", "model.layers.3.mlp.down_proj", "layers.5.mlp", "7.mlp.up_proj"]
+    dynamic = from_config_json(tiny_4bit_config(tmp_path / "Tiny-unsloth-bnb-4bit", skip))
+    plain = from_config_json(tiny_4bit_config(tmp_path / "plain", None))
+    attention = 256 * 256 * 2 + 256 * 128 * 2  # q, o; k, v
+    assert dynamic.prequantized is not None and plain.prequantized is not None
+    assert dynamic.prequantized.kept_16bit_params == attention + 512 * 256 + 256 * 512  # + layer 7's up_proj
+    assert plain.prequantized.kept_16bit_params == 0
+    settings = Settings(method="qlora")
+    runtime = memory.stack_runtime(settings)
+    grown = memory.weights_bytes(dynamic, settings, runtime) - memory.weights_bytes(plain, settings, runtime)
+    nf4 = 0.5 + 1 / 64 + 4 / (64 * 256)  # double-quantised nf4 bytes per weight
+    assert grown == pytest.approx(dynamic.prequantized.kept_16bit_params * (2 - nf4))
+    folder = str(tmp_path / "Tiny-unsloth-bnb-4bit")
+    code, out, _ = run_cli(["plan", "--model", folder, "--gpu", "T4", "--json"], capsys)
+    assert code == 0 and "dynamic 4-bit" not in " ".join(json.loads(out)["reasons"])

@@ -73,7 +73,8 @@ EN: dict[str, str] = {
     "plan.prequantized_double": "QLoRA only: {model} is a pre-quantised checkpoint (bitsandbytes {quant}, "
     "double-quantised, loaded as stored); LoRA or full fine-tuning need {base}",
     "plan.dynamic_4bit": "{model} is an Unsloth dynamic 4-bit checkpoint: it keeps some layers in 16-bit (its "
-    "config.json's llm_int8_skip_modules, chosen per model), counted here as 4-bit, so the estimate may be low",
+    "config.json's llm_int8_skip_modules, chosen per model), counted here as 4-bit, so the estimate may be low; "
+    "--model with its downloaded config.json (a few kB) counts them",
     "plan.unsloth_dynamic_4bit": "stack unsloth loads {model} in 4-bit from Unsloth's dynamic 4-bit copy where it "
     "publishes one, which keeps some layers in 16-bit; counted here as 4-bit, so the estimate may be low",
     "plan.base_named": "the 16-bit base {base}",

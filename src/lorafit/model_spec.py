@@ -62,6 +62,9 @@ class PreQuantized(BaseModel):
     quant: Literal["nf4", "fp4", "int8"]  # fp4: bitsandbytes' default 4-bit type, which lorafit does not train
     double_quant: bool = False
     base: str | None = Field(default=None, description="the 16-bit checkpoint that LoRA or full fine-tuning needs")
+    # the decoder's linear weights the checkpoint keeps 16-bit (its config.json's llm_int8_skip_modules: Unsloth's
+    # dynamic 4-bit repos name a few layers there); None: not known (a repo name without its config.json)
+    kept_16bit_params: int | None = Field(default=None, ge=0)
 
     def refusal(self, name: str, what: str) -> str:
         """One line: why `what` cannot train this checkpoint, and what would."""

@@ -160,7 +160,8 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
     if not file.is_file():
         raise InvalidConfig(f"no config.json in {path}; pass a model directory or its config.json")
     config = read_config_json(file)
-    prequantized = bitsandbytes_quantization(file, config.get("quantization_config"))
+    quantization = config.get("quantization_config")
+    prequantized = bitsandbytes_quantization(file, quantization)
     # an image-text model lorafit does not model is refused as a whole, before its text model is looked at
     for layer in (config, config.get("text_config")):
         if isinstance(layer, dict) and (family := unmodelled_model_type(layer.get("model_type"))):
@@ -179,7 +180,10 @@ def from_config_json(path: Path, name: str | None = None) -> ModelSpec:
             known = ", ".join(sorted(by_type))
             raise InvalidConfig(say("config.unsupported", file=file, model_type=model_type, known=known))
         spec = _text_spec(file, config, by_type[model_type], name)
-    return spec.model_copy(update={"prequantized": prequantized}) if prequantized is not None else spec
+    if prequantized is None:
+        return spec
+    kept = kept_16bit_params(spec, cast(dict, quantization).get("llm_int8_skip_modules") or [])
+    return spec.model_copy(update={"prequantized": prequantized.model_copy(update={"kept_16bit_params": kept})})
 
 
 def _image_text_spec(file: Path, config: dict[str, Any], vision: VisionTower, name: str | None) -> ModelSpec:
@@ -255,6 +259,37 @@ def bitsandbytes_quantization(file: Path, quantization: object) -> PreQuantized 
     if kind not in ("nf4", "fp4"):
         raise InvalidConfig(say("config.quant_type", file=file, kind=kind))
     return PreQuantized(quant=kind, double_quant=quantization.get("bnb_4bit_use_double_quant") is True)
+
+
+def kept_16bit_params(spec: ModelSpec, skip: object) -> int | None:
+    """How many of the decoder's linear weights a 4-bit checkpoint keeps 16-bit: those of the modules its
+    config.json's llm_int8_skip_modules names, matched as transformers matches them (quantizers_utils.py
+    should_convert_module @ v5.25.0: a pattern, as a regular expression, that matches the module's dotted name
+    from its start up to a dot or the end, or that the name ends with). None where lorafit cannot name every
+    layer's modules (a hybrid, per-layer or cross-attention stack) or the list is not a list of names."""
+    if not isinstance(skip, list) or not all(isinstance(pattern, str) for pattern in skip):
+        return None
+    if spec.vision or spec.linear_attention or spec.global_layers or spec.cross_attention or spec.latent:
+        return None
+    blocks = [("self_attn", spec.attention_linears())] + ([] if spec.is_moe else [("mlp", spec.mlp_linears())])
+
+    def kept(module: str) -> bool:
+        return any(_matches_at_start(pattern, module) or module.endswith(pattern) for pattern in skip)
+
+    return sum(
+        fan_in * fan_out
+        for layer in range(spec.num_hidden_layers)
+        for block, linears in blocks
+        for name, (fan_in, fan_out) in linears.items()
+        if kept(f"model.layers.{layer}.{block}.{name}")
+    )
+
+
+def _matches_at_start(pattern: str, module: str) -> bool:
+    try:
+        return re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", module) is not None
+    except re.error:
+        return False
 
 
 def moe_fields(file: Path, config: dict[str, Any], arch: ArchitectureSpec) -> dict[str, Any]:

@@ -374,8 +374,8 @@ def automatic_choices(request: PlanRequest, settings: Settings) -> list[str]:
             say(said, model=request.model.hf_id or request.model.name, quant=stored.quant.upper(), base=base)
         )
         # stacks (issue 28): which modules a dynamic 4-bit repo keeps 16-bit is its own config.json's choice,
-        # published nowhere else; the estimate packs every linear, so it says so
-        if is_unsloth_dynamic_quant(request.model.hf_id or request.model.name):
+        # published nowhere else; without that file the estimate packs every linear, so it says so
+        if stored.kept_16bit_params is None and is_unsloth_dynamic_quant(request.model.hf_id or request.model.name):
             reasons.append(say("plan.dynamic_4bit", model=request.model.hf_id or request.model.name))
     elif settings.stack == "unsloth" and settings.quant == "nf4":
         # with load_in_4bit Unsloth swaps a 16-bit name for its mapper's dynamic 4-bit key where it has one
@@ -667,9 +667,10 @@ def several_of(request: PlanRequest, plan: Plan, gpu: GpuSpec) -> Plan:
 
 
 def on_several(request: PlanRequest, suggested: list[Suggestion], gpu: GpuSpec) -> Plan | None:
-    """The plan of the suggestion for several of `gpu` (or an offload) with the fewest GPU-hours; None without
-    one."""
-    several = [s for s in suggested if s.gpu == gpu.name and (s.n_gpus * s.nodes > 1 or s.offload != "none")]
+    """The plan of the suggestion for several of `gpu` (offloaded or not) with the fewest GPU-hours; None without
+    one. One card is never suggested with an offload (fewest_gpus starts at two), so a one-card suggestion with
+    one - a shorter sequence or QLoRA under an offload the user pinned - is not of this kind."""
+    several = [s for s in suggested if s.gpu == gpu.name and s.n_gpus * s.nodes > 1]
     if not several:
         return None
     chosen = min(several, key=lambda s: ((s.hours or 0.0) * s.n_gpus * s.nodes, s.n_gpus))
