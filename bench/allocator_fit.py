@@ -52,19 +52,14 @@ def run_case(case: dict) -> dict:
     from lorafit import memory
     from lorafit.models import resolve
     from lorafit.schema import Settings
-    from lorafit.trace.api import trace_runtime, trace_step
+    from lorafit.trace.api import runtime_options, trace_runtime, trace_step
 
     spec = resolve(case["model"])
     settings = Settings(**{k: v for k, v in case.items() if k not in ("key", "model")})
     runtime = memory.stack_runtime(settings)
     started = time.perf_counter()
-    options = {
-        "fused_optimizer": runtime.fused_optimizer,
-        "kbit_upcast": runtime.kbit_upcast,
-        "autocast": runtime.autocast,
-        "device": runtime.device,
-    }
-    full = trace_step(spec, settings, **options)  # every layer: the reserve's own growth with depth is in it
+    # every layer: the reserve's own growth with depth is in it
+    full = trace_step(spec, settings, **runtime_options(runtime))
     depth = trace_runtime(spec, settings, runtime)  # what `--exact` traces
     analytic = memory.estimate(spec, settings, runtime=runtime)
     return case | {

@@ -46,16 +46,11 @@ def run_case(model: str, fields: dict) -> dict:
     from lorafit import memory
     from lorafit.models import resolve
     from lorafit.schema import Settings
-    from lorafit.trace.api import trace_step
+    from lorafit.trace.api import runtime_options, trace_step
 
     spec = resolve(model)
     settings = Settings(**({"grad_ckpt": True, "grad_accum": 2} | fields))
-    runtime = memory.stack_runtime(settings)
-    options = {
-        "fused_optimizer": runtime.fused_optimizer,
-        "kbit_upcast": runtime.kbit_upcast,
-        "autocast": runtime.autocast,
-    }
+    options = runtime_options(memory.stack_runtime(settings))
     started = time.perf_counter()
     fixed = trace_step(spec, settings, **options)
     lengths = lengths_for(settings.seq_len, 2 * STEPS)

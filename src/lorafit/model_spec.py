@@ -299,17 +299,23 @@ class ModelSpec(BaseModel):
         return tower + sum(gemma4.tower_deltas(self))  # and Gemma 4 E2B / E4B's audio tower
 
     @property
+    def kept_16bit_params(self) -> int:
+        """The decoder's linear weights a pre-quantised checkpoint keeps 16-bit (PreQuantized.kept_16bit_params;
+        0 where not known or none)."""
+        return (self.prequantized.kept_16bit_params or 0) if self.prequantized else 0
+
+    @property
     @memoised
     def quantized_linear_params(self) -> int:
-        """Every weight bitsandbytes packs: the decoder's linears and the vision tower's and projector's
-        (`vision.py`: transformers' quantizer skips neither)."""
+        """Every weight bitsandbytes packs: the decoder's linears (but those a pre-quantised checkpoint keeps
+        16-bit) and the vision tower's and projector's (`vision.py`: transformers' quantizer skips neither)."""
         vision = self.vision.linear_params(self.hidden_size) if self.vision else 0
         vision += self.cross_attention.linear_params(self) if self.cross_attention else 0
         vision += gemma4.tower_deltas(self)[0]  # Gemma 4 E2B / E4B: the audio tower; their layers differ
         blocks = (
             gemma4.block_totals(self)[0] if self.global_layers else self.num_hidden_layers * self.layer_linear_params
         )
-        return blocks + vision + mla.dense_deltas(self)[0]
+        return blocks - self.kept_16bit_params + vision + mla.dense_deltas(self)[0]
 
     @property
     @memoised

@@ -226,8 +226,7 @@ def deltanet_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float
 def quantized_params(spec: ModelSpec) -> int:
     """Weights bitsandbytes packs: every decoder block's nn.Linear (the embeddings and the head stay 16-bit), but
     those a pre-quantised checkpoint keeps 16-bit."""
-    kept = (spec.prequantized.kept_16bit_params or 0) if spec.prequantized else 0
-    return spec.layer_linear_params * spec.num_hidden_layers - kept
+    return spec.layer_linear_params * spec.num_hidden_layers - spec.kept_16bit_params
 
 
 def dequant_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> float:

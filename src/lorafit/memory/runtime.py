@@ -180,8 +180,7 @@ def packed_params(spec: ModelSpec, settings: Settings, runtime: Runtime) -> int:
     """The weights a 4-bit load packs: the decoder's linears (and the vision tower's, unless the load skips it,
     unsloth_zoo/peft_utils.py @ ce232d6c SKIP_QUANTIZATION_MODULES l. 35-52), and the experts where it packs them."""
     vision = 0 if runtime.quantized_vision or not spec.vision else spec.vision.linear_params(spec.hidden_size)
-    kept = (spec.prequantized.kept_16bit_params or 0) if spec.prequantized else 0  # its llm_int8_skip_modules
-    return spec.quantized_linear_params - vision - kept + quantized_expert_params(spec, settings, runtime)
+    return spec.quantized_linear_params - vision + quantized_expert_params(spec, settings, runtime)
 
 
 def rope_cache_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from lorafit import memory
 from lorafit.errors import LorafitError
@@ -134,7 +134,7 @@ def _run(
     import contextlib
 
     from lorafit.trace.model import cuda_kernel_choices, eager_data_checks, parameter_tensors
-    from lorafit.trace.step import STEPS, padded_batches, run_training_steps, token_batch
+    from lorafit.trace.step import STEPS, padded_batches, run_training_steps
     from lorafit.trace.tracker import PARAMETERS, LiveTensorTracker
 
     tracker = LiveTensorTracker()
@@ -144,11 +144,10 @@ def _run(
         tracker.mark_host(tensor)
     plain, expandable = CachingAllocator(), CachingAllocator(expandable=True)
     tracker.attach_allocators(plain, expandable)  # the loaded model first, then the steps' blocks
-    make_batch = token_batch(spec.vocab_size, settings.micro_batch, settings.seq_len)
-    steps = STEPS
-    if lengths:
-        make_batch = padded_batches(spec.vocab_size, settings.micro_batch, lengths)
-        steps = len(lengths) // min(settings.grad_accum, 2)
+    micro_batches = min(settings.grad_accum, 2)  # a step's, as run_training_steps runs them
+    lengths = lengths or [settings.seq_len] * (STEPS * micro_batches)
+    make_batch = padded_batches(spec.vocab_size, settings.micro_batch, lengths)
+    steps = len(lengths) // micro_batches
     if before_steps is not None:
         before_steps()
     try:
@@ -350,16 +349,20 @@ def trace_depth(
     )
 
 
+def runtime_options(runtime: memory.Runtime) -> dict[str, Any]:
+    """The code-path facts of a `memory.Runtime` (the stack the estimate describes) as trace_step's and
+    trace_depth's keyword arguments."""
+    return {
+        "fused_optimizer": runtime.fused_optimizer,
+        "kbit_upcast": runtime.kbit_upcast,
+        "autocast": runtime.autocast,
+        "device": runtime.device,
+    }
+
+
 def trace_runtime(spec: ModelSpec, settings: Settings, runtime: memory.Runtime) -> DepthTrace:
     """`trace_depth` with the code-path facts of a `memory.Runtime` (the stack the estimate describes)."""
-    return trace_depth(
-        spec,
-        settings,
-        fused_optimizer=runtime.fused_optimizer,
-        kbit_upcast=runtime.kbit_upcast,
-        autocast=runtime.autocast,
-        device=runtime.device,
-    )
+    return trace_depth(spec, settings, **runtime_options(runtime))
 
 
 def exact_estimate(

@@ -19,7 +19,7 @@ from typing import Any
 from lorafit import memory
 from lorafit.models import ModelSpec, resolve
 from lorafit.schema import Settings
-from lorafit.trace.api import StepTrace, trace_runtime, trace_step
+from lorafit.trace.api import StepTrace, runtime_options, trace_runtime, trace_step
 from lorafit.trace.tracker import ACTIVATIONS, Phase
 from lorafit.units import BYTES_PER_GIB
 
@@ -55,12 +55,7 @@ def _saved(trace: StepTrace) -> int:
 
 
 def measure_terms(spec: ModelSpec, settings: Settings, runtime: memory.Runtime = memory.Runtime()) -> Terms:
-    options = {
-        "fused_optimizer": runtime.fused_optimizer,
-        "kbit_upcast": runtime.kbit_upcast,
-        "autocast": runtime.autocast,
-        "device": runtime.device,
-    }
+    options = runtime_options(runtime)
     two, three = trace_step(spec, settings, 2, **options), trace_step(spec, settings, 3, **options)
     tokens = settings.tokens_per_micro_batch
     last = three.num_layers - 1
