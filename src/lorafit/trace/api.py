@@ -103,8 +103,8 @@ def trace_step(
     optimizer = build.build_optimizer(
         model, settings, fused=fused_optimizer, **optimizer_overrides(settings, fused_optimizer)
     )
-    cuda = device == "cuda"
-    return _run(model, optimizer, depth_spec, settings, total_params, fake_mode, cuda, autocast, lengths=lengths)
+    how = StepsRun(fake_mode, cuda=device == "cuda", autocast=autocast, lengths=lengths)
+    return _run(model, optimizer, depth_spec, settings, total_params, how)
 
 
 def optimizer_overrides(settings: Settings, fused: bool) -> dict[str, bool]:
@@ -119,18 +119,20 @@ def check_traceable(settings: Settings) -> None:
         raise LorafitError("--exact traces a single-GPU step; for --n-gpus > 1 use the analytic estimate")
 
 
-def _run(
-    model,
-    optimizer,
-    spec: ModelSpec,
-    settings: Settings,
-    total_params: int,
-    mode=None,  # noqa: ANN001
-    cuda: bool = False,
-    autocast: bool = True,
-    before_steps: Callable[[], None] | None = None,
-    lengths: Sequence[int] = (),
-) -> StepTrace:
+@dataclass(frozen=True)
+class StepsRun:
+    """How _run runs the steps: in a fake-tensor `mode` (None: real tensors), with CUDA's kernel choices, under
+    autocast, at these micro-batch lengths (empty: the settings' length, two steps), calling `before_steps` just
+    before the first."""
+
+    mode: Any = None
+    cuda: bool = False
+    autocast: bool = True
+    lengths: Sequence[int] = ()
+    before_steps: Callable[[], None] | None = None
+
+
+def _run(model, optimizer, spec: ModelSpec, settings: Settings, total_params: int, how: StepsRun) -> StepTrace:  # noqa: ANN001
     import contextlib
 
     from lorafit.trace.model import cuda_kernel_choices, eager_data_checks, parameter_tensors
@@ -145,18 +147,18 @@ def _run(
     plain, expandable = CachingAllocator(), CachingAllocator(expandable=True)
     tracker.attach_allocators(plain, expandable)  # the loaded model first, then the steps' blocks
     micro_batches = min(settings.grad_accum, 2)  # a step's, as run_training_steps runs them
-    lengths = lengths or [settings.seq_len] * (STEPS * micro_batches)
+    lengths = how.lengths or [settings.seq_len] * (STEPS * micro_batches)
     make_batch = padded_batches(spec.vocab_size, settings.micro_batch, lengths)
     steps = len(lengths) // micro_batches
-    if before_steps is not None:
-        before_steps()
+    if how.before_steps is not None:
+        how.before_steps()
     try:
         with (
-            mode if mode is not None else contextlib.nullcontext(),
+            how.mode if how.mode is not None else contextlib.nullcontext(),
             eager_data_checks(),
-            cuda_kernel_choices() if cuda else contextlib.nullcontext(),
+            cuda_kernel_choices() if how.cuda else contextlib.nullcontext(),
         ):
-            run_training_steps(model, optimizer, settings, tracker, make_batch, steps, autocast=autocast)
+            run_training_steps(model, optimizer, settings, tracker, make_batch, steps, autocast=how.autocast)
     except (RuntimeError, ValueError) as error:  # what the first training step of `lorafit train` would hit
         raise build.setup_error(spec, "the training step fails", error) from None
     phase, snapshot = tracker.peak
@@ -200,7 +202,7 @@ def real_step(
     optimizer = build.build_optimizer(
         model, settings, fused=fused_optimizer, **optimizer_overrides(settings, fused_optimizer)
     )
-    return _run(model, optimizer, spec, settings, total_params, before_steps=before_steps, autocast=autocast)
+    return _run(model, optimizer, spec, settings, total_params, StepsRun(autocast=autocast, before_steps=before_steps))
 
 
 # --- the full depth ---------------------------------------------------------------------------------------
