@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 from lorafit import hardware, models, stacks
 from lorafit.errors import LorafitError
-from lorafit.memory import CUT_CE_MIN_TOKENS, Runtime
+from lorafit.memory import CUT_CE_MIN_TOKENS, Runtime, breakdown
+from lorafit.model_spec import PreQuantized
 from lorafit.models import ModelSpec
 from lorafit.schema import Settings
 from torchtune_step import StepRuntime
@@ -616,6 +617,59 @@ UNSLOTH_RELEASE_LOSS: dict[str, dict[str, str]] = {
     },
 }
 
+# The rows that loaded one of Unsloth's dynamic 4-bit repos (`*-unsloth-bnb-4bit`: some layers kept 16-bit, named
+# in the repo's config.json llm_int8_skip_modules): the notebook's model_name with load_in_4bit, as
+# unsloth/models/mapper.py mapped it in its banner's month (USN-08's cell names its repo itself)
+DYNAMIC_REPO = {
+    "USN-08": "unsloth/Qwen3-14B-Base-unsloth-bnb-4bit",
+    "USN-16": "unsloth/phi-4-unsloth-bnb-4bit",  # mapper.py @ 2025-01 (banner 2025.1.5)
+    "USN-21": "unsloth/Llama-3.2-1B-Instruct-unsloth-bnb-4bit",  # @ 2025-04 (2025.4.7)
+    "USN-22": "unsloth/Qwen3-14B-unsloth-bnb-4bit",  # @ 2025-05-01 (2025.4.5: Qwen3 came out on 2025-04-29)
+    "USN-23": "unsloth/Qwen3-14B-unsloth-bnb-4bit",  # @ 2025-05 (2025.5.9)
+    "USN-24": "unsloth/Qwen3-32B-unsloth-bnb-4bit",  # @ 2025-09 (2025.9.1)
+    "USM-01": "unsloth/gpt-oss-20b-unsloth-bnb-4bit",  # @ 2025-08 (2025.8.5)
+    "USM-02": "unsloth/gpt-oss-120b-unsloth-bnb-4bit",  # @ 2025-09 (2025.9.1)
+    "USM-03": "unsloth/gemma-3-27b-it-unsloth-bnb-4bit",  # @ 2025-09 (2025.9.1)
+    "USM-06": "unsloth/gemma-4-31b-it-unsloth-bnb-4bit",  # @ 2026-04 (2026.4.4)
+    "USM-10": "unsloth/gemma-4-E4B-it-unsloth-bnb-4bit",  # @ 2026-04 (2026.4.4)
+}
+AFTER_LOADING = re.compile(r"'([\d.]+) GB of memory reserved' after loading")
+
+
+def after_loading_gib(row: Row) -> float | None:
+    """The notebook's max_memory_reserved once the model and its adapters are loaded (its cell divides by
+    1024**3), where the row's notes quote it."""
+    found = AFTER_LOADING.search(row.raw["notes"])
+    return float(found.group(1)) if found else None
+
+
+def loaded_bytes(spec: ModelSpec, settings: Settings, runtime: Runtime) -> float:
+    """What lorafit holds once the model is loaded and its adapters made, before the first step."""
+    parts, _ = breakdown(spec, settings, runtime)
+    return parts["weights"] + parts["lora_adapters"]
+
+
+def with_dynamic_layers(row: Row, spec: ModelSpec, settings: Settings, runtime: Runtime) -> tuple[ModelSpec, str]:
+    """A row that loaded a dynamic 4-bit repo whose skip list no stored source gives: its decoder linears kept
+    16-bit, as many as its notebook's after-loading figure holds above lorafit's 4-bit weights and adapters
+    (on the rows that loaded plain 4-bit repos the two agree: `make bench-memory`, "loaded"). Only the loaded
+    weights change; the step's terms are not fitted to anything."""
+    after = after_loading_gib(row)
+    if row.id not in DYNAMIC_REPO or after is None or settings.quant == "none":
+        return spec, ""
+    probe = 10**9  # bytes per kept parameter: what keeping a billion more 16-bit adds to the loaded weights
+    kept = spec.model_copy(update={"prequantized": PreQuantized(quant="nf4", kept_16bit_params=probe)})
+    per_param = (loaded_bytes(kept, settings, runtime) - loaded_bytes(spec, settings, runtime)) / probe
+    excess = after * 2**30 - loaded_bytes(spec, settings, runtime)
+    params = min(max(0, round(excess / per_param)), spec.num_hidden_layers * spec.layer_linear_params)
+    kept = spec.model_copy(update={"prequantized": PreQuantized(quant="nf4", kept_16bit_params=params)})
+    note = (
+        f"{DYNAMIC_REPO[row.id]}: {params / 1e9:.2f}B decoder weights kept 16-bit "
+        f"({excess / 2**30:+.2f} GiB after loading, {after} GB reserved)"
+    )
+    return kept, note
+
+
 COMPILED = (
     "torch.compile on: compiled graphs change which tensors are saved for backward (-15% from TT-17 to "
     "TT-18) and the LoRA recipe also compiles the loss (training.compile_loss in "
@@ -747,6 +801,8 @@ def map_row(row: Row, spec: ModelSpec) -> Mapping:
         facts |= UNSLOTH_RELEASE_LOSS.get(row.id, {})
         gpu = hardware.custom(gpu_gib_of(raw["gpu"]))  # a card sold as "24 GB" has 24 GiB (hardware.custom)
         settings, runtime = Settings(**fields), Runtime(**facts)
+        spec, dynamic = with_dynamic_layers(row, spec, settings, runtime)
+        notes += [dynamic] if dynamic else []
         shorter = shorter_peak_at(row, settings, runtime)
         if shorter:
             notes.append(

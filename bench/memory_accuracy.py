@@ -45,6 +45,7 @@ from typing import Any
 
 from calibration_rows import (
     DEFAULT_CSV,
+    DYNAMIC_REPO,
     EXCLUDED,
     FRAMEWORK_OF_PREFIX,
     GB,
@@ -58,7 +59,9 @@ from calibration_rows import (
     Metric,
     Row,
     Unmappable,
+    after_loading_gib,
     gpu_gib_of,
+    loaded_bytes,
     map_row,
     nvidia_smi_mib,
     prefix_of,
@@ -641,7 +644,30 @@ def print_check_figures(label: str, figures: list[Figure], rows: dict[str, Row])
     return {"fixed_abs_err_pct": fixed, "padded_under": under}
 
 
-def print_stack_rows(report: Report, rows: dict[str, Row]) -> dict[str, Any]:
+def print_loaded(mappings: dict[str, Mapping], rows: dict[str, Row]) -> dict[str, Any]:
+    """The weights half of the check, on its own: each Unsloth notebook prints max_memory_reserved once the
+    model and its adapters are loaded, before training; lorafit's weights and adapters against it, on the rows
+    that loaded a plain 4-bit or 16-bit repo. (The rows that loaded a dynamic 4-bit repo take their 16-bit
+    layers from that figure: calibration_rows.with_dynamic_layers.)"""
+    diffs: dict[str, float] = {}
+    for row_id, mapping in mappings.items():
+        after = after_loading_gib(rows[row_id])
+        if after is None or row_id in DYNAMIC_REPO or rows[row_id].raw["stack"] not in STACK_ROWS:
+            continue
+        diffs[row_id] = after - loaded_bytes(mapping.spec, mapping.settings, mapping.runtime) / GIB
+    if diffs:
+        worst = sorted(diffs, key=lambda row_id: -abs(diffs[row_id]))[:3]
+        print(
+            f"  loaded, before the first step (the notebooks' after-loading figure - lorafit's weights and "
+            f"adapters), {len(diffs)} rows of plain repos: median |diff| "
+            f"{statistics.median(abs(d) for d in diffs.values()):.2f} GiB, largest "
+            + ", ".join(f"{row_id} {diffs[row_id]:+.2f}" for row_id in worst)
+        )
+        print(f"  dynamic 4-bit repos, their 16-bit layers from that figure: {', '.join(sorted(DYNAMIC_REPO))}")
+    return {row_id: round(diff, 3) for row_id, diff in diffs.items()}
+
+
+def print_stack_rows(report: Report, rows: dict[str, Row], mappings: dict[str, Mapping]) -> dict[str, Any]:
     """Per stack routed by the CSV's stack column (STACK_ROWS): its check rows apart, Unsloth's releases since its
     fused loss (the pinned step's loss family) apart from the earlier ones, whose loss is replayed."""
     out: dict[str, Any] = {}
@@ -660,6 +686,9 @@ def print_stack_rows(report: Report, rows: dict[str, Row]) -> dict[str, Any]:
         out[stack] = print_check_figures("releases since its fused loss (2025-08-13), as the pinned one", recent, rows)
         out[f"{stack} before 2025-08-13"] = print_check_figures(
             "earlier releases, their loss replayed (Triton cross-entropy, cut cross-entropy)", earlier, rows
+        )
+        out[f"{stack} loaded"] = print_loaded(
+            {row_id: mapping for row_id, mapping in mappings.items() if rows[row_id].raw["stack"] == stack}, rows
         )
         fitted = [
             abs(f.error_pct)
@@ -703,7 +732,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     by_id = {row.id: row for row in rows}
     apart = frozenset(row.id for row in rows if row.raw["stack"] in STACK_ROWS)
     totals = print_report(report, names, time.perf_counter() - start, apart)
-    totals["stacks"] = print_stack_rows(report, by_id)
+    totals["stacks"] = print_stack_rows(report, by_id, mappings)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = to_json(report, totals)
     args.out.write_text(json.dumps(result, indent=2))

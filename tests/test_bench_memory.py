@@ -318,3 +318,25 @@ def test_each_stack_is_held_to_the_offered_stacks_target(bench, tmp_path: Path) 
     assert litgpt["median_abs_pct"] < 5 and litgpt["worst_abs_pct"] < 12
     assert litgpt["worst_under_pct"] == pytest.approx(-100 * 0.07 / 1.07, abs=0.1)
     assert not litgpt["meets_target"]
+
+
+def test_a_dynamic_4bit_row_keeps_as_many_16bit_weights_as_its_after_loading_figure_holds(rows) -> None:
+    """Unsloth's dynamic 4-bit repos keep some layers 16-bit, listed only in their config.json: for a notebook row
+    that loaded one, the bench counts as many 16-bit decoder weights as the notebook's after-loading figure holds
+    above lorafit's 4-bit weights and adapters; a row that loaded a plain repo keeps every linear 4-bit."""
+    import dataclasses
+
+    by_id = {row.id: row for row in rows.read_rows(rows.DEFAULT_CSV)}
+    dynamic = by_id["USN-22"]  # unsloth/Qwen3-14B with load_in_4bit: its -unsloth-bnb-4bit repo
+    after = rows.after_loading_gib(dynamic)
+    assert after == pytest.approx(11.898)
+    mapped = rows.map_row(dynamic, rows.resolve_model(dynamic.raw["model"]))
+    assert mapped.spec.kept_16bit_params > 10**9
+    loaded = rows.loaded_bytes(mapped.spec, mapped.settings, mapped.runtime) / 2**30
+    assert loaded == pytest.approx(after, abs=0.01)
+    assert any("kept 16-bit" in note for note in mapped.notes)
+
+    plain = dataclasses.replace(dynamic, id="USN-98", raw=dynamic.raw | {"id": "USN-98"})
+    as_plain = rows.map_row(plain, rows.resolve_model(plain.raw["model"]))
+    assert as_plain.spec.kept_16bit_params == 0
+    assert rows.loaded_bytes(as_plain.spec, as_plain.settings, as_plain.runtime) / 2**30 < after - 2

@@ -150,3 +150,13 @@ def test_the_page_table_of_trainers_is_each_stack_planned_alone(client: TestClie
 def test_a_run_takes_one_stack(client: TestClient) -> None:
     response = client.get("/api/run", params=EIGHT_GB_QUERY | {"stack": "all"})
     assert response.status_code == 400 and "stack" in response.json()["error"]
+
+
+def test_several_gpus_are_suggested_only_with_a_shard_the_stack_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """Unsloth runs several GPUs only under DDP (each holds the whole step), so a plan that does not fit one
+    card suggests no FSDP or ZeRO split of it; lorafit's trainer, on the same job, does suggest one."""
+    job = ["plan", "--model", "qwen3-32b", "--gpu", "T4", "--method", "qlora"]
+    unsloth = as_json([*job, "--stack", "unsloth"], capsys)
+    own = as_json([*job, "--stack", "lorafit"], capsys)
+    assert {s["settings"]["shard"] for s in unsloth["suggestions"]} <= {"none", "ddp"}
+    assert any(s["settings"]["n_gpus"] > 1 and s["settings"]["shard"] != "ddp" for s in own["suggestions"])

@@ -276,6 +276,9 @@ def several_gpus_shard(request: PlanRequest) -> str:
     to hold the whole base while it is loaded."""
     if "shard" in request.pinned:
         return request.pinned["shard"]
+    stack = stacks.resolve(request.pinned.get("stack") or options.BY_NAME["stack"].default)
+    if stack.shards:
+        return stack.shards[0]  # the one way its step runs on several GPUs (Unsloth's: DDP)
     if request.model.prequantized is not None:
         return "zero2"  # its stored uint8 4-bit weights cannot be sharded (options.PREQUANTIZED_UNSHARDABLE)
     quant = request.pinned.get("quant", options.default_quant(request.method))
@@ -300,6 +303,8 @@ def fewest_gpus(request: PlanRequest, gpu: GpuSpec, seq_len: int) -> list[Candid
         offloads = tuple(offload for offload in offloads if offload != "optimizer")
     if shard == "zero2":  # (a pre-quantised base) ZeRO-2 keeps every weight on every GPU: nothing to offload
         offloads = tuple(offload for offload in offloads if offload != "params")
+    if shard == "ddp":  # every GPU holds the whole step: nothing is sharded to offload
+        offloads = ("none",)
     found: list[Candidate] = []
     for n_gpus in (n for n in GPU_COUNTS if n >= request.n_gpus and request.effective_batch % n == 0):
         tried = [pinned_offload] if pinned_offload else list(offloads) if not found else ["none"]
