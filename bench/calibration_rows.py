@@ -624,8 +624,7 @@ DYNAMIC_REPO = {
     "USN-08": "unsloth/Qwen3-14B-Base-unsloth-bnb-4bit",
     "USN-16": "unsloth/phi-4-unsloth-bnb-4bit",  # mapper.py @ 2025-01 (banner 2025.1.5)
     "USN-21": "unsloth/Llama-3.2-1B-Instruct-unsloth-bnb-4bit",  # @ 2025-04 (2025.4.7)
-    "USN-22": "unsloth/Qwen3-14B-unsloth-bnb-4bit",  # @ 2025-05-01 (2025.4.5: Qwen3 came out on 2025-04-29)
-    "USN-23": "unsloth/Qwen3-14B-unsloth-bnb-4bit",  # @ 2025-05 (2025.5.9)
+    "USN-23": "unsloth/Qwen3-14B-unsloth-bnb-4bit",  # @ 2025-05 (2025.5.9; USN-22, excluded, loaded it too)
     "USN-24": "unsloth/Qwen3-32B-unsloth-bnb-4bit",  # @ 2025-09 (2025.9.1)
     "USM-01": "unsloth/gpt-oss-20b-unsloth-bnb-4bit",  # @ 2025-08 (2025.8.5)
     "USM-02": "unsloth/gpt-oss-120b-unsloth-bnb-4bit",  # @ 2025-09 (2025.9.1)
@@ -734,6 +733,12 @@ EXCLUDED = {
     "the figure is GPU 0's share; lorafit models one card per replica",
     "USM-12": "Unsloth's tiled MLP (unsloth_tiled_mlp) and 486,607 tokens, past gpt-oss-20b's 131072 positions: "
     "--stack unsloth neither models the tiling nor scales RoPE",
+    # found 2026-12-06, after its error was seen (-15.5 %, then +0.1 % with its 16-bit layers)
+    "USN-22": "cells from different runs: the loading cells ran on a T4 (11.898 GB reserved), the training cell's "
+    "output on an A100 40 GB ('Peak reserved memory = 14.066 GB', '35.559 % of max memory' = 14.066 / 39.557, 'for "
+    "training = 0.0 GB', 261.8 s against the T4 twin USN-23's 2476.6 s); its later cells carry no execution count",
+    "USN-25": "cells from different runs: its banner names an A100 40 GB, but its training cell's output is USN-04's "
+    "(Qwen2.5-7B Alpaca on a T4: 'Peak reserved memory = 7.893 GB', '53.519 %' of 14.748 GB, 462.3942 s, all the same)",
 }
 
 

@@ -641,7 +641,10 @@ def print_check_figures(label: str, figures: list[Figure], rows: dict[str, Row])
         f"    padded to each batch's longest row, estimated at the cap: {len(padded)} figures, {spread}"
         + (f"under-predicted: {', '.join(under)}" if under else "none under-predicted")
     )
-    return {"fixed_abs_err_pct": fixed, "padded_under": under}
+    dynamic = [f"{f.label} {f.error_pct:+.1f} %" for f in figures if f.row_id in DYNAMIC_REPO]
+    if dynamic:
+        print(f"      of these, from a dynamic 4-bit repo (16-bit layers from the row's loading): {', '.join(dynamic)}")
+    return {"fixed_abs_err_pct": fixed, "padded_under": under, "dynamic_repo": dynamic}
 
 
 def print_loaded(mappings: dict[str, Mapping], rows: dict[str, Row]) -> dict[str, Any]:

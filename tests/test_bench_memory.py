@@ -327,7 +327,7 @@ def test_a_dynamic_4bit_row_keeps_as_many_16bit_weights_as_its_after_loading_fig
     import dataclasses
 
     by_id = {row.id: row for row in rows.read_rows(rows.DEFAULT_CSV)}
-    dynamic = by_id["USN-22"]  # unsloth/Qwen3-14B with load_in_4bit: its -unsloth-bnb-4bit repo
+    dynamic = by_id["USN-23"]  # unsloth/Qwen3-14B with load_in_4bit: its -unsloth-bnb-4bit repo
     after = rows.after_loading_gib(dynamic)
     assert after == pytest.approx(11.898)
     mapped = rows.map_row(dynamic, rows.resolve_model(dynamic.raw["model"]))
@@ -340,3 +340,19 @@ def test_a_dynamic_4bit_row_keeps_as_many_16bit_weights_as_its_after_loading_fig
     as_plain = rows.map_row(plain, rows.resolve_model(plain.raw["model"]))
     assert as_plain.spec.kept_16bit_params == 0
     assert rows.loaded_bytes(as_plain.spec, as_plain.settings, as_plain.runtime) / 2**30 < after - 2
+
+
+def test_the_dynamic_repo_catalog_holds_what_the_bench_derives(rows) -> None:
+    """catalog/unsloth_dynamic.toml's figures are the bench's: for each notebook row that loaded a catalogued
+    repo, the 16-bit weights with_dynamic_layers derives from its after-loading figure (to the catalog's
+    rounding); every catalogued repo comes from such a row."""
+    by_id = {row.id: row for row in rows.read_rows(rows.DEFAULT_CSV)}
+    catalogued = {repo.lower(): kept for repo, kept in models.unsloth_dynamic_kept().items()}
+    derived: set[str] = set()
+    for row_id, repo in rows.DYNAMIC_REPO.items():
+        if repo.lower() not in catalogued:
+            continue
+        mapped = rows.map_row(by_id[row_id], rows.resolve_model(by_id[row_id].raw["model"]))
+        assert mapped.spec.kept_16bit_params == pytest.approx(catalogued[repo.lower()], rel=0.002, abs=1e6), row_id
+        derived.add(repo.lower())
+    assert derived == set(catalogued)

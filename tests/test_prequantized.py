@@ -200,3 +200,23 @@ def test_a_dynamic_4bit_config_counts_the_layers_it_keeps_16bit(
     folder = str(tmp_path / "Tiny-unsloth-bnb-4bit")
     code, out, _ = run_cli(["plan", "--model", folder, "--gpu", "T4", "--json"], capsys)
     assert code == 0 and "dynamic 4-bit" not in " ".join(json.loads(out)["reasons"])
+
+
+def test_a_catalogued_dynamic_repo_counts_its_16bit_weights_and_stack_unsloth_says_how_many(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Named without its config.json, one of Unsloth's dynamic repos in catalog/unsloth_dynamic.toml counts the
+    16-bit weights the catalog gives; planned by its 16-bit name under `--stack unsloth`, which loads that repo,
+    the plan says by how much its 4-bit count is low and which --model counts them - the same GiB as the two
+    plans' weights differ by. A repo the catalog lacks still says only that the estimate may be low."""
+    repo = "unsloth/Qwen3-14B-unsloth-bnb-4bit"
+    stored = resolve(repo).prequantized
+    assert stored is not None and stored.kept_16bit_params == 1_572_000_000
+    job = ["plan", "--gpu", "A100 80GB", "--method", "qlora", "--stack", "unsloth", "--micro-batch", "1", "--json"]
+    by_name, by_repo = (json.loads(run_cli([*job, "--model", model], capsys)[1]) for model in ("qwen3-14b", repo))
+    said = next(reason for reason in by_name["reasons"] if repo in reason)
+    more = by_repo["estimate"]["breakdown_gib"]["weights"] - by_name["estimate"]["breakdown_gib"]["weights"]
+    assert more > 2 and f"{more:.2f} GiB more than counted here" in said
+    assert not any("may be low" in reason for reason in by_repo["reasons"])
+    code, out, _ = run_cli(["plan", "--model", "unsloth/Qwen3-8B-unsloth-bnb-4bit", "--gpu", "T4", "--json"], capsys)
+    assert code == 0 and any("may be low" in reason for reason in json.loads(out)["reasons"])

@@ -418,13 +418,31 @@ def prequantized_copy(model: str) -> ModelSpec | None:
     base = next(filter(None, (catalog_entry(prefix + name) for prefix in ("", *DROPPED_PREFIXES))), None)
     if base is None:
         return None
+    kept = {repo.lower(): n for repo, n in unsloth_dynamic_kept().items()}.get(model.lower())  # None: not known
     update = {
         "name": repo_name(model),
         "hf_id": model if "/" in model else None,
         "variant_of": base.variant_of or base.name,
-        "prequantized": UNSLOTH_4BIT.model_copy(update={"base": base.hf_id}),
+        "prequantized": UNSLOTH_4BIT.model_copy(update={"base": base.hf_id, "kept_16bit_params": kept}),
     }
     return base.model_copy(update=update)
+
+
+@cache
+def unsloth_dynamic_kept() -> dict[str, int]:
+    """catalog/unsloth_dynamic.toml: the weights each catalogued dynamic 4-bit repo of Unsloth's keeps 16-bit, by
+    its hub id (measured from Unsloth's notebooks' loading; the file says how)."""
+    text = resources.files("lorafit").joinpath("catalog/unsloth_dynamic.toml").read_text()
+    return {repo: entry["kept_16bit_params"] for repo, entry in tomllib.loads(text).items()}
+
+
+def unsloth_dynamic_copy(spec: ModelSpec) -> ModelSpec | None:
+    """The catalogued dynamic 4-bit repo Unsloth loads for this 16-bit model with load_in_4bit (its mapper maps
+    a model to its `*-unsloth-bnb-4bit` copy, which keeps the same repository name), as a spec; None where the
+    catalog has none."""
+    name = repo_name(spec.hf_id or spec.name)
+    repo = next((repo for repo in unsloth_dynamic_kept() if prequantized_base_name(repo) == name), None)
+    return prequantized_copy(repo) if repo and spec.prequantized is None else None
 
 
 def did_you_mean(key: str) -> str:

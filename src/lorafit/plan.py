@@ -17,7 +17,7 @@ from lorafit.errors import LorafitError
 from lorafit.hardware import GpuSpec
 from lorafit.memory import estimate
 from lorafit.messages import say
-from lorafit.models import ModelSpec, is_unsloth_dynamic_quant
+from lorafit.models import ModelSpec, is_unsloth_dynamic_quant, unsloth_dynamic_copy
 from lorafit.schema import TIGHT_SHARE, Plan, PlanRequest, Settings, Suggestion, TrainerFit, is_tight
 from lorafit.search import SAVERS, Candidate, best, candidates, savers_on, smallest
 from lorafit.timing import step_seconds, step_time, tokens_per_second
@@ -369,6 +369,18 @@ def tokens_per_epoch(request: PlanRequest) -> int:
     return DEFAULT_TOKENS_PER_EPOCH
 
 
+def unsloth_loads(model: ModelSpec, settings: Settings) -> str:
+    """What Unsloth loads for a 16-bit name in 4-bit: its dynamic copy, whose 16-bit layers the plan counts only
+    when that repo is named; for a catalogued copy, by how much the estimate is then low."""
+    copy = unsloth_dynamic_copy(model)
+    if copy is None or copy.prequantized is None or not copy.prequantized.kept_16bit_params:
+        return say("plan.unsloth_dynamic_4bit", model=model.hf_id or model.name)
+    runtime = memory.stack_runtime(settings)
+    more = memory.weights_bytes(copy, settings, runtime) - memory.weights_bytes(model, settings, runtime)
+    said = {"params": copy.prequantized.kept_16bit_params / 1e9, "gib": gib(more)}
+    return say("plan.unsloth_dynamic_known", model=model.hf_id or model.name, repo=copy.hf_id, **said)
+
+
 def automatic_choices(request: PlanRequest, settings: Settings) -> list[str]:
     """Plain words for the settings nobody set that follow from the model, the GPU or the device."""
     reasons = []
@@ -385,7 +397,7 @@ def automatic_choices(request: PlanRequest, settings: Settings) -> list[str]:
     elif settings.stack == "unsloth" and settings.quant == "nf4":
         # with load_in_4bit Unsloth swaps a 16-bit name for its mapper's dynamic 4-bit key where it has one
         # (unsloth/models/loader_utils.py @ 015bdef0 __get_model_name l. 163-174, mapper.py)
-        reasons.append(say("plan.unsloth_dynamic_4bit", model=request.model.hf_id or request.model.name))
+        reasons.append(unsloth_loads(request.model, settings))
     if "attn" not in request.pinned and settings.attn != options.BY_NAME["attn"].default:
         reasons.append(say("plan.attn", attn=settings.attn, model=request.model.name))
     if "precision" not in request.pinned and settings.precision == "fp32" and request.device == "cpu":
