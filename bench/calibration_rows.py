@@ -544,9 +544,12 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
     # 2024.7 predate it): each attention layer then built its own rotary embedding, which Unsloth's
     # patch_linear_scaling swaps for its class with cos/sin caches of min(32768, max positions) (Runtime.
     # per_layer_rope_cache; unsloth/models/_utils.py, llama.py, gemma.py @ c7c67447 / 9852fdb6 / dde6a0f0). The
-    # later rows (USN-08: 2025.4.4 under 4.51.3; USN-09, USM-*: 2025.9 under 4.55) hold one cache for the model;
-    # USN-05 (2024.10.0) prints no transformers version and is left without. Read from those sources after the
-    # rows' errors were seen: check rows on that ground only
+    # later rows (USN-08: 2025.4.4 under 4.51.3; USN-09, USM-*: 2025.9 under 4.55) hold one cache for the model.
+    # USN-05 (2024.10.0) prints no transformers version: that release (d2a032e1, 2024-10-14) requires >= 4.44.2
+    # and came out before 4.48 (2025-01-10), and its patch_llama_rope_scaling gives Llama 3.2 the same per-layer
+    # caches (read 2026-12-06, after its -7.6 % was seen; its own after-loading figure, 2.635 GB against 2.18
+    # GiB without them, agrees). Read from those sources after the rows' errors were seen: check rows on that
+    # ground only
     **{
         row: dict(
             runtime=dict(per_layer_rope_cache=dtype),
@@ -557,6 +560,7 @@ ROW_SETUP: dict[str, dict[str, Any]] = {
             ("USN-02", "2024.5", "compute"),
             ("USN-03", "2024.5", "compute"),
             ("USN-04", "2024.9.post1", "compute"),
+            ("USN-05", "2024.10.0", "compute"),
             ("USN-06", "2024.7", "compute"),
             ("USN-07", "2024.7", "fp32"),  # gemma.py keeps Gemma's RoPE in fp32
             ("USN-10", "2024.9", "compute"),
