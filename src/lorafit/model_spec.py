@@ -63,7 +63,8 @@ class PreQuantized(BaseModel):
     double_quant: bool = False
     base: str | None = Field(default=None, description="the 16-bit checkpoint that LoRA or full fine-tuning needs")
     # the decoder's linear weights the checkpoint keeps 16-bit (its config.json's llm_int8_skip_modules: Unsloth's
-    # dynamic 4-bit repos name a few layers there); None: not known (a repo name without its config.json)
+    # dynamic 4-bit repos name a few layers there); None: not known (a repo name without its config.json, not in
+    # catalog/unsloth_dynamic.toml)
     kept_16bit_params: int | None = Field(default=None, ge=0)
 
     def refusal(self, name: str, what: str) -> str:

@@ -381,7 +381,8 @@ def catalog_entry(key: str) -> ModelSpec | None:
 # --- pre-quantised copies (a section of its own) ---------------------------------------------------------------
 # The repository-name tags of bitsandbytes 4-bit copies, longest first: unsloth/registry/registry.py names
 # BNB_QUANTIZED_TAG "bnb-4bit" and UNSLOTH_DYNAMIC_QUANT_TAG "unsloth-bnb-4bit" (its "dynamic 4-bit", which
-# leaves a few modules 16-bit through llm_int8_skip_modules; counted here as all 4-bit), and
+# leaves a few modules 16-bit through llm_int8_skip_modules; counted here as all 4-bit unless the repo is in
+# catalog/unsloth_dynamic.toml), and
 # unsloth/models/mapper.py maps each such repo to its 16-bit original (unsloth/llama-3-8b-bnb-4bit ->
 # meta-llama/Meta-Llama-3-8B, unsloth/Qwen3-8B-unsloth-bnb-4bit -> Qwen/Qwen3-8B;
 # https://github.com/unslothai/unsloth/blob/015bdef0d94a241bcd94eec7a405b1700632180d, read 2026-12).
