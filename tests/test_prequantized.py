@@ -202,21 +202,31 @@ def test_a_dynamic_4bit_config_counts_the_layers_it_keeps_16bit(
     assert code == 0 and "dynamic 4-bit" not in " ".join(json.loads(out)["reasons"])
 
 
-def test_a_catalogued_dynamic_repo_counts_its_16bit_weights_and_stack_unsloth_says_how_many(
+def test_a_catalogued_dynamic_repo_counts_its_16bit_weights_and_stack_unsloth_loads_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Named without its config.json, one of Unsloth's dynamic repos in catalog/unsloth_dynamic.toml counts the
-    16-bit weights the catalog gives; planned by its 16-bit name under `--stack unsloth`, which loads that repo,
-    the plan says by how much its 4-bit count is low and which --model counts them - the same GiB as the two
-    plans' weights differ by. A repo the catalog lacks still says only that the estimate may be low."""
+    16-bit weights the catalog gives; planned by its 16-bit name under `--stack unsloth`, which loads that repo with
+    load_in_4bit, the plan counts them too (the same weights as the repo's own plan) and says by how much they
+    exceed all 4-bit; another stack plans the name as all 4-bit. A repo the catalog lacks still says only that the
+    estimate may be low."""
     repo = "unsloth/Qwen3-14B-unsloth-bnb-4bit"
     stored = resolve(repo).prequantized
     assert stored is not None and stored.kept_16bit_params == 1_572_000_000
-    job = ["plan", "--gpu", "A100 80GB", "--method", "qlora", "--stack", "unsloth", "--micro-batch", "1", "--json"]
-    by_name, by_repo = (json.loads(run_cli([*job, "--model", model], capsys)[1]) for model in ("qwen3-14b", repo))
-    said = next(reason for reason in by_name["reasons"] if repo in reason)
-    more = by_repo["estimate"]["breakdown_gib"]["weights"] - by_name["estimate"]["breakdown_gib"]["weights"]
-    assert more > 2 and f"{more:.2f} GiB more than counted here" in said
-    assert not any("may be low" in reason for reason in by_repo["reasons"])
+    job = ["plan", "--gpu", "A100 80GB", "--method", "qlora", "--micro-batch", "1", "--json"]
+    plans = {
+        (model, stack): json.loads(run_cli([*job, "--model", model, "--stack", stack], capsys)[1])
+        for model in ("qwen3-14b", repo)
+        for stack in ("unsloth", "trl")
+    }
+    weights = {key: plan["estimate"]["breakdown_gib"]["weights"] for key, plan in plans.items()}
+    assert weights["qwen3-14b", "unsloth"] == weights[repo, "unsloth"]
+    same = plans["qwen3-14b", "unsloth"]["settings"] == plans[repo, "unsloth"]["settings"]
+    assert same and plans["qwen3-14b", "unsloth"]["tokens_per_s"] == plans[repo, "unsloth"]["tokens_per_s"]
+    more = weights["qwen3-14b", "unsloth"] - weights["qwen3-14b", "trl"]
+    assert more > 2 and weights[repo, "trl"] == weights[repo, "unsloth"]
+    said = next(reason for reason in plans["qwen3-14b", "unsloth"]["reasons"] if repo in reason)
+    assert f"counted here, {more:.2f} GiB more than all 4-bit" in said
+    assert not any("may be low" in reason for plan in plans.values() for reason in plan["reasons"])
     code, out, _ = run_cli(["plan", "--model", "unsloth/Qwen3-8B-unsloth-bnb-4bit", "--gpu", "T4", "--json"], capsys)
     assert code == 0 and any("may be low" in reason for reason in json.loads(out)["reasons"])

@@ -78,7 +78,7 @@ EN: dict[str, str] = {
     "plan.unsloth_dynamic_4bit": "stack unsloth loads {model} in 4-bit from Unsloth's dynamic 4-bit copy where it "
     "publishes one, which keeps some layers in 16-bit; counted here as 4-bit, so the estimate may be low",
     "plan.unsloth_dynamic_known": "stack unsloth loads {model} in 4-bit from {repo}, which keeps {params:.2f}B "
-    "weights in 16-bit: {gib:.2f} GiB more than counted here; --model {repo} counts them",
+    "weights in 16-bit: counted here, {gib:.2f} GiB more than all 4-bit",
     "plan.base_named": "the 16-bit base {base}",
     "plan.base_unnamed": "its 16-bit base",
     "plan.attn": "attention {attn}: {model} has no sdpa kernel in transformers",

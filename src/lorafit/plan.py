@@ -17,7 +17,7 @@ from lorafit.errors import LorafitError
 from lorafit.hardware import GpuSpec
 from lorafit.memory import estimate
 from lorafit.messages import say
-from lorafit.models import ModelSpec, is_unsloth_dynamic_quant, unsloth_dynamic_copy
+from lorafit.models import ModelSpec, is_unsloth_dynamic_quant
 from lorafit.schema import TIGHT_SHARE, Plan, PlanRequest, Settings, Suggestion, TrainerFit, is_tight
 from lorafit.search import SAVERS, Candidate, best, candidates, savers_on, smallest
 from lorafit.timing import step_seconds, step_time, tokens_per_second
@@ -370,10 +370,10 @@ def tokens_per_epoch(request: PlanRequest) -> int:
 
 
 def unsloth_loads(model: ModelSpec, settings: Settings) -> str:
-    """What Unsloth loads for a 16-bit name in 4-bit: its dynamic copy, whose 16-bit layers the plan counts only
-    when that repo is named; for a catalogued copy, by how much the estimate is then low."""
-    copy = unsloth_dynamic_copy(model)
-    if copy is None or copy.prequantized is None or not copy.prequantized.kept_16bit_params:
+    """What Unsloth loads for a 16-bit name in 4-bit: its dynamic copy, whose 16-bit layers the estimate counts
+    where the catalog has them (memory.as_loaded), and says so; otherwise that the estimate may be low."""
+    copy = memory.as_loaded(model, settings)
+    if copy.prequantized is None or not copy.prequantized.kept_16bit_params:
         return say("plan.unsloth_dynamic_4bit", model=model.hf_id or model.name)
     runtime = memory.stack_runtime(settings)
     more = memory.weights_bytes(copy, settings, runtime) - memory.weights_bytes(model, settings, runtime)

@@ -600,7 +600,9 @@ def trained_embedding_seconds(spec: ModelSpec, settings: Settings, gpu: GpuSpec)
 
 
 def micro_batch_time(spec: ModelSpec, settings: Settings, gpu: GpuSpec) -> MicroBatchTime:
-    """Every op of one micro-batch, timed apart and summed in `total`: the GPU runs them one after another."""
+    """Every op of one micro-batch, timed apart and summed in `total`: the GPU runs them one after another; of the
+    checkpoint the stack loads (memory.as_loaded)."""
+    spec = memory.as_loaded(spec, settings)
     ops = dict(
         matmul=base_matmul_seconds(spec, settings, gpu),
         attention=attention_seconds(spec, settings, gpu),

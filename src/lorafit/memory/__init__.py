@@ -96,7 +96,7 @@ from lorafit.memory.weights import (
     weights_bytes,
     world_size,
 )
-from lorafit.models import ModelSpec
+from lorafit.models import ModelSpec, unsloth_dynamic_copy
 from lorafit.options import DEFAULT_HEADROOM
 from lorafit.schema import Estimate, Settings
 from lorafit.units import BYTES_PER_GIB as GIB
@@ -104,6 +104,7 @@ from lorafit.units import gib
 
 # what the rest of lorafit reads as memory.NAME
 __all__ = [
+    "as_loaded",
     "DEEPSPEED_BUCKET_ELEMENTS",
     "EXPANDABLE_RESERVE_FIT",
     "GIB",
@@ -173,6 +174,16 @@ __all__ = [
     "weights_bytes",
     "world_size",
 ]
+
+
+# --- the checkpoint the stack loads ---------------------------------------------------------------------------
+def as_loaded(spec: ModelSpec, settings: Settings) -> ModelSpec:
+    """The checkpoint a step loads for this model: with load_in_4bit Unsloth loads a 16-bit name from its dynamic
+    4-bit copy where its mapper has one (unsloth/models/loader_utils.py @ 015bdef0 __get_model_name, mapper.py),
+    counted with the 16-bit layers catalog/unsloth_dynamic.toml gives; any other model or stack as named."""
+    if settings.stack == "unsloth" and settings.quant == "nf4" and spec.prequantized is None:
+        return unsloth_dynamic_copy(spec) or spec
+    return spec
 
 
 # --- the sum ------------------------------------------------------------------------------------------------
@@ -278,7 +289,8 @@ def estimate(
     runtime: Runtime | None = None,
 ) -> Estimate:
     """Peak allocated, reserved and device memory of one training step, per GPU, under the settings' stack
-    (or `runtime`, where a caller describes a step itself)."""
+    (or `runtime`, where a caller describes a step itself), of the checkpoint the stack loads (as_loaded)."""
+    spec = as_loaded(spec, settings)
     runtime = runtime or stack_runtime(settings)
     gpu_bytes = gpu.memory_gib * GIB if gpu else None
     parts, phase = breakdown(spec, settings, runtime, gpu_bytes)
