@@ -355,4 +355,6 @@ def test_the_dynamic_repo_catalog_holds_what_the_bench_derives(rows) -> None:
         mapped = rows.map_row(by_id[row_id], rows.resolve_model(by_id[row_id].raw["model"]))
         assert mapped.spec.kept_16bit_params == pytest.approx(catalogued[repo.lower()], rel=0.002, abs=1e6), row_id
         derived.add(repo.lower())
+        kept = models.resolve(repo)
+        assert kept.kept_16bit_params <= kept.num_hidden_layers * kept.layer_linear_params, repo  # never more
     assert derived == set(catalogued)
