@@ -44,7 +44,7 @@ def test_unsloth_2024_keeps_a_rotary_cache_in_every_layer(model: str, positions:
 
 
 def test_a_dynamic_4bit_repo_is_said_to_keep_16bit_layers(capsys: pytest.CaptureFixture[str]) -> None:
-    repo = "unsloth/Qwen3-14B-Base-unsloth-bnb-4bit"
+    repo = "unsloth/Qwen3-8B-unsloth-bnb-4bit"  # not in catalog/unsloth_dynamic.toml (those: test_prequantized)
     code, out, _ = run_cli(["plan", "--model", repo, "--gpu", "a100-80gb", "--stack", "unsloth", "--json"], capsys)
     assert code == 0
     said = " ".join(json.loads(out)["reasons"])
@@ -57,7 +57,8 @@ def test_a_dynamic_4bit_repo_is_said_to_keep_16bit_layers(capsys: pytest.Capture
 def test_unsloths_4bit_load_of_a_16bit_name_is_said_to_take_its_dynamic_copy(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    job = ["plan", "--model", "gemma-3-27b", "--gpu", "a100-80gb", "--method", "qlora", "--json"]
+    # (qwen3-8b: its dynamic copy is not in catalog/unsloth_dynamic.toml)
+    job = ["plan", "--model", "qwen3-8b", "--gpu", "a100-80gb", "--method", "qlora", "--json"]
     code, out, _ = run_cli([*job, "--stack", "unsloth"], capsys)
     assert code == 0 and "Unsloth's dynamic 4-bit copy" in " ".join(json.loads(out)["reasons"])
     code, out, _ = run_cli([*job, "--stack", "trl"], capsys)  # transformers' own load packs every linear
