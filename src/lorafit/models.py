@@ -437,13 +437,20 @@ def unsloth_dynamic_kept() -> dict[str, int]:
     return {repo: entry["kept_16bit_params"] for repo, entry in tomllib.loads(text).items()}
 
 
+@cache
+def unsloth_dynamic_copies() -> dict[str, ModelSpec]:
+    """Each catalogued dynamic 4-bit repo as a spec, by the repository name of the 16-bit model it copies: its
+    mapper maps a model to its `*-unsloth-bnb-4bit` copy, which keeps that name (prequantized_base_name)."""
+    copies = {prequantized_base_name(repo): prequantized_copy(repo) for repo in unsloth_dynamic_kept()}
+    return {base: copy for base, copy in copies.items() if base and copy}
+
+
 def unsloth_dynamic_copy(spec: ModelSpec) -> ModelSpec | None:
-    """The catalogued dynamic 4-bit repo Unsloth loads for this 16-bit model with load_in_4bit (its mapper maps
-    a model to its `*-unsloth-bnb-4bit` copy, which keeps the same repository name), as a spec; None where the
-    catalog has none."""
-    name = repo_name(spec.hf_id or spec.name)
-    repo = next((repo for repo in unsloth_dynamic_kept() if prequantized_base_name(repo) == name), None)
-    return prequantized_copy(repo) if repo and spec.prequantized is None else None
+    """The catalogued dynamic 4-bit repo Unsloth loads for this 16-bit model with load_in_4bit, as a spec; None
+    where the catalog has none, or for a checkpoint that is pre-quantised already."""
+    if spec.prequantized is not None:
+        return None
+    return unsloth_dynamic_copies().get(repo_name(spec.hf_id or spec.name))
 
 
 def did_you_mean(key: str) -> str:

@@ -276,7 +276,7 @@ def several_gpus_shard(request: PlanRequest) -> str:
     to hold the whole base while it is loaded."""
     if "shard" in request.pinned:
         return request.pinned["shard"]
-    stack = stacks.resolve(request.pinned.get("stack") or options.BY_NAME["stack"].default)
+    stack = stacks.resolve(request.fixed.stack)
     if stack.shards:
         return stack.shards[0]  # the one way its step runs on several GPUs (Unsloth's: DDP)
     if request.model.prequantized is not None:
@@ -334,9 +334,8 @@ def gpus_change(settings: Settings, gpu: GpuSpec, hours: float) -> str:
 def resolve_seq_len(request: PlanRequest) -> int:
     """The user's length, else the data's longest row, else 2048; never past the model's maximum."""
     seq_len = request.seq_len or (request.tokens.max if request.tokens and request.tokens.max else DEFAULT_SEQ_LEN)
-    stack = request.pinned.get("stack") or options.BY_NAME["stack"].default
     spec = request.model
-    if stacks.past_positions(stack, request.seq_len, spec.name, spec.max_position_embeddings):
+    if stacks.past_positions(request.fixed.stack, request.seq_len, spec.name, spec.max_position_embeddings):
         return seq_len  # the stack scales RoPE to reach it (automatic_choices says by what factor)
     return min(seq_len, spec.max_position_embeddings)
 
