@@ -45,7 +45,6 @@ from typing import Any
 
 from calibration_rows import (
     DEFAULT_CSV,
-    DYNAMIC_REPO,
     EXCLUDED,
     FRAMEWORK_OF_PREFIX,
     GB,
@@ -54,14 +53,11 @@ from calibration_rows import (
     ROW_SETUP,
     STACK_ROWS,
     UNSCORED,
-    UNSLOTH_RELEASE_LOSS,
     Mapping,
     Metric,
     Row,
     Unmappable,
-    after_loading_gib,
     gpu_gib_of,
-    loaded_bytes,
     map_row,
     nvidia_smi_mib,
     prefix_of,
@@ -73,6 +69,7 @@ from lorafit.memory import GIB, Runtime
 from lorafit.models import ModelSpec
 from lorafit.schema import Settings
 from torchtune_step import estimate
+from unsloth_releases import DYNAMIC_REPO, UNSLOTH_RELEASE_LOSS, after_loading_gib, loaded_bytes
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -651,11 +648,11 @@ def print_loaded(mappings: dict[str, Mapping], rows: dict[str, Row]) -> dict[str
     """The weights half of the check, on its own: each Unsloth notebook prints max_memory_reserved once the
     model and its adapters are loaded, before training; lorafit's weights and adapters against it, on the rows
     that loaded a plain 4-bit or 16-bit repo. (The rows that loaded a dynamic 4-bit repo take their 16-bit
-    layers from that figure: calibration_rows.with_dynamic_layers.)"""
+    layers from that figure: unsloth_releases.with_dynamic_layers.)"""
     diffs: dict[str, float] = {}
     for row_id, mapping in mappings.items():
-        after = after_loading_gib(rows[row_id])
-        if after is None or row_id in DYNAMIC_REPO or rows[row_id].raw["stack"] not in STACK_ROWS:
+        after = after_loading_gib(rows[row_id].raw["notes"])
+        if after is None or row_id in DYNAMIC_REPO:
             continue
         diffs[row_id] = after - loaded_bytes(mapping.spec, mapping.settings, mapping.runtime) / GIB
     if diffs:

@@ -29,6 +29,12 @@ def rows():
     yield from bench_module("calibration_rows")
 
 
+@pytest.fixture(scope="module")
+def releases():
+    """bench/unsloth_releases.py: what each Unsloth notebook row ran beyond the pinned step."""
+    yield from bench_module("unsloth_releases")
+
+
 def litgpt_lora_row(row_id: str, peak: str, metric: str, split: str = "check") -> dict[str, str]:
     """A litgpt LoRA row as the calibration file writes it (Llama-2-7B, r32 q/v, 2 x <=512 tokens)."""
     return dict(
@@ -320,7 +326,7 @@ def test_each_stack_is_held_to_the_offered_stacks_target(bench, tmp_path: Path) 
     assert not litgpt["meets_target"]
 
 
-def test_a_dynamic_4bit_row_keeps_as_many_16bit_weights_as_its_after_loading_figure_holds(rows) -> None:
+def test_a_dynamic_4bit_row_keeps_as_many_16bit_weights_as_its_after_loading_figure_holds(rows, releases) -> None:
     """Unsloth's dynamic 4-bit repos keep some layers 16-bit, listed only in their config.json: for a notebook row
     that loaded one, the bench counts as many 16-bit decoder weights as the notebook's after-loading figure holds
     above lorafit's 4-bit weights and adapters; a row that loaded a plain repo keeps every linear 4-bit."""
@@ -328,28 +334,28 @@ def test_a_dynamic_4bit_row_keeps_as_many_16bit_weights_as_its_after_loading_fig
 
     by_id = {row.id: row for row in rows.read_rows(rows.DEFAULT_CSV)}
     dynamic = by_id["USN-23"]  # unsloth/Qwen3-14B with load_in_4bit: its -unsloth-bnb-4bit repo
-    after = rows.after_loading_gib(dynamic)
+    after = releases.after_loading_gib(dynamic.raw["notes"])
     assert after == pytest.approx(11.898)
     mapped = rows.map_row(dynamic, rows.resolve_model(dynamic.raw["model"]))
     assert mapped.spec.kept_16bit_params > 10**9
-    loaded = rows.loaded_bytes(mapped.spec, mapped.settings, mapped.runtime) / 2**30
+    loaded = releases.loaded_bytes(mapped.spec, mapped.settings, mapped.runtime) / 2**30
     assert loaded == pytest.approx(after, abs=0.01)
     assert any("kept 16-bit" in note for note in mapped.notes)
 
     plain = dataclasses.replace(dynamic, id="USN-98", raw=dynamic.raw | {"id": "USN-98"})
     as_plain = rows.map_row(plain, rows.resolve_model(plain.raw["model"]))
     assert as_plain.spec.kept_16bit_params == 0
-    assert rows.loaded_bytes(as_plain.spec, as_plain.settings, as_plain.runtime) / 2**30 < after - 2
+    assert releases.loaded_bytes(as_plain.spec, as_plain.settings, as_plain.runtime) / 2**30 < after - 2
 
 
-def test_the_dynamic_repo_catalog_holds_what_the_bench_derives(rows) -> None:
+def test_the_dynamic_repo_catalog_holds_what_the_bench_derives(rows, releases) -> None:
     """catalog/unsloth_dynamic.toml's figures are the bench's: for each notebook row that loaded a catalogued
     repo, the 16-bit weights with_dynamic_layers derives from its after-loading figure (to the catalog's
     rounding); every catalogued repo comes from such a row."""
     by_id = {row.id: row for row in rows.read_rows(rows.DEFAULT_CSV)}
     catalogued = {repo.lower(): kept for repo, kept in models.unsloth_dynamic_kept().items()}
     derived: set[str] = set()
-    for row_id, repo in rows.DYNAMIC_REPO.items():
+    for row_id, repo in releases.DYNAMIC_REPO.items():
         if repo.lower() not in catalogued:
             continue
         mapped = rows.map_row(by_id[row_id], rows.resolve_model(by_id[row_id].raw["model"]))
